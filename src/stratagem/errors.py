@@ -1,0 +1,39 @@
+"""Errors stratagem raises on purpose.
+
+Every error says what was received and what was expected; the classes let callers (and the
+launcher's exit reasons) tell a bad configuration from a lost peer.
+"""
+
+from __future__ import annotations
+
+
+class StratagemError(Exception):
+    """Base class of the errors stratagem raises on purpose."""
+
+
+class ClusterConfigError(StratagemError, ValueError):
+    """A cluster description (TF_CONFIG, torchrun or SLURM variables, a ClusterSpec) is invalid."""
+
+
+class DeviceError(StratagemError, ValueError):
+    """A device string names no device this process has."""
+
+
+class InputError(StratagemError, ValueError):
+    """Input data cannot be distributed as asked (a batch that does not split, say)."""
+
+
+class RendezvousError(StratagemError, RuntimeError):
+    """The processes of a job could not meet: a peer never came, a port is taken, sizes differ."""
+
+
+class PeerLostError(StratagemError, RuntimeError):
+    """A peer process died or became unreachable during a collective operation."""
+
+
+class CollectiveTimeoutError(StratagemError, TimeoutError):
+    """A collective operation did not complete within its timeout although every peer is alive."""
+
+
+class ReplicaError(StratagemError, RuntimeError):
+    """Replicas of one step disagreed (one stopped at a sync point the others never reached)."""
