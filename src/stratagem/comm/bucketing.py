@@ -1,0 +1,223 @@
+"""Gradient all-reduce across processes, bucketed and overlapped with the backward pass.
+
+As DDP does: parameters are grouped into buckets in reverse creation order (roughly the order
+backward produces their gradients); when every gradient of a bucket has been accumulated, the
+bucket's flat buffer starts an asynchronous all-reduce while backward goes on; at the end of the
+backward pass (an autograd engine callback) the results are waited for and written back.
+
+Two differences from DDP, both for the seeds' semantics:
+- Gradients are SUMMED across replicas (the loss is already divided by the global batch, see
+  ``sg.nn.compute_average_loss``); ``average=True`` gives PyTorch's per-replica-mean convention.
+- Accumulating several backward passes before a step stays exact. A gradient accumulated on top
+  of an already reduced one must not be reduced again (a sum would count it world_size times), so
+  when ``.grad`` already holds a value, the incoming part alone is sent and then added back.
+
+Each bucket carries one extra element per parameter, 1 where this process produced a gradient:
+after the sum it counts the processes that did, so a parameter no process used keeps ``grad`` as
+it was (None stays None, as in single-process training) instead of becoming a zero gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from stratagem.comm.communicator import Communicator, PendingOp
+
+_FRESH = 1  # .grad was None; the accumulated .grad is exactly this pass's gradient
+_ADDED = 2  # .grad already held a value; this pass's gradient was sent alone
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    offsets: list[int]
+    buffer: torch.Tensor  # numel of params + one flag per param
+    flags_at: int
+    ready: int = 0
+    pending: PendingOp | None = None
+
+
+@dataclass
+class _Slot:
+    bucket: _Bucket
+    index: int  # position within the bucket
+    state: int = 0
+
+
+@dataclass
+class GradientReducer:
+    """Sums the gradients of ``params`` over all processes of ``comm`` after every backward."""
+
+    comm: Communicator
+    first_bucket_bytes: int = 1 << 20
+    bucket_bytes: int = 4 << 20
+    average: bool = False
+    _params: list[torch.nn.Parameter] = field(default_factory=list)
+    _buckets: list[_Bucket] = field(default_factory=list)
+    _slots: dict[int, _Slot] = field(default_factory=dict)
+    _handles: list[Any] = field(default_factory=list)
+    _nodes: list[Any] = field(default_factory=list)
+    _next_launch: int = 0
+    _in_backward: bool = False
+
+    def add_parameters(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """Take charge of more parameters (a strategy calls this as models are built)."""
+        known = {id(p) for p in self._params}
+        new = [p for p in params if p.requires_grad and id(p) not in known]
+        if not new:
+            return
+        self.flush()
+        self._params.extend(new)
+        for p in new:
+            # The AccumulateGrad node is recreated when nothing holds it, losing its hooks.
+            node = get_gradient_edge(p).node
+            self._nodes.append(node)
+            self._handles.append(node.register_prehook(self._make_prehook(p)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_accumulated))
+        self._build_buckets()
+
+    def _build_buckets(self) -> None:
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.nn.Parameter]] = {}
+        for p in reversed(self._params):
+            groups.setdefault((p.device, p.dtype), []).append(p)
+        self._buckets, self._slots = [], {}
+        for (device, dtype), params in groups.items():
+            cap, current, size = self.first_bucket_bytes, [], 0
+            for p in params:
+                nbytes = p.numel() * p.element_size()
+                if current and size + nbytes > cap:
+                    self._add_bucket(current, device, dtype)
+                    cap, current, size = self.bucket_bytes, [], 0
+                current.append(p)
+                size += nbytes
+            if current:
+                self._add_bucket(current, device, dtype)
+        self._next_launch = 0
+
+    def _add_bucket(
+        self, params: list[torch.nn.Parameter], device: torch.device, dtype: torch.dtype
+    ) -> None:
+        offsets, total = [], 0
+        for p in params:
+            offsets.append(total)
+            total += p.numel()
+        buffer = torch.zeros(total + len(params), device=device, dtype=dtype)
+        bucket = _Bucket(params, offsets, buffer, flags_at=total)
+        self._buckets.append(bucket)
+        for i, p in enumerate(params):
+            self._slots[id(p)] = _Slot(bucket, i)
+
+    # ------------------------------------------------------------------ autograd hooks
+
+    def _make_prehook(self, param: torch.nn.Parameter) -> Any:
+        def prehook(grad_outputs: tuple[torch.Tensor, ...]) -> Any:
+            if not self._in_backward:
+                self._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if param.grad is None:
+                return None  # the post-accumulate hook sends the accumulated gradient
+            # Accumulating onto an existing gradient: send this pass's part alone, and keep
+            # it out of .grad for now; it comes back summed over all processes.
+            incoming = grad_outputs[0]
+            self._fill(param, incoming, _ADDED)
+            return (torch.zeros_like(incoming),)
+
+        return prehook
+
+    def _on_accumulated(self, param: torch.nn.Parameter) -> None:
+        slot = self._slots[id(param)]
+        if slot.state == 0:
+            assert param.grad is not None
+            self._fill(param, param.grad, _FRESH)
+
+    def _fill(self, param: torch.nn.Parameter, grad: torch.Tensor, state: int) -> None:
+        slot = self._slots[id(param)]
+        bucket = slot.bucket
+        start = bucket.offsets[slot.index]
+        with torch.no_grad():
+            bucket.buffer[start : start + param.numel()].copy_(grad.reshape(-1))
+            bucket.buffer[bucket.flags_at + slot.index] = 1
+        slot.state = state
+        bucket.ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        # Buckets start in a fixed order on every process: collectives pair up by order.
+        while self._next_launch < len(self._buckets):
+            bucket = self._buckets[self._next_launch]
+            if bucket.ready < len(bucket.params):
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        what = f"gradients of {len(bucket.params)} parameters ({bucket.flags_at} values)"
+        bucket.pending = self.comm.all_reduce_async(bucket.buffer, what=what)
+
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        self.flush()
+
+    # ------------------------------------------------------------------ completion
+
+    def pending(self) -> bool:
+        """Whether a backward pass left gradients that are not yet summed."""
+        return any(b.ready for b in self._buckets)
+
+    def flush(self) -> None:
+        """Finish the reduction of everything accumulated so far, and write it back."""
+        if not self.pending():
+            return
+        # Parameters this process produced no gradient for contribute zeros (flag 0).
+        for bucket in self._buckets[self._next_launch :]:
+            for i, p in enumerate(bucket.params):
+                if self._slots[id(p)].state == 0:
+                    start = bucket.offsets[i]
+                    bucket.buffer[start : start + p.numel()].zero_()
+                    bucket.buffer[bucket.flags_at + i] = 0
+            self._launch(bucket)
+        self._next_launch = len(self._buckets)
+        divisor = float(self.comm.world_size) if self.average else 1.0
+        with torch.no_grad():
+            for bucket in self._buckets:
+                assert bucket.pending is not None
+                bucket.pending.wait()
+                bucket.pending = None
+                self._write_back(bucket, divisor)
+        self._reset()
+
+    def _write_back(self, bucket: _Bucket, divisor: float) -> None:
+        counts = bucket.buffer[bucket.flags_at :].tolist()
+        if divisor != 1.0:
+            bucket.buffer[: bucket.flags_at].div_(divisor)
+        for i, p in enumerate(bucket.params):
+            if counts[i] == 0:
+                continue  # no process has a gradient for it: leave .grad untouched
+            start = bucket.offsets[i]
+            summed = bucket.buffer[start : start + p.numel()].view_as(p)
+            state = self._slots[id(p)].state
+            if state == _FRESH:
+                p.grad.copy_(summed)
+            elif p.grad is None:
+                p.grad = summed.clone()
+            else:
+                p.grad.add_(summed)
+
+    def _reset(self) -> None:
+        for bucket in self._buckets:
+            bucket.ready = 0
+        for slot in self._slots.values():
+            slot.state = 0
+        self._next_launch = 0
+
+    def remove(self) -> None:
+        """Detach every hook (the strategy is done with these parameters)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._nodes.clear()

@@ -1,0 +1,102 @@
+"""The interface every layer uses to talk to the other processes of a job.
+
+``LocalCommunicator`` is the single-process null version: the same calls, a world of one, no
+processes to wait for. Code above this layer never asks whether it runs distributed.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+from stratagem.comm.reduce_op import ReduceOp
+
+
+class PendingOp(abc.ABC):
+    """A collective started asynchronously; ``wait()`` finishes it or raises a named error."""
+
+    @abc.abstractmethod
+    def wait(self) -> None: ...
+
+
+class _DoneOp(PendingOp):
+    def wait(self) -> None:
+        return None
+
+
+class Communicator(abc.ABC):
+    """Collectives among the processes of one job, each operation named for error messages.
+
+    ``what`` says, in words, what an operation carries ("gradients", "initial values of 6
+    parameters"): it is echoed when a peer is lost or an operation times out.
+    """
+
+    rank: int
+    world_size: int
+
+    @property
+    def is_chief(self) -> bool:
+        return self.rank == 0
+
+    @abc.abstractmethod
+    def peer_name(self, rank: int) -> str:
+        """A readable name for a rank, e.g. ``worker 1 (localhost:23456)``."""
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, what: str) -> None:
+        """Reduce ``tensor`` in place across all processes (MEAN divides by the world size)."""
+
+    @abc.abstractmethod
+    def all_reduce_async(self, tensor: torch.Tensor, *, what: str) -> PendingOp:
+        """Start a SUM all-reduce of ``tensor`` in place; the result is valid after ``wait()``."""
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, what: str) -> None:
+        """Overwrite ``tensor`` on every process with its value on ``src``."""
+
+    @abc.abstractmethod
+    def all_gather(self, tensor: torch.Tensor, *, what: str) -> list[torch.Tensor]:
+        """Every process's ``tensor`` (same shape everywhere), in rank order."""
+
+    @abc.abstractmethod
+    def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
+        """Every process's picklable ``obj``, in rank order."""
+
+    @abc.abstractmethod
+    def barrier(self, *, what: str) -> None:
+        """Wait until every process reaches this point."""
+
+    def shutdown(self) -> None:
+        """Release the connection to the other processes (idempotent)."""
+        return None
+
+
+class LocalCommunicator(Communicator):
+    """A world of one process: every collective is the identity."""
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.world_size = 1
+
+    def peer_name(self, rank: int) -> str:
+        return "this process" if rank == 0 else f"rank {rank}"
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, what: str) -> None:
+        return None
+
+    def all_reduce_async(self, tensor: torch.Tensor, *, what: str) -> PendingOp:
+        return _DoneOp()
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, what: str) -> None:
+        return None
+
+    def all_gather(self, tensor: torch.Tensor, *, what: str) -> list[torch.Tensor]:
+        return [tensor]
+
+    def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
+        return [obj]
+
+    def barrier(self, *, what: str) -> None:
+        return None

@@ -1,0 +1,312 @@
+"""The communicator over ``torch.distributed``: start, collectives with named errors, clean stop.
+
+Start-up: a TCPStore hosted by rank 0 (or by torchrun's agent), a roll call that names missing
+peers, then ``init_process_group`` on that store (gloo on CPU; NCCL for CUDA tensors). Every
+collective runs inside ``_operation``, which turns gloo's anonymous "connection reset" or
+"timed out" into an error that names the peer and the operation. At exit the processes say
+goodbye through the store before tearing the group down, so a job ends with exit code 0 and
+without abort messages.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from stratagem.comm.communicator import Communicator, PendingOp
+from stratagem.comm.heartbeat import Heartbeat
+from stratagem.comm.reduce_op import ReduceOp
+from stratagem.comm.rendezvous import Member, open_store, roll_call
+from stratagem.errors import CollectiveTimeoutError, PeerLostError, RendezvousError
+
+
+class Resolver(Protocol):
+    """What the communicator needs from a cluster resolver (see ``stratagem.cluster``)."""
+
+    rank: int | None
+    world_size: int
+    local_rank: int
+    rendezvous_address: tuple[str, int] | None
+    agent_store: bool
+    attempt: int
+
+    def peer_name(self, rank: int) -> str: ...
+
+    def describe(self) -> str: ...
+
+    def cluster_spec(self) -> Any: ...
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number of seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long to wait for peers to arrive, and for one collective to complete."""
+
+    rendezvous: float = 60.0
+    operation: float = 60.0
+
+    @classmethod
+    def from_env(cls, operation: float | None = None) -> Timeouts:
+        """Defaults, overridden by STRATAGEM_RENDEZVOUS_TIMEOUT / STRATAGEM_OP_TIMEOUT."""
+        op = operation if operation is not None else _env_seconds("STRATAGEM_OP_TIMEOUT", 60.0)
+        return cls(_env_seconds("STRATAGEM_RENDEZVOUS_TIMEOUT", 60.0), op)
+
+
+class _Pending(PendingOp):
+    def __init__(self, comm: ProcessGroupCommunicator, work: Any, name: str, what: str) -> None:
+        self._comm, self._work, self._name, self._what = comm, work, name, what
+
+    def wait(self) -> None:
+        with self._comm._operation(self._name, self._what):
+            self._work.wait()
+
+
+# Set when the interpreter is exiting because of an uncaught exception: the exit handshake then
+# says "error" and does not wait for the others.
+_failing = False
+_previous_excepthook = sys.excepthook
+
+
+def _flag_failure(*args: Any) -> None:
+    global _failing
+    _failing = True
+    _previous_excepthook(*args)
+
+
+class ProcessGroupCommunicator(Communicator):
+    """Collectives among the chief and workers of a cluster, over torch.distributed."""
+
+    def __init__(self, resolver: Resolver, *, backend: str, timeouts: Timeouts) -> None:
+        if resolver.rank is None:
+            raise RendezvousError(
+                f"{resolver.describe()} takes no part in collectives (only chief and workers do)"
+            )
+        if resolver.rendezvous_address is None:
+            raise RendezvousError(f"{resolver.describe()} has no rendezvous address")
+        self.rank = resolver.rank
+        self.world_size = resolver.world_size
+        self.backend = backend
+        self.timeouts = timeouts
+        self._resolver = resolver
+        self._me = resolver.peer_name(self.rank)
+        self._seq = 0
+        self._closed = False
+        host, port = resolver.rendezvous_address
+        self._hosts_store = self.rank == 0 and not resolver.agent_store
+        owner = resolver.peer_name(0) if not resolver.agent_store else "the torchrun agent"
+        base = open_store(
+            host,
+            port,
+            is_server=self._hosts_store,
+            timeout_s=timeouts.rendezvous,
+            owner=owner,
+            me=self._me,
+        )
+        # One namespace per attempt: torchrun's agent store outlives restarts of the workers.
+        prefix = f"stratagem/{resolver.attempt}/"
+        self._store = dist.PrefixStore(prefix, base)
+        self._base_store = base
+        member = Member(
+            rank=self.rank,
+            world_size=self.world_size,
+            name=self._me,
+            cluster=_canonical(resolver),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+        )
+        roll_call(self._store, member, timeout_s=timeouts.rendezvous, peer_name=resolver.peer_name)
+        self._heartbeat = Heartbeat(host, port, prefix, self.rank, self.world_size)
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg/", self._store),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeouts.operation),
+        )
+        global _previous_excepthook
+        if sys.excepthook is not _flag_failure:
+            _previous_excepthook = sys.excepthook
+            sys.excepthook = _flag_failure
+        atexit.register(self.shutdown)
+
+    # ----------------------------------------------------------------- naming and errors
+
+    def peer_name(self, rank: int) -> str:
+        return self._resolver.peer_name(rank)
+
+    @contextlib.contextmanager
+    def _operation(self, name: str, what: str) -> Iterator[None]:
+        self._seq += 1
+        self._heartbeat.set_position(f"{self._seq}:{name} of {what}")
+        try:
+            yield
+        except (RuntimeError, dist.DistError) as e:
+            raise self._diagnose(name, what, e) from e
+
+    def _diagnose(self, name: str, what: str, error: BaseException) -> BaseException:
+        """Turn a failed collective into an error naming the lost or lagging peer."""
+        op = f"{name} of {what} (operation #{self._seq})"
+        try:
+            lost, states = self._heartbeat.find_lost()
+        except Exception:
+            host = self.peer_name(0) if not self._resolver.agent_store else "the torchrun agent"
+            return PeerLostError(
+                f"{host} was lost during {op} on {self._me}: the rendezvous store it hosts "
+                f"stopped answering. Underlying error: {_first_line(error)}"
+            )
+        if lost:
+            who = ", ".join(
+                f"{self.peer_name(r)}"
+                + (" (it exited with an error)" if states[r].exit_status == "error" else "")
+                for r in lost
+            )
+            return PeerLostError(
+                f"{who} was lost during {op} on {self._me}: no heartbeat for "
+                f"{3 * self._heartbeat.interval:g}s. Underlying error: {_first_line(error)}"
+            )
+        text = str(error).lower()
+        if "timed out" in text or "timeout" in text:
+            behind = ", ".join(
+                f"{self.peer_name(r)} is at #{s.position}"
+                for r, s in sorted(states.items())
+                if r != self.rank
+            )
+            return CollectiveTimeoutError(
+                f"{op} timed out after {self.timeouts.operation:g}s on {self._me}; every peer is "
+                f"alive, so one has not reached this operation: {behind}. "
+                "Raise the timeout with STRATAGEM_OP_TIMEOUT if that is expected."
+            )
+        return error
+
+    # ----------------------------------------------------------------- collectives
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, what: str) -> None:
+        with self._operation("all_reduce", what):
+            dist.all_reduce(tensor, op.to_dist())
+        if op is ReduceOp.MEAN:
+            tensor.div_(self.world_size)
+
+    def all_reduce_async(self, tensor: torch.Tensor, *, what: str) -> PendingOp:
+        with self._operation("all_reduce", what):
+            work = dist.all_reduce(tensor, dist.ReduceOp.SUM, async_op=True)
+        return _Pending(self, work, "all_reduce", what)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, what: str) -> None:
+        with self._operation("broadcast", what):
+            dist.broadcast(tensor, src)
+
+    def all_gather(self, tensor: torch.Tensor, *, what: str) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        with self._operation("all_gather", what):
+            dist.all_gather(out, tensor.contiguous())
+        return out
+
+    def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        with self._operation("all_gather", what):
+            dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self, *, what: str) -> None:
+        # A tiny all-reduce rather than dist.barrier: it runs on the same backend as the other
+        # collectives and fails the same named way.
+        flag = torch.zeros(1)
+        with self._operation("barrier", what):
+            dist.all_reduce(flag)
+
+    # ----------------------------------------------------------------- shutdown
+
+    def shutdown(self) -> None:
+        """Say goodbye through the store, wait for the others if we host it, then tear down."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        failing = _failing or sys.exc_info()[0] is not None
+        try:
+            self._heartbeat.mark_exit("error" if failing else "ok")
+            if self._hosts_store and not failing:
+                self._heartbeat.wait_for_exits(self.timeouts.operation)
+        except Exception:
+            pass  # the store's host is gone; nothing left to say goodbye to
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        from stratagem.comm import runtime
+
+        if runtime.current_communicator() is self:
+            runtime.set_current_communicator(None)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _canonical(resolver: Resolver) -> str:
+    """A compact, order-independent description of the cluster, compared at the roll call."""
+    spec = resolver.cluster_spec()
+    as_dict = spec.as_dict() if hasattr(spec, "as_dict") else {}
+    parts = []
+    for job in sorted(as_dict):
+        tasks = as_dict[job]
+        if isinstance(tasks, dict):
+            tasks = [tasks[k] for k in sorted(tasks)]
+        parts.append(f"{job}={len(tasks)}")
+    return ",".join(parts) or f"world={resolver.world_size}"
+
+
+_connect_lock = threading.Lock()
+
+
+def default_backend(device_type: str) -> str:
+    """gloo for CPU tensors; NCCL for CUDA tensors with gloo beside it for CPU-side objects."""
+    if device_type == "cuda":
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def connect(
+    resolver: Resolver, *, backend: str = "gloo", timeouts: Timeouts | None = None
+) -> Communicator:
+    """The process's communicator for this cluster, started on first use and then shared."""
+    from stratagem.comm import runtime
+
+    with _connect_lock:
+        current = runtime.current_communicator()
+        if isinstance(current, ProcessGroupCommunicator) and not current._closed:
+            if current.world_size != resolver.world_size or current.rank != resolver.rank:
+                raise RendezvousError(
+                    f"this process already belongs to a job as rank {current.rank} of "
+                    f"{current.world_size}; it cannot also be {resolver.describe()}"
+                )
+            return current
+        if resolver.world_size == 1 and resolver.rendezvous_address is None:
+            return current
+        comm = ProcessGroupCommunicator(
+            resolver, backend=backend, timeouts=timeouts or Timeouts.from_env()
+        )
+        runtime.set_current_communicator(comm)
+        return comm

@@ -1,0 +1,174 @@
+"""How the processes of a job meet: the TCPStore, and a roll call that names who is missing.
+
+torch's own rendezvous waits silently and then reports a bare timeout. Here every process
+signs in under its rank with a description of the cluster it believes in, so a missing peer,
+two processes claiming one rank, or two different cluster descriptions are reported by name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from stratagem.errors import RendezvousError
+
+# Poll interval while waiting for peers; short enough to feel instant, long enough not to spin.
+_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class Member:
+    """What one process says about itself when it signs in."""
+
+    rank: int
+    world_size: int
+    name: str
+    cluster: str  # a canonical description of the cluster this process was given
+    pid: int
+    host: str
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
+
+
+def listen_socket(host: str, port: int, *, owner: str) -> socket.socket:
+    """Bind the store's listening socket ourselves, so a taken port gets a clear error.
+
+    Local jobs bind to loopback only (DESIGN: servers bind to loopback unless the cluster names
+    other addresses); a job whose address names a real host listens on all interfaces, since the
+    host name may resolve to any of them.
+    """
+    bind_host = "127.0.0.1" if _is_loopback(host) else ""
+    family = socket.AF_INET6 if ":" in host and host != "" else socket.AF_INET
+    if family == socket.AF_INET6:
+        bind_host = "::1" if host == "::1" else "::"
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((bind_host, port))
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise RendezvousError(
+                f"port {port} is already in use, so {owner} cannot host the rendezvous at "
+                f"{host}:{port}; stop the process that holds it or give {owner} a free port"
+            ) from None
+        raise RendezvousError(f"{owner} cannot listen on {host}:{port}: {e}") from None
+    return sock
+
+
+def wait_for_port(host: str, port: int, deadline: float, *, owner: str, me: str) -> None:
+    """Wait until something listens at host:port, or raise naming who should be listening.
+
+    c10d retries by itself, but prints a C++ stack trace at every retry; a plain socket probe
+    keeps the log clean while the rendezvous host is still starting.
+    """
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as e:
+            last = e
+        if time.monotonic() >= deadline:
+            raise RendezvousError(
+                f"{me} could not reach the rendezvous of {owner} at {host}:{port} within the "
+                f"rendezvous timeout ({last}); is {owner} running, and is the address right?"
+            )
+        time.sleep(_POLL_S * 4)
+
+
+def open_store(
+    host: str,
+    port: int,
+    *,
+    is_server: bool,
+    timeout_s: float,
+    owner: str,
+    me: str,
+) -> dist.TCPStore:
+    """Host (``is_server``) or join the job's TCPStore at host:port."""
+    td = datetime.timedelta(seconds=timeout_s)
+    if is_server:
+        sock = listen_socket(host, port, owner=owner)
+        # TCPStore takes over the socket; keep our object from closing it when collected.
+        fd = sock.detach()
+        return dist.TCPStore(
+            host, port, None, True, td, wait_for_workers=False, master_listen_fd=fd
+        )
+    wait_for_port(host, port, time.monotonic() + timeout_s, owner=owner, me=me)
+    return dist.TCPStore(host, port, None, False, td)
+
+
+def _encode(m: Member) -> str:
+    return json.dumps(m.__dict__, sort_keys=True)
+
+
+def _decode(raw: bytes) -> Member:
+    return Member(**json.loads(raw.decode()))
+
+
+def roll_call(
+    store: dist.Store,
+    me: Member,
+    *,
+    timeout_s: float,
+    peer_name: Callable[[int], str],
+) -> list[Member]:
+    """Sign in and wait for every rank; name the missing, the duplicated and the mismatched.
+
+    Returns the members in rank order. Mismatches are reported as soon as both sides have
+    signed in, not at the end of the timeout.
+    """
+    claims = store.add(f"claim/{me.rank}", 1)
+    if claims > 1:
+        raise RendezvousError(
+            f"two processes claim {me.name} (rank {me.rank} of {me.world_size}); "
+            f"this one is pid {me.pid} on {me.host}: give each task its own index"
+        )
+    store.set(f"member/{me.rank}", _encode(me))
+    deadline = time.monotonic() + timeout_s
+    seen: dict[int, Member] = {me.rank: me}
+    while True:
+        for rank in range(me.world_size):
+            if rank in seen or not store.check([f"member/{rank}"]):
+                continue
+            other = _decode(store.get(f"member/{rank}"))
+            _check_agreement(me, other)
+            seen[rank] = other
+        # A member with a bigger world than ours signs in under a rank we never poll.
+        if store.check([f"member/{me.world_size}"]):
+            _check_agreement(me, _decode(store.get(f"member/{me.world_size}")))
+        if len(seen) == me.world_size:
+            return [seen[r] for r in range(me.world_size)]
+        if time.monotonic() >= deadline:
+            missing = [peer_name(r) for r in range(me.world_size) if r not in seen]
+            raise RendezvousError(
+                f"{me.name} waited {timeout_s:g}s for the job's other processes; "
+                f"missing: {', '.join(missing)} ({len(seen)} of {me.world_size} arrived). "
+                "Start every task, or raise the timeout with STRATAGEM_RENDEZVOUS_TIMEOUT."
+            )
+        time.sleep(_POLL_S)
+
+
+def _check_agreement(me: Member, other: Member) -> None:
+    if other.world_size != me.world_size:
+        raise RendezvousError(
+            f"world-size mismatch: {me.name} was started for {me.world_size} processes but "
+            f"{other.name} (pid {other.pid} on {other.host}) for {other.world_size}; "
+            "every task must be given the same cluster"
+        )
+    if other.cluster != me.cluster:
+        raise RendezvousError(
+            f"cluster mismatch: {me.name} was given {me.cluster} but {other.name} "
+            f"(pid {other.pid} on {other.host}) was given {other.cluster}; "
+            "every task must be given the same cluster"
+        )

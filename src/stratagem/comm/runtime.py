@@ -1,0 +1,47 @@
+"""The process-wide communication state: which communicator is live, and what runs on it.
+
+One process belongs to at most one job, so the communicator is process-wide. Layers that must
+not import the strategies (checkpoints, for one) learn from here whether this process is the
+chief and which distribution it is part of.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from stratagem.comm.communicator import Communicator, LocalCommunicator
+
+_lock = threading.Lock()
+_current: Communicator = LocalCommunicator()
+_context: dict[str, Any] = {}
+
+
+def current_communicator() -> Communicator:
+    """The live communicator; a ``LocalCommunicator`` when this process runs alone."""
+    return _current
+
+
+def set_current_communicator(comm: Communicator | None) -> None:
+    """Install ``comm`` as the process's communicator (``None`` restores the local one)."""
+    global _current
+    with _lock:
+        _current = comm if comm is not None else LocalCommunicator()
+
+
+def set_distribution_context(**info: Any) -> None:
+    """Record what distributes this process (strategy name, replicas); checkpoints store it."""
+    with _lock:
+        _context.clear()
+        _context.update(info)
+
+
+def distribution_context() -> dict[str, Any]:
+    """What ``set_distribution_context`` recorded, plus the rank and world size."""
+    comm = _current
+    with _lock:
+        info = dict(_context)
+    info.setdefault("strategy", "default")
+    info["rank"] = comm.rank
+    info["world_size"] = comm.world_size
+    return info
