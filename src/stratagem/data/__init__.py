@@ -1,0 +1,23 @@
+"""``sg.data``: tf.data-style input pipelines over in-memory tensors, and the default data sets.
+
+``sg.data.Dataset.from_tensor_slices((x, y)).shuffle(60000).shard(n, i).batch(64)`` ports
+from TensorFlow unchanged; ``sg.data.datasets.load_digits()`` gives an MNIST-shaped data set
+without a download. ``seed_scope`` is for the distribute layer (see its docstring).
+"""
+
+from stratagem.data import datasets, experimental
+from stratagem.data._shuffle import seed_scope
+from stratagem.data.dataset import AUTOTUNE, Dataset
+
+INFINITE_CARDINALITY = Dataset.INFINITE
+UNKNOWN_CARDINALITY = Dataset.UNKNOWN
+
+__all__ = [
+    "AUTOTUNE",
+    "INFINITE_CARDINALITY",
+    "UNKNOWN_CARDINALITY",
+    "Dataset",
+    "datasets",
+    "experimental",
+    "seed_scope",
+]

@@ -1,0 +1,190 @@
+"""What flows through a pipeline: chunks of element *indices*, or chunks of element values.
+
+A pipeline built from in-memory arrays never moves data until the last moment: shuffle, shard,
+repeat, take, skip and batch rearrange int64 index arrays with numpy, and each element (or each
+batch) is read from the arrays with one vectorized index per component. Only ``map`` and
+``filter`` need the values, so from them on the pipeline carries ``ValueChunk``s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from stratagem.data import _structure
+from stratagem.errors import InputError
+
+# Sources hand out their indices in blocks, so that ``range(10**9).take(5)`` stays cheap.
+BLOCK = 1 << 16
+
+Selection = slice | np.ndarray  # a slice or a boolean mask over the elements of a chunk
+
+
+class Source(Protocol):
+    """Something that turns an index array into an element (or a batch of elements)."""
+
+    def __len__(self) -> int: ...
+
+    def gather(self, ids: int | np.ndarray) -> Any:
+        """The element at ``ids`` (an int), or the elements stacked along new leading dims."""
+        ...
+
+
+class TensorSlices:
+    """The slices along dim 0 of equally long tensors, packed into ``template``'s structure."""
+
+    def __init__(self, template: Any, leaves: list[torch.Tensor]) -> None:
+        self.template = template
+        self.leaves = leaves
+        self._pack = _structure.packer(template)
+
+    def __len__(self) -> int:
+        return int(self.leaves[0].shape[0])
+
+    def gather(self, ids: int | np.ndarray) -> Any:
+        index = ids if isinstance(ids, int) else torch.from_numpy(np.ascontiguousarray(ids))
+        return self._pack([leaf[index] for leaf in self.leaves])
+
+
+class RangeSource:
+    """``start + i * step`` for ``i < n``, computed on demand (never allocated whole)."""
+
+    def __init__(self, start: int, step: int, n: int) -> None:
+        self.start, self.step, self.n = start, step, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def gather(self, ids: int | np.ndarray) -> Any:
+        if isinstance(ids, int):
+            return torch.tensor(self.start + ids * self.step, dtype=torch.int64)
+        return torch.from_numpy(np.asarray(self.start + ids * self.step, dtype=np.int64))
+
+
+class IndexChunk:
+    """``len(ids)`` elements of ``source``; ``ids`` has shape ``[k, *element_index_shape]``.
+
+    An unbatched element's index is a scalar; a batch's is a vector, so a chunk of batches is
+    a 2-d array and a batch of batches a 3-d one, read with one ``tensor[ids[i]]`` each.
+    """
+
+    __slots__ = ("ids", "source")
+
+    def __init__(self, source: Source, ids: np.ndarray) -> None:
+        self.source = source
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def select(self, selection: Selection) -> IndexChunk:
+        return IndexChunk(self.source, self.ids[selection])
+
+    def elements(self) -> Iterator[Any]:
+        if self.ids.ndim == 1:
+            for i in self.ids.tolist():  # Python ints index fastest, and return views
+                yield self.source.gather(i)
+        else:
+            for row in self.ids:
+                yield self.source.gather(row)
+
+
+class ValueChunk:
+    """Elements already computed (by ``map``), as nested structures of tensors."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: list[Any]) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def select(self, selection: Selection) -> ValueChunk:
+        if isinstance(selection, slice):
+            return ValueChunk(self.values[selection])
+        return ValueChunk([self.values[i] for i in np.flatnonzero(selection)])
+
+    def elements(self) -> Iterator[Any]:
+        return iter(self.values)
+
+
+Chunk = IndexChunk | ValueChunk
+
+
+def source_chunks(source: Source) -> Iterator[Chunk]:
+    """All of ``source``'s elements, in order, as index chunks of at most ``BLOCK``."""
+    n = len(source)
+    for start in range(0, n, BLOCK):
+        yield IndexChunk(source, np.arange(start, min(start + BLOCK, n), dtype=np.int64))
+
+
+def concat(chunks: list[Chunk]) -> Chunk:
+    """One chunk holding the elements of ``chunks`` (all of one kind, as a pass never mixes)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    if all(isinstance(c, ValueChunk) for c in chunks):
+        return ValueChunk([v for c in chunks for v in c.values])
+    first = chunks[0]
+    if not isinstance(first, IndexChunk) or not all(
+        isinstance(c, IndexChunk) and c.source is first.source for c in chunks
+    ):
+        raise AssertionError("a pipeline pass mixed chunks of different sources")  # a bug of ours
+    shapes = {c.ids.shape[1:] for c in chunks}
+    if len(shapes) > 1:
+        raise InputError(
+            "cannot batch elements of different shapes together: their leading dims are "
+            f"{sorted(shapes)}; batch them with drop_remainder=True upstream, or batch each "
+            "shape separately"
+        )
+    return IndexChunk(first.source, np.concatenate([c.ids for c in chunks]))
+
+
+def stack_values(values: list[Any], path: str = "") -> Any:
+    """Elements of one structure stacked leaf by leaf into a batch (``torch.stack``).
+
+    Recurses over the structure once per component, not once per element.
+    """
+    first = values[0]
+    where = path or "<element>"
+    if isinstance(first, torch.Tensor):
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            kinds = sorted({type(v).__name__ for v in values})
+            raise InputError(f"cannot batch component {where}: it holds {kinds}, not only tensors")
+        shapes = {v.shape for v in values}
+        if len(shapes) > 1:
+            raise InputError(
+                f"cannot batch component {where}: elements have different shapes "
+                f"{sorted(tuple(shape) for shape in shapes)}"
+            )
+        return torch.stack(values)
+    if not _structure.is_structure(first):
+        raise InputError(
+            f"cannot batch component {where}: it is a {type(first).__name__}, not a tensor"
+        )
+    if isinstance(first, dict):
+        keys = first.keys()
+        if not all(isinstance(v, dict) and v.keys() == keys for v in values):
+            found = sorted(
+                {repr(list(v)) if isinstance(v, dict) else type(v).__name__ for v in values}
+            )
+            raise InputError(f"cannot batch elements with different structures at {where}: {found}")
+        return {k: stack_values([v[k] for v in values], f"{path}[{k!r}]") for k in keys}
+    kind, size = type(first), len(first)
+    if not all(type(v) is kind and len(v) == size for v in values):
+        found = sorted(
+            {
+                f"{type(v).__name__} of {len(v)}"
+                if _structure.is_structure(v)
+                else type(v).__name__
+                for v in values
+            }
+        )
+        raise InputError(f"cannot batch elements with different structures at {where}: {found}")
+    stacked = [stack_values([v[i] for v in values], f"{path}[{i}]") for i in range(size)]
+    if kind is list:
+        return stacked
+    return kind(*stacked) if hasattr(first, "_fields") else tuple(stacked)

@@ -1,0 +1,249 @@
+"""The index-only pipeline stages behind ``Dataset``: each turns its upstream's chunks into its own.
+
+A node is immutable apart from per-pass bookkeeping (a shuffle's pass counter, a cache's kept
+pass). ``open()`` starts a pass: its eager part runs at ``iter()`` time (so seeds are drawn
+then), and the generator it returns does the work lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from stratagem.data._chunks import (
+    Chunk,
+    IndexChunk,
+    Source,
+    ValueChunk,
+    concat,
+    source_chunks,
+    stack_values,
+)
+
+INFINITE = -1
+UNKNOWN = -2
+
+
+class Node:
+    """One stage of a pipeline; ``upstream`` is the stage it reads (None for a source)."""
+
+    upstream: Node | None = None
+
+    def open(self) -> Iterator[Chunk]:
+        raise NotImplementedError
+
+    def cardinality(self) -> int:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
+        """A fresh copy (no pass state) reading ``upstream``; ``Shuffle`` also takes ``seed``."""
+        raise NotImplementedError
+
+    def stages(self) -> list[Node]:
+        """This pipeline's nodes, source first."""
+        node: Node | None = self
+        chain: list[Node] = []
+        while node is not None:
+            chain.append(node)
+            node = node.upstream
+        return chain[::-1]
+
+
+class SourceNode(Node):
+    def __init__(self, source: Source, description: str) -> None:
+        self.source = source
+        self.description = description
+
+    def open(self) -> Iterator[Chunk]:
+        return source_chunks(self.source)
+
+    def cardinality(self) -> int:
+        return len(self.source)
+
+    def describe(self) -> str:
+        return self.description
+
+    def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
+        return self  # stateless, and the data is shared anyway
+
+
+class Batch(Node):
+    def __init__(self, upstream: Node, batch_size: int, drop_remainder: bool) -> None:
+        self.upstream, self.batch_size, self.drop_remainder = upstream, batch_size, drop_remainder
+
+    def cardinality(self) -> int:
+        n = self.upstream.cardinality()
+        if n < 0:
+            return n
+        return n // self.batch_size if self.drop_remainder else -(-n // self.batch_size)
+
+    def describe(self) -> str:
+        return f"batch({self.batch_size}, drop_remainder={self.drop_remainder})"
+
+    def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
+        return Batch(upstream, self.batch_size, self.drop_remainder)
+
+    def open(self) -> Iterator[Chunk]:
+        return self._batches(self.upstream.open())
+
+    def _batches(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        size = self.batch_size
+        pending: list[Chunk] = []
+        count = 0
+        for chunk in chunks:
+            if not len(chunk):
+                continue
+            pending.append(chunk)
+            count += len(chunk)
+            if count < size:
+                continue
+            # Concatenate once per emitted group, not once per incoming chunk.
+            merged = concat(pending)
+            full = count // size * size
+            yield _group(merged.select(slice(0, full)), size)
+            rest = merged.select(slice(full, None))
+            pending, count = ([rest], len(rest)) if len(rest) else ([], 0)
+        if count and not self.drop_remainder:
+            yield _group(concat(pending), count)
+
+
+def _group(chunk: Chunk, size: int) -> Chunk:
+    """``chunk``'s elements in consecutive batches of ``size`` (``len(chunk)`` divides evenly)."""
+    if isinstance(chunk, IndexChunk):
+        ids = chunk.ids.reshape(len(chunk) // size, size, *chunk.ids.shape[1:])
+        return IndexChunk(chunk.source, ids)
+    values = chunk.values
+    return ValueChunk([stack_values(values[i : i + size]) for i in range(0, len(values), size)])
+
+
+class Repeat(Node):
+    def __init__(self, upstream: Node, count: int | None) -> None:
+        self.upstream, self.count = upstream, count  # None repeats forever
+
+    def cardinality(self) -> int:
+        n = self.upstream.cardinality()
+        if self.count == 0 or n == 0:
+            return 0
+        if self.count is None or n == INFINITE:
+            return INFINITE
+        return UNKNOWN if n == UNKNOWN else n * self.count
+
+    def describe(self) -> str:
+        return "repeat()" if self.count is None else f"repeat({self.count})"
+
+    def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
+        return Repeat(upstream, self.count)
+
+    def open(self) -> Iterator[Chunk]:
+        if self.count == 0:
+            return iter(())
+        return self._passes(self.upstream.open())
+
+    def _passes(self, first: Iterator[Chunk]) -> Iterator[Chunk]:
+        chunks, done = first, 0
+        while True:
+            produced = False
+            for chunk in chunks:
+                produced = produced or len(chunk) > 0
+                yield chunk
+            done += 1
+            # An empty pass would repeat emptily forever; TensorFlow stops there too.
+            if not produced or (self.count is not None and done >= self.count):
+                return
+            chunks = self.upstream.open()  # a new pass: an upstream shuffle reshuffles
+
+
+class Shard(Node):
+    def __init__(self, upstream: Node, num_shards: int, index: int) -> None:
+        self.upstream, self.num_shards, self.index = upstream, num_shards, index
+
+    def cardinality(self) -> int:
+        n = self.upstream.cardinality()
+        if n < 0:
+            return n
+        return n // self.num_shards + (1 if self.index < n % self.num_shards else 0)
+
+    def describe(self) -> str:
+        return f"shard({self.num_shards}, {self.index})"
+
+    def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
+        return Shard(upstream, self.num_shards, self.index)
+
+    def open(self) -> Iterator[Chunk]:
+        return self._shard(self.upstream.open())
+
+    def _shard(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        position = 0  # of the chunk's first element in the upstream's order
+        for chunk in chunks:
+            start = (self.index - position) % self.num_shards
+            if start < len(chunk):
+                yield chunk.select(slice(start, None, self.num_shards))
+            position += len(chunk)
+
+
+class Take(Node):
+    def __init__(self, upstream: Node, count: int) -> None:
+        self.upstream, self.count = upstream, count  # -1 takes everything
+
+    def cardinality(self) -> int:
+        n = self.upstream.cardinality()
+        if self.count == -1:
+            return n
+        if n == INFINITE:
+            return self.count
+        return UNKNOWN if n == UNKNOWN else min(n, self.count)
+
+    def describe(self) -> str:
+        return f"take({self.count})"
+
+    def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
+        return Take(upstream, self.count)
+
+    def open(self) -> Iterator[Chunk]:
+        if self.count == -1:
+            return self.upstream.open()
+        if self.count == 0:
+            return iter(())
+        return self._take(self.upstream.open())
+
+    def _take(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        remaining = self.count
+        for chunk in chunks:
+            if len(chunk) >= remaining:
+                yield chunk.select(slice(0, remaining))
+                return  # stop pulling: the upstream may be infinite
+            remaining -= len(chunk)
+            yield chunk
+
+
+class Skip(Node):
+    def __init__(self, upstream: Node, count: int) -> None:
+        self.upstream, self.count = upstream, count  # -1 skips everything
+
+    def cardinality(self) -> int:
+        n = self.upstream.cardinality()
+        if self.count == -1:
+            return 0
+        return n if n < 0 else max(0, n - self.count)
+
+    def describe(self) -> str:
+        return f"skip({self.count})"
+
+    def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
+        return Skip(upstream, self.count)
+
+    def open(self) -> Iterator[Chunk]:
+        if self.count == -1:
+            return iter(())
+        return self._skip(self.upstream.open())
+
+    def _skip(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        remaining = self.count
+        for chunk in chunks:
+            if remaining >= len(chunk):
+                remaining -= len(chunk)
+                continue
+            yield chunk.select(slice(remaining, None)) if remaining else chunk
+            remaining = 0

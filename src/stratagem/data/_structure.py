@@ -1,0 +1,141 @@
+"""Nested structures of tensors (tuples, lists, dicts) as tf.data sees them.
+
+A dataset element keeps the structure of what it was built from: a tuple stays a tuple, a dict a
+dict. These helpers flatten a structure to its leaves (with a readable path per leaf, for error
+messages) and pack leaves back into the same structure.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from stratagem.errors import InputError
+
+Path = str
+
+
+def is_structure(value: Any) -> bool:
+    """Whether ``value`` is a container of components rather than one component.
+
+    Tuples and dicts always are. A list is one too, unless it holds only numbers (or lists of
+    numbers): ``[1, 2, 3]`` is data, as TensorFlow reads it, while ``[x, y]`` of arrays is a pair.
+    """
+    if isinstance(value, (tuple, dict)):
+        return True
+    return isinstance(value, list) and not _is_numeric_list(value)
+
+
+def _is_numeric_list(value: list[Any]) -> bool:
+    if not value:
+        return False
+    return all(
+        isinstance(item, (numbers.Number, np.generic))
+        or (isinstance(item, list) and _is_numeric_list(item))
+        for item in value
+    )
+
+
+def children(value: Any) -> list[tuple[str, Any]]:
+    """The (path suffix, child) pairs of one structure level, in iteration order."""
+    if isinstance(value, dict):
+        return [(f"[{key!r}]", child) for key, child in value.items()]
+    return [(f"[{i}]", child) for i, child in enumerate(value)]
+
+
+def flatten_with_paths(value: Any, path: Path = "") -> list[tuple[Path, Any]]:
+    """The leaves of ``value`` with their paths (``[0]['image']``), depth first."""
+    if not is_structure(value):
+        return [(path or "<element>", value)]
+    leaves: list[tuple[Path, Any]] = []
+    for suffix, child in children(value):
+        leaves.extend(flatten_with_paths(child, path + suffix))
+    return leaves
+
+
+def flatten(value: Any) -> list[Any]:
+    """The leaves of ``value``, depth first (no paths: this runs once per element)."""
+    if not is_structure(value):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value
+    leaves: list[Any] = []
+    for child in items:
+        leaves.extend(flatten(child))
+    return leaves
+
+
+def pack(template: Any, leaves: Iterator[Any]) -> Any:
+    """``template``'s structure with its leaves replaced, in order, by those of ``leaves``."""
+    if not is_structure(template):
+        return next(leaves)
+    if isinstance(template, dict):
+        return {key: pack(child, leaves) for key, child in template.items()}
+    packed = [pack(child, leaves) for child in template]
+    if isinstance(template, list):
+        return packed
+    if hasattr(template, "_fields"):  # a namedtuple keeps its type
+        return type(template)(*packed)
+    return tuple(packed)
+
+
+def packer(template: Any) -> Callable[[list[Any]], Any]:
+    """A function packing a list of leaves into ``template``'s structure, fast for the usual
+    shapes (one tensor, a flat tuple or dict), since it runs once per element.
+    """
+    if not is_structure(template):
+        return operator.itemgetter(0)
+    members = template.values() if isinstance(template, dict) else template
+    if not any(is_structure(child) for child in members):
+        if type(template) is tuple:
+            return tuple
+        if type(template) is list:
+            return list
+        if type(template) is dict:
+            keys = list(template)
+            return lambda leaves: dict(zip(keys, leaves))
+    return lambda leaves: pack(template, iter(leaves))
+
+
+def map_structure(fn: Callable[[Path, Any], Any], value: Any) -> Any:
+    """``value`` with every leaf replaced by ``fn(path, leaf)``."""
+    return pack(value, iter([fn(path, leaf) for path, leaf in flatten_with_paths(value)]))
+
+
+def map_leaves(fn: Callable[[Any], Any], value: Any) -> Any:
+    """``value`` with every leaf replaced by ``fn(leaf)``; the per-element form, without paths."""
+    if not is_structure(value):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: map_leaves(fn, child) for key, child in value.items()}
+    mapped = [map_leaves(fn, child) for child in value]
+    if isinstance(value, list):
+        return mapped
+    return type(value)(*mapped) if hasattr(value, "_fields") else tuple(mapped)
+
+
+def to_tensor(path: Path, value: Any) -> torch.Tensor:
+    """One component as a torch tensor; numpy arrays keep their dtype (uint8 stays uint8)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biufc":
+            raise InputError(
+                f"component {path} has numpy dtype {value.dtype}, which has no torch "
+                "equivalent; expected a numeric or boolean array"
+            )
+        if not value.dtype.isnative:
+            value = value.astype(value.dtype.newbyteorder("="))
+        if not value.flags.writeable:
+            value = value.copy()  # torch would warn: it cannot share read-only memory safely
+        return torch.from_numpy(np.ascontiguousarray(value))
+    if isinstance(value, (numbers.Number, np.generic, list)):
+        return torch.as_tensor(value)
+    raise TypeError(
+        f"component {path} is a {type(value).__name__}; expected a torch tensor, a numpy array, "
+        "a number or a list of numbers"
+    )

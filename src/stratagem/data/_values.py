@@ -1,0 +1,154 @@
+"""The pipeline stages that need element values: ``map``, ``filter``, and ``cache``.
+
+They run per element (a user function must see each one), so they come after index-only
+stages for speed; ``cache`` turns computed values back into tensors read with vectorized
+indices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from stratagem.data import _structure
+from stratagem.data._chunks import Chunk, TensorSlices, ValueChunk, source_chunks, stack_values
+from stratagem.data._nodes import INFINITE, UNKNOWN, Node
+from stratagem.errors import InputError
+
+# map and filter hand on their results in small groups, so take(1) after map does little work.
+_VALUE_GROUP = 64
+
+
+class Map(Node):
+    def __init__(self, upstream: Node, fn: Callable[..., Any]) -> None:
+        self.upstream, self.fn = upstream, fn
+
+    def cardinality(self) -> int:
+        return self.upstream.cardinality()  # as TF: map keeps the count
+
+    def describe(self) -> str:
+        return f"map({getattr(self.fn, '__name__', type(self.fn).__name__)})"
+
+    def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
+        return Map(upstream, self.fn)
+
+    def open(self) -> Iterator[Chunk]:
+        return self._map(self.upstream.open())
+
+    def _map(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        group: list[Any] = []
+        for chunk in chunks:
+            for element in chunk.elements():
+                result = call_with_element(self.fn, element)
+                group.append(_structure.map_leaves(_as_component, result))
+                if len(group) == _VALUE_GROUP:
+                    yield ValueChunk(group)
+                    group = []
+        if group:
+            yield ValueChunk(group)
+
+
+def call_with_element(fn: Callable[..., Any], element: Any) -> Any:
+    """Call ``fn`` as tf.data does: a tuple element's components become positional args."""
+    return fn(*element) if isinstance(element, tuple) else fn(element)
+
+
+def _as_component(value: Any) -> Any:
+    # map may return numpy arrays or Python numbers, as TF converts them; other objects pass.
+    if isinstance(value, torch.Tensor):
+        return value.detach() if value.requires_grad else value
+    try:
+        return _structure.to_tensor("<map result>", value)
+    except (TypeError, ValueError):
+        return value
+
+
+class Filter(Node):
+    def __init__(self, upstream: Node, predicate: Callable[..., Any]) -> None:
+        self.upstream, self.predicate = upstream, predicate
+
+    def cardinality(self) -> int:
+        n = self.upstream.cardinality()
+        return n if n in (0, INFINITE) else UNKNOWN  # as TF: how many pass is not known
+
+    def describe(self) -> str:
+        return f"filter({getattr(self.predicate, '__name__', type(self.predicate).__name__)})"
+
+    def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
+        return Filter(upstream, self.predicate)
+
+    def open(self) -> Iterator[Chunk]:
+        return self._filter(self.upstream.open())
+
+    def _filter(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        for chunk in chunks:
+            for start in range(0, len(chunk), _VALUE_GROUP):
+                part = chunk.select(slice(start, start + _VALUE_GROUP))
+                keep = np.array([self._keep(e) for e in part.elements()], dtype=bool)
+                if keep.any():
+                    yield part.select(keep)  # index chunks stay index chunks
+
+    def _keep(self, element: Any) -> bool:
+        result = call_with_element(self.predicate, element)
+        if isinstance(result, torch.Tensor):
+            if result.numel() != 1:
+                raise InputError(
+                    f"filter's predicate must return one boolean; it returned a tensor of shape "
+                    f"{tuple(result.shape)}"
+                )
+            return bool(result.item())
+        return bool(result)
+
+
+class Cache(Node):
+    """Keeps the first complete pass and replays it, as ``tf.data``'s in-memory cache does."""
+
+    def __init__(self, upstream: Node) -> None:
+        self.upstream = upstream
+        self._kept: list[Chunk] | None = None
+
+    def cardinality(self) -> int:
+        return self.upstream.cardinality()
+
+    def describe(self) -> str:
+        return "cache()"
+
+    def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
+        return Cache(upstream)
+
+    def open(self) -> Iterator[Chunk]:
+        if self._kept is not None:
+            return iter(self._kept)
+        if self.upstream.cardinality() == INFINITE:
+            return self.upstream.open()  # an endless pass cannot be kept
+        return self._record(self.upstream.open())
+
+    def _record(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        seen: list[Chunk] = []
+        for chunk in chunks:
+            seen.append(chunk)
+            yield chunk
+        # Reached only when the pass completes; an abandoned pass keeps nothing, as in TF.
+        self._kept = _compact(seen)
+
+
+def _compact(chunks: list[Chunk]) -> list[Chunk]:
+    """A kept pass in its cheapest replayable form.
+
+    Index chunks are kept as they are (8 bytes an element). Computed values (after ``map``) are
+    stacked into tensors when they allow it, so later passes read them with vectorized indices
+    again, like data given to ``from_tensor_slices``.
+    """
+    chunks = [c for c in chunks if len(c)]
+    if not chunks or not all(isinstance(c, ValueChunk) for c in chunks):
+        return chunks
+    values = [v for c in chunks for v in c.values]
+    try:
+        stacked = stack_values(values)
+    except (InputError, RuntimeError, TypeError):  # ragged or not tensors: replay them as is
+        return chunks
+    source = TensorSlices(stacked, _structure.flatten(stacked))
+    return list(source_chunks(source))

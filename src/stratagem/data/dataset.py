@@ -1,0 +1,287 @@
+"""``sg.data.Dataset``: tf.data's input pipelines over in-memory tensors and arrays.
+
+``Dataset.from_tensor_slices((x, y)).shuffle(60000).shard(n, i).batch(64)`` ports from
+TensorFlow unchanged and yields torch tensors. Pipelines without ``map`` never touch elements
+one by one: they move index arrays and read each batch with one vectorized index per component.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import numpy as np
+
+from stratagem.data import _structure
+from stratagem.data._chunks import Chunk, RangeSource, TensorSlices
+from stratagem.data._nodes import (
+    INFINITE,
+    UNKNOWN,
+    Batch,
+    Node,
+    Repeat,
+    Shard,
+    Skip,
+    SourceNode,
+    Take,
+)
+from stratagem.data._shuffle import Shuffle, scoped_seed
+from stratagem.data._values import Cache, Filter, Map
+from stratagem.errors import InputError
+
+AUTOTUNE = -1
+
+
+class Dataset:
+    """A re-iterable, immutable pipeline: each transformation returns a new ``Dataset`` and each
+    ``iter()`` starts a new pass. Build one with ``from_tensor_slices`` or ``range``.
+    """
+
+    INFINITE: ClassVar[int] = INFINITE
+    UNKNOWN: ClassVar[int] = UNKNOWN
+
+    __slots__ = ("_node",)
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    # -- sources ---------------------------------------------------------------------------
+
+    @staticmethod
+    def from_tensor_slices(tensors: Any) -> Dataset:
+        """One element per slice along dim 0 of ``tensors``: a tensor or array, or a tuple, list
+        or dict (nested) of them, all of the same first dimension.
+
+        Elements keep the structure (a tuple stays a tuple) and numpy dtypes (uint8 stays uint8,
+        float64 stays float64). Arrays are shared with torch, not copied, where torch allows it
+        (as ``torch.from_numpy``): change them afterwards and the dataset sees the change.
+        A list of plain numbers is data, as in TensorFlow: ``[1, 2, 3]`` gives three elements.
+        """
+        template = _structure.map_structure(_structure.to_tensor, tensors)
+        leaves = _structure.flatten_with_paths(template)
+        if not leaves:
+            raise InputError(f"from_tensor_slices needs at least one component; got {tensors!r}")
+        scalars = [path for path, t in leaves if t.dim() == 0]
+        if scalars:
+            raise InputError(
+                "from_tensor_slices slices along the first dimension, but component(s) "
+                f"{', '.join(scalars)} are scalars (shape ()); use at least 1-d tensors"
+            )
+        lengths = {int(t.shape[0]) for _, t in leaves}
+        if len(lengths) > 1:
+            shapes = ", ".join(f"{path}: {tuple(t.shape)}" for path, t in leaves)
+            raise InputError(
+                f"from_tensor_slices needs every component to have the same first dimension; "
+                f"got shapes {shapes}"
+            )
+        source = TensorSlices(template, [t for _, t in leaves])
+        return Dataset(SourceNode(source, f"from_tensor_slices({_shapes(template)})"))
+
+    @staticmethod
+    def range(*args: int) -> Dataset:
+        """int64 scalars ``range(stop)``, ``range(start, stop)`` or ``range(start, stop, step)``,
+        as Python's ``range``.
+        """
+        if not 1 <= len(args) <= 3:
+            raise TypeError(f"Dataset.range takes 1 to 3 integers (as range does); got {args!r}")
+        bounds = [_integer("Dataset.range argument", a) for a in args]
+        numbers = range(*bounds)  # raises for step 0, as Python's range does
+        source = RangeSource(numbers.start, numbers.step, len(numbers))
+        return Dataset(SourceNode(source, f"range({', '.join(map(str, bounds))})"))
+
+    # -- transformations -------------------------------------------------------------------
+
+    def shuffle(
+        self,
+        buffer_size: int,
+        seed: int | None = None,
+        reshuffle_each_iteration: bool | None = None,
+    ) -> Dataset:
+        """Elements in random order, drawn through a buffer of ``buffer_size`` as in tf.data.
+
+        When the upstream is finite and fits in the buffer, each pass is a full random
+        permutation; otherwise elements stream through the buffer (fill it, emit a random one,
+        replace it with the next), so an element moves at most ``buffer_size - 1`` places
+        earlier. With ``seed``, pass e uses an order fixed by ``(seed, e)``, e counting the
+        passes started on this shuffle (each ``iter()``, and each round of a ``repeat`` after
+        it). Without, a seed is drawn from torch's global generator at ``iter()`` time, so
+        ``torch.manual_seed`` makes runs repeat (inside ``seed_scope``, the scope gives the
+        seed). ``reshuffle_each_iteration=False`` uses the same order on every pass.
+        """
+        size = _integer("shuffle buffer_size", buffer_size)
+        if size < 1:
+            raise InputError(f"shuffle buffer_size must be >= 1; got {buffer_size!r}")
+        # An unseeded shuffle created inside seed_scope gets its seed from there.
+        seed = scoped_seed() if seed is None else _integer("shuffle seed", seed)
+        reshuffle = True if reshuffle_each_iteration is None else bool(reshuffle_each_iteration)
+        return Dataset(Shuffle(self._node, size, seed, reshuffle))
+
+    def batch(
+        self,
+        batch_size: int,
+        drop_remainder: bool = False,
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+    ) -> Dataset:
+        """Consecutive elements stacked into batches of ``batch_size`` (a new leading dim).
+
+        The last, smaller batch is kept unless ``drop_remainder``. ``num_parallel_calls`` and
+        ``deterministic`` are accepted for porting and ignored: batches are one index each.
+        """
+        size = _integer("batch_size", batch_size)
+        if size < 1:
+            raise InputError(f"batch_size must be >= 1; got {batch_size!r}")
+        return Dataset(Batch(self._node, size, bool(drop_remainder)))
+
+    def repeat(self, count: int | None = None) -> Dataset:
+        """The dataset ``count`` times over, each time a new pass; ``None`` or -1: forever."""
+        if count is not None:
+            count = _integer("repeat count", count)
+            if count < -1:
+                raise InputError(f"repeat count must be >= 0, or -1/None for forever; got {count}")
+        return Dataset(Repeat(self._node, None if count in (None, -1) else count))
+
+    def shard(self, num_shards: int, index: int) -> Dataset:
+        """Every ``num_shards``-th element starting at ``index`` (``i % num_shards == index``)."""
+        shards = _integer("shard num_shards", num_shards)
+        position = _integer("shard index", index)
+        if shards < 1:
+            raise InputError(f"shard num_shards must be >= 1; got {num_shards!r}")
+        if not 0 <= position < shards:
+            raise InputError(
+                f"shard index must be in [0, {shards}) for num_shards={shards}; got {index!r}"
+            )
+        return Dataset(Shard(self._node, shards, position))
+
+    def take(self, count: int) -> Dataset:
+        """The first ``count`` elements (all of them for -1)."""
+        return Dataset(Take(self._node, _count("take", count)))
+
+    def skip(self, count: int) -> Dataset:
+        """All but the first ``count`` elements (none of them for -1)."""
+        return Dataset(Skip(self._node, _count("skip", count)))
+
+    def map(
+        self,
+        map_func: Callable[..., Any],
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+    ) -> Dataset:
+        """``map_func`` applied to each element, called as tf.data calls it: a tuple element's
+        components are positional arguments, any other element is the one argument.
+
+        Runs element by element (batch first for vectorized work). Results that are numpy
+        arrays or numbers become tensors. ``num_parallel_calls``/``deterministic`` are ignored.
+        """
+        _require_callable("map", map_func)
+        return Dataset(Map(self._node, map_func))
+
+    def filter(self, predicate: Callable[..., Any]) -> Dataset:
+        """The elements for which ``predicate`` (called as ``map_func`` is) returns true.
+
+        The cardinality becomes ``UNKNOWN``, as in TensorFlow.
+        """
+        _require_callable("filter", predicate)
+        return Dataset(Filter(self._node, predicate))
+
+    def prefetch(self, buffer_size: int) -> Dataset:
+        """Accepted for porting; does nothing: the data is already in memory, and reading a
+        batch is one indexing operation, so there is nothing to overlap.
+        """
+        if _integer("prefetch buffer_size", buffer_size) < AUTOTUNE:
+            raise InputError(f"prefetch buffer_size must be >= -1 (AUTOTUNE); got {buffer_size}")
+        return Dataset(self._node)
+
+    def cache(self, filename: str = "") -> Dataset:
+        """Keep the first complete pass in memory and replay it on later passes, as tf.data does.
+
+        The data is already in memory, so for a pipeline without ``map`` this keeps only index
+        arrays. What it changes, as in TensorFlow: a ``shuffle`` before ``cache`` is frozen to
+        its first order, and ``map`` before it runs once (its results are stacked, so later
+        passes are vectorized again). A pass abandoned midway keeps nothing, and an infinite
+        upstream is passed through uncached. ``filename`` is accepted for porting; the cache
+        stays in memory.
+        """
+        return Dataset(Cache(self._node))
+
+    # -- inspection ------------------------------------------------------------------------
+
+    def cardinality(self) -> int:
+        """The number of elements, ``Dataset.INFINITE`` (-1) or ``Dataset.UNKNOWN`` (-2)."""
+        return self._node.cardinality()
+
+    def __len__(self) -> int:
+        n = self.cardinality()
+        if n == INFINITE:
+            raise TypeError("the dataset is infinite (it repeats forever); it has no len()")
+        if n == UNKNOWN:
+            raise TypeError("the dataset's length is unknown (it is filtered); it has no len()")
+        return n
+
+    def __bool__(self) -> bool:
+        return True  # not len(): an infinite dataset is no error in ``if dataset:``
+
+    def __iter__(self) -> Iterator[Any]:
+        # open() runs now, not at the first next(): shuffle seeds are drawn at iter() time.
+        return _elements(self._node.open())
+
+    def as_numpy_iterator(self) -> Iterator[Any]:
+        """The elements with numpy arrays in place of tensors, as in TensorFlow."""
+        for element in self:
+            yield _structure.map_leaves(lambda t: t.numpy(force=True), element)
+
+    def __repr__(self) -> str:
+        stages = " -> ".join(node.describe() for node in self._node.stages())
+        return f"<Dataset cardinality={self.cardinality()}: {stages}>"
+
+    # -- for the distribute layer ----------------------------------------------------------
+
+    def reseeded(self, seed: int) -> Dataset:
+        """A copy of the whole pipeline in which every unseeded ``shuffle`` gets a seed derived
+        from ``(seed, its position in the pipeline)``.
+
+        For the distribute layer: ``experimental_distribute_dataset`` reseeds a user's dataset
+        with a seed all workers share, so every worker shuffles identically and slicing a global
+        batch gives each one distinct examples. Shuffles with a seed keep it; the copy starts
+        with fresh pass counters and an empty cache. The data is shared, not copied.
+        """
+        base = _integer("reseeded seed", seed)
+        node: Node | None = None
+        for position, stage in enumerate(self._node.stages()):
+            node = stage.rebuilt(node, base, position)
+        assert node is not None
+        return Dataset(node)
+
+
+def _elements(chunks: Iterator[Chunk]) -> Iterator[Any]:
+    for chunk in chunks:
+        yield from chunk.elements()
+
+
+def _integer(what: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an integer; got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{what} must be an integer; got {value!r} ({type(value).__name__})"
+        ) from None
+
+
+def _count(what: str, count: Any) -> int:
+    value = _integer(f"{what} count", count)
+    if value < -1:
+        raise InputError(f"{what} count must be >= 0, or -1 for all; got {count!r}")
+    return value
+
+
+def _require_callable(what: str, fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"{what} needs a callable; got {fn!r} ({type(fn).__name__})")
+
+
+def _shapes(template: Any) -> str:
+    shaped = _structure.map_structure(lambda _, t: tuple(t.shape), template)
+    return repr(shaped)
