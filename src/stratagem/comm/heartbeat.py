@@ -10,6 +10,7 @@ its host) from a live one that is merely elsewhere in the program.
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +44,7 @@ class Heartbeat:
         # A connection of its own: TCPStore clients are not meant to be shared between threads
         # that block, and the main thread may be blocked in a collective when we need the store.
         td = datetime.timedelta(seconds=max(5.0, 4 * interval))
+        self._address = (host, port)
         self._store = dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False, td))
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -61,9 +63,26 @@ class Heartbeat:
             self._store.add(f"hb/{self.rank}", 1)
             self._store.set(f"pos/{self.rank}", self._position)
 
+    def reachable(self) -> bool:
+        """Whether the store still listens, asked with a plain socket.
+
+        c10d prints a C++ stack trace whenever a store operation meets a closed socket; a
+        refused connection tells the same (the host is gone) without the noise.
+        """
+        if self.store_lost:
+            return False
+        try:
+            with socket.create_connection(self._address, timeout=2.0):
+                return True
+        except OSError:
+            self.store_lost = True
+            return False
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
+                if not self.reachable():
+                    return
                 self._beat()
             except Exception:
                 # The store lives in the rendezvous host; losing it means losing that host.
@@ -90,7 +109,7 @@ class Heartbeat:
         Returns (lost ranks, latest snapshot). A peer that shut down with an error counts as
         lost at once. Raises ConnectionError when the store itself cannot be reached.
         """
-        if self.store_lost:
+        if not self.reachable():
             raise ConnectionError("the rendezvous store is unreachable")
         first = self.snapshot()
         time.sleep(3 * self.interval)
@@ -107,6 +126,8 @@ class Heartbeat:
     def mark_exit(self, status: str) -> None:
         """Tell the others this process is shutting down, cleanly ("ok") or not ("error")."""
         self.stop()
+        if not self.reachable():
+            return
         with self._lock:
             self._store.set(f"exit/{self.rank}", status)
 

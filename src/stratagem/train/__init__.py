@@ -1,5 +1,6 @@
-"""Checkpoints: ``sg.train.Checkpoint``, ``CheckpointManager``, ``latest_checkpoint``."""
+"""``sg.train``: checkpoints, and ``ClusterSpec`` (where TF keeps it)."""
 
+from stratagem.cluster.spec import ClusterSpec
 from stratagem.train.checkpoint import Checkpoint, CheckpointError, LoadStatus
 from stratagem.train.checkpoint_manager import CheckpointManager, latest_checkpoint
 
@@ -7,6 +8,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
+    "ClusterSpec",
     "LoadStatus",
     "latest_checkpoint",
 ]

@@ -1,0 +1,44 @@
+"""``sg.distribute.experimental``: collective options (and, later, more experimental strategies)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class CommunicationImplementation(enum.Enum):
+    """Which collective implementation MultiWorkerMirroredStrategy uses (TF's names).
+
+    RING: gloo's ring algorithms, on CPU or CUDA tensors. NCCL: NCCL for CUDA tensors (on a
+    CPU-only worker it falls back to RING with a warning). AUTO: NCCL when the worker computes
+    on CUDA, else RING.
+    """
+
+    AUTO = "AUTO"
+    RING = "RING"
+    NCCL = "NCCL"
+
+
+@dataclass(frozen=True)
+class CommunicationOptions:
+    """``sg.distribute.experimental.CommunicationOptions`` (TF's signature).
+
+    ``bytes_per_pack``: gradient bucket size (0 = the default, 4 MiB); ``timeout_seconds``: how
+    long one collective may take before it fails naming the peer (None = STRATAGEM_OP_TIMEOUT or
+    60 s).
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+    implementation: CommunicationImplementation = CommunicationImplementation.AUTO
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise ValueError(f"bytes_per_pack must be an int >= 0, got {self.bytes_per_pack!r}")
+        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be > 0 or None, got {self.timeout_seconds!r}")
+        if not isinstance(self.implementation, CommunicationImplementation):
+            raise ValueError(
+                "implementation must be a CommunicationImplementation (AUTO, RING, NCCL), got "
+                f"{self.implementation!r}"
+            )

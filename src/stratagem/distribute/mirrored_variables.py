@@ -1,0 +1,141 @@
+"""Mirrored variables of one process: a primary tensor and one copy per other local replica.
+
+The primary is the tensor the model holds (replica 0 computes on it; the optimizer updates it).
+Replica i > 0 computes on its copy, seen through ``ReplicaView``. A parameter copy on the same
+physical device shares the primary's storage (``detach()``): it is a separate leaf with its own
+``.grad`` but needs no refresh and no memory. Copies on other devices, and every buffer copy
+(replicas update running statistics in place, concurrently), are real copies, overwritten from
+the primary at every refresh, so the primary's values win, as DDP's buffer broadcast does.
+Version counters cannot say what changed: BatchNorm updates its running statistics without
+bumping them, and neither do writes through ``.data``.
+
+After backward, replicas' gradients are summed into the primary's ``.grad`` by the strategy's
+cross-device op, and the copies' gradients are cleared: additive, so several backward passes
+before a step accumulate exactly as on one device.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from stratagem.comm.cross_device_ops import CrossDeviceOps
+from stratagem.comm.reduce_op import ReduceOp
+from stratagem.distribute.devices import LogicalDevice
+
+
+@dataclass
+class _Mirror:
+    primary: weakref.ref
+    copies: list[torch.Tensor]  # replica 1..n-1
+    shared: list[bool]
+
+
+class MirroredVariables:
+    """The mirrored parameters and buffers of one strategy, and their replica copies."""
+
+    def __init__(self, devices: list[LogicalDevice]) -> None:
+        self.devices = devices
+        self._mirrors: dict[int, _Mirror] = {}
+        # One id → copy map per replica i > 0: what ReplicaView swaps in that replica's thread.
+        self._views: list[dict[int, torch.Tensor]] = [{} for _ in devices[1:]]
+
+    def __len__(self) -> int:
+        return len(self._mirrors)
+
+    def view(self, replica: int) -> dict[int, torch.Tensor]:
+        return self._views[replica - 1]
+
+    def add(self, tensor: torch.Tensor, *, is_parameter: bool) -> None:
+        key = id(tensor)
+        if key in self._mirrors:
+            return
+        copies, shared = [], []
+        for d in self.devices[1:]:
+            same_storage = is_parameter and d.torch_device == tensor.device
+            copies.append(self._make_copy(tensor, d.torch_device, same_storage))
+            shared.append(same_storage)
+        self._mirrors[key] = _Mirror(weakref.ref(tensor), copies, shared)
+        for view, c in zip(self._views, copies):
+            view[key] = c
+        # Drop the entry when the primary dies, before its id can be reused.
+        weakref.finalize(tensor, self._forget, key)
+
+    def _forget(self, key: int) -> None:
+        self._mirrors.pop(key, None)
+        for view in self._views:
+            view.pop(key, None)
+
+    @staticmethod
+    def _make_copy(tensor: torch.Tensor, device: torch.device, shared: bool) -> torch.Tensor:
+        with torch.no_grad():
+            copy = tensor.detach() if shared else tensor.detach().to(device, copy=True)
+        return copy.requires_grad_(tensor.requires_grad)
+
+    def refresh(self) -> None:
+        """Bring every copy up to date with its primary (shared-storage copies cost nothing)."""
+        with torch.no_grad():
+            for key, m in list(self._mirrors.items()):
+                primary = m.primary()
+                if primary is None:
+                    continue
+                for i, copy in enumerate(m.copies):
+                    if copy.requires_grad != primary.requires_grad:
+                        copy.requires_grad_(primary.requires_grad)
+                    if m.shared[i]:
+                        if copy.data_ptr() != primary.data_ptr() or copy.shape != primary.shape:
+                            # The primary's storage was replaced (``p.data = ...``): re-share.
+                            self._replace(key, m, i, primary, True)
+                        continue
+                    if copy.shape != primary.shape or copy.dtype != primary.dtype:
+                        self._replace(key, m, i, primary, False)
+                    else:
+                        copy.copy_(primary)
+
+    def _replace(self, key: int, m: _Mirror, i: int, primary: torch.Tensor, shared: bool) -> None:
+        copy = self._make_copy(primary, self.devices[i + 1].torch_device, shared)
+        m.copies[i] = copy
+        self._views[i][key] = copy
+
+    def pending_gradients(self) -> bool:
+        """Whether some replica copy holds a gradient not yet summed into its primary."""
+        return any(c.grad is not None for m in self._mirrors.values() for c in m.copies)
+
+    def reduce_gradients(self, ops: CrossDeviceOps, *, average: bool) -> None:
+        """Sum every replica's gradient into the primary's ``.grad``; clear the copies'."""
+        if len(self.devices) == 1:
+            return  # the primary's gradient is already the only one
+        value_lists, targets = [], []
+        for m in self._mirrors.values():
+            primary = m.primary()
+            if primary is None or not primary.requires_grad:
+                continue
+            grads = [primary.grad] + [c.grad for c in m.copies]
+            if all(g is None for g in grads):
+                continue
+            # A replica that produced no gradient (no use of the parameter) adds zeros.
+            devices = [primary.device] + [c.device for c in m.copies]
+            value_lists.append(
+                [
+                    g if g is not None else torch.zeros_like(primary, device=d)
+                    for g, d in zip(grads, devices)
+                ]
+            )
+            targets.append(m)
+        if not targets:
+            return
+        destination = self.devices[0].torch_device
+        with torch.no_grad():
+            reduced = ops.batch_reduce(ReduceOp.SUM, value_lists, destination)
+            for m, total in zip(targets, reduced):
+                primary = m.primary()
+                if average:
+                    total = total / len(self.devices)
+                if primary.grad is None:
+                    primary.grad = total.clone()
+                else:
+                    primary.grad.copy_(total)
+                for c in m.copies:
+                    c.grad = None
