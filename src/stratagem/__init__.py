@@ -1,6 +1,29 @@
 """stratagem: TensorFlow's distribution strategies for PyTorch, on PyTorch's own engines.
 
 ``import stratagem as sg`` and port TensorFlow code by replacing ``tf.`` with ``sg.``.
+
+Subpackages load on first use (``sg.distribute``...), so that the ``stratagem run`` launcher,
+which needs none of them, starts without importing torch.
 """
 
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
 __version__ = "0.1.0"
+
+_SUBPACKAGES = ("cluster", "comm", "config", "data", "distribute", "errors", "keras", "nn", "train")
+__all__ = [*_SUBPACKAGES, "__version__"]
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _SUBPACKAGES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'stratagem' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
