@@ -89,6 +89,12 @@ class CrossDeviceOps(abc.ABC):
     ) -> torch.Tensor:
         """Reduce one flat buffer per replica into a new tensor on ``destination``."""
 
+    def check_devices(
+        self, devices: Sequence[torch.device], names: Sequence[str] | None = None
+    ) -> None:
+        """Say now, not at the first step, if this op cannot run on these devices."""
+        return None
+
     def broadcast(
         self, tensor: torch.Tensor, devices: Sequence[torch.device]
     ) -> list[torch.Tensor]:
@@ -153,26 +159,33 @@ class NcclAllReduce(CrossDeviceOps):
         self._fallback = ReductionToOneDevice()
         self._warned = False
 
-    def _usable(self, flats: list[torch.Tensor]) -> bool:
-        devices = [f.device for f in flats]
-        return (
-            all(d.type == "cuda" for d in devices)
-            and len({d.index for d in devices}) == len(devices)
-            and torch.cuda.nccl.is_available(flats)
-        )
+    @staticmethod
+    def _distinct_cuda(devices: Sequence[torch.device]) -> bool:
+        cuda = [d for d in devices if d.type == "cuda"]
+        return len(cuda) == len(devices) and len({d.index for d in cuda}) == len(cuda)
+
+    def check_devices(
+        self, devices: Sequence[torch.device], names: Sequence[str] | None = None
+    ) -> None:
+        if not self._distinct_cuda(devices):
+            self._warn_fallback(names or [str(d) for d in devices])
+
+    def _warn_fallback(self, names: Sequence[str]) -> None:
+        if not self._warned:
+            self._warned = True
+            kinds = ", ".join(names)
+            warnings.warn(
+                f"NcclAllReduce needs one distinct CUDA device per replica, but the replicas "
+                f"are on {kinds}; reducing with ReductionToOneDevice instead",
+                stacklevel=4,
+            )
 
     def _reduce_flat(
         self, op: ReduceOp, flats: list[torch.Tensor], destination: torch.device
     ) -> torch.Tensor:
-        if not self._usable(flats):
-            if not self._warned:
-                self._warned = True
-                kinds = ", ".join(str(f.device) for f in flats)
-                warnings.warn(
-                    f"NcclAllReduce needs one distinct CUDA device per replica, but the "
-                    f"replicas are on {kinds}; using ReductionToOneDevice instead",
-                    stacklevel=4,
-                )
+        devices = [f.device for f in flats]
+        if not (self._distinct_cuda(devices) and torch.cuda.nccl.is_available(flats)):
+            self._warn_fallback([str(d) for d in devices])
             return self._fallback._reduce_flat(op, flats, destination)
         nccl_op = {ReduceOp.SUM: 0, ReduceOp.MEAN: 0, ReduceOp.MAX: 2, ReduceOp.MIN: 3}[op]
         flats = [f.contiguous() for f in flats]

@@ -1,11 +1,11 @@
 """The communicator over ``torch.distributed``: start, collectives with named errors, clean stop.
 
 Start-up: a TCPStore hosted by rank 0 (or by torchrun's agent), a roll call that names missing
-peers, then ``init_process_group`` on that store (gloo on CPU; NCCL for CUDA tensors). Every
-collective runs inside ``_operation``, which turns gloo's anonymous "connection reset" or
-"timed out" into an error that names the peer and the operation. At exit the processes say
-goodbye through the store before tearing the group down, so a job ends with exit code 0 and
-without abort messages.
+peers, ``init_process_group`` on that store (gloo on CPU; NCCL for CUDA tensors), and one barrier,
+after which no process needs the store again (so its host may leave first). Every collective runs
+inside ``_operation``, which turns gloo's anonymous "connection reset" or "timed out" into an error
+that names the peer and the operation, by asking each peer's liveness server (``liveness.py``). At
+exit the group is destroyed, so a job ends with exit code 0 and without abort messages.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.comm.communicator import Communicator, PendingOp
-from stratagem.comm.heartbeat import Heartbeat
+from stratagem.comm.liveness import LivenessServer, advertised_host, probe_all
 from stratagem.comm.reduce_op import ReduceOp
 from stratagem.comm.rendezvous import Member, open_store, roll_call
 from stratagem.errors import CollectiveTimeoutError, PeerLostError, RendezvousError
@@ -115,20 +115,19 @@ class ProcessGroupCommunicator(Communicator):
         self._seq = 0
         self._closed = False
         host, port = resolver.rendezvous_address
-        self._hosts_store = self.rank == 0 and not resolver.agent_store
+        hosts_store = self.rank == 0 and not resolver.agent_store
         owner = resolver.peer_name(0) if not resolver.agent_store else "the torchrun agent"
         base = open_store(
             host,
             port,
-            is_server=self._hosts_store,
+            is_server=hosts_store,
             timeout_s=timeouts.rendezvous,
             owner=owner,
             me=self._me,
         )
         # One namespace per attempt: torchrun's agent store outlives restarts of the workers.
-        prefix = f"stratagem/{resolver.attempt}/"
-        self._store = dist.PrefixStore(prefix, base)
-        self._base_store = base
+        self._store = dist.PrefixStore(f"stratagem/{resolver.attempt}/", base)
+        self._liveness = LivenessServer(advertised_host(host))
         member = Member(
             rank=self.rank,
             world_size=self.world_size,
@@ -136,9 +135,12 @@ class ProcessGroupCommunicator(Communicator):
             cluster=_canonical(resolver),
             pid=os.getpid(),
             host=socket.gethostname(),
+            liveness=self._liveness.address,
         )
-        roll_call(self._store, member, timeout_s=timeouts.rendezvous, peer_name=resolver.peer_name)
-        self._heartbeat = Heartbeat(host, port, prefix, self.rank, self.world_size)
+        members = roll_call(
+            self._store, member, timeout_s=timeouts.rendezvous, peer_name=resolver.peer_name
+        )
+        self._peers = {m.rank: m.liveness for m in members if m.rank != self.rank}
         dist.init_process_group(
             backend,
             store=dist.PrefixStore("pg/", self._store),
@@ -146,6 +148,8 @@ class ProcessGroupCommunicator(Communicator):
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeouts.operation),
         )
+        # Everyone is past the store now: the rendezvous host may leave whenever it is done.
+        self.barrier(what="the end of start-up")
         global _previous_excepthook
         if sys.excepthook is not _flag_failure:
             _previous_excepthook = sys.excepthook
@@ -160,7 +164,7 @@ class ProcessGroupCommunicator(Communicator):
     @contextlib.contextmanager
     def _operation(self, name: str, what: str) -> Iterator[None]:
         self._seq += 1
-        self._heartbeat.set_position(f"{self._seq}:{name} of {what}")
+        self._liveness.position = f"#{self._seq} ({name} of {what})"
         try:
             yield
         except (RuntimeError, dist.DistError) as e:
@@ -169,30 +173,23 @@ class ProcessGroupCommunicator(Communicator):
     def _diagnose(self, name: str, what: str, error: BaseException) -> BaseException:
         """Turn a failed collective into an error naming the lost or lagging peer."""
         op = f"{name} of {what} (operation #{self._seq})"
-        try:
-            lost, states = self._heartbeat.find_lost()
-        except Exception:
-            host = self.peer_name(0) if not self._resolver.agent_store else "the torchrun agent"
-            return PeerLostError(
-                f"{host} was lost during {op} on {self._me}: the rendezvous store it hosts "
-                f"stopped answering. Underlying error: {_first_line(error)}"
-            )
-        if lost:
+        answers = probe_all(self._peers)
+        gone = {r: a for r, a in answers.items() if a is None or a.status != "running"}
+        if gone:
+            why = {None: "", "error": " (it exited with an error)", "ok": " (it had finished)"}
             who = ", ".join(
-                f"{self.peer_name(r)}"
-                + (" (it exited with an error)" if states[r].exit_status == "error" else "")
-                for r in lost
+                f"{self.peer_name(r)}{why[a.status if a else None]}"
+                for r, a in sorted(gone.items())
             )
             return PeerLostError(
-                f"{who} was lost during {op} on {self._me}: no heartbeat for "
-                f"{3 * self._heartbeat.interval:g}s. Underlying error: {_first_line(error)}"
+                f"{who} was lost during {op} on {self._me}. Underlying error: {_first_line(error)}"
             )
         text = str(error).lower()
         if "timed out" in text or "timeout" in text:
             behind = ", ".join(
-                f"{self.peer_name(r)} is at #{s.position}"
-                for r, s in sorted(states.items())
-                if r != self.rank
+                f"{self.peer_name(r)} is at {a.position}"
+                for r, a in sorted(answers.items())
+                if a is not None
             )
             return CollectiveTimeoutError(
                 f"{op} timed out after {self.timeouts.operation:g}s on {self._me}; every peer is "
@@ -240,18 +237,12 @@ class ProcessGroupCommunicator(Communicator):
     # ----------------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:
-        """Say goodbye through the store, wait for the others if we host it, then tear down."""
+        """Tell peers how this process ends, then tear the group down."""
         if self._closed:
             return
         self._closed = True
         atexit.unregister(self.shutdown)
-        failing = _failing or sys.exc_info()[0] is not None
-        try:
-            self._heartbeat.mark_exit("error" if failing else "ok")
-            if self._hosts_store and not failing:
-                self._heartbeat.wait_for_exits(self.timeouts.operation)
-        except Exception:
-            pass  # the store's host is gone; nothing left to say goodbye to
+        self._liveness.close("error" if _failing or sys.exc_info()[0] is not None else "ok")
         if dist.is_initialized():
             dist.destroy_process_group()
         from stratagem.comm import runtime

@@ -33,9 +33,10 @@ class Member:
     cluster: str  # a canonical description of the cluster this process was given
     pid: int
     host: str
+    liveness: str  # host:port of its liveness server
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
 
 
@@ -46,7 +47,7 @@ def listen_socket(host: str, port: int, *, owner: str) -> socket.socket:
     other addresses); a job whose address names a real host listens on all interfaces, since the
     host name may resolve to any of them.
     """
-    bind_host = "127.0.0.1" if _is_loopback(host) else ""
+    bind_host = "127.0.0.1" if is_loopback(host) else ""
     family = socket.AF_INET6 if ":" in host and host != "" else socket.AF_INET
     if family == socket.AF_INET6:
         bind_host = "::1" if host == "::1" else "::"

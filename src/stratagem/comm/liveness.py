@@ -1,0 +1,105 @@
+"""Is a peer alive, and where is it? A tiny TCP server per process, asked when a collective fails.
+
+A failed or stuck collective does not say which peer is to blame: gloo reports a reset socket
+or a bare timeout. Each process therefore listens on a port of its own, published at the roll
+call, and answers every connection with one line — its state and the collective it is in — then
+hangs up. When an operation fails, each peer is asked directly: a refused or silent connection
+is a dead or unreachable peer; an answer says what a live one is doing.
+
+Nothing here touches the rendezvous store after start-up. c10d prints a C++ stack trace whenever
+a store operation meets a closed socket, and the store dies with its host, which is exactly the
+case being diagnosed.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from stratagem.comm.rendezvous import is_loopback
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """What a peer answered: ``running`` (with its position), ``ok`` or ``error`` (exiting)."""
+
+    status: str
+    position: str
+
+
+class LivenessServer:
+    """Answers ``<status> <position>`` to every connection, from a daemon thread."""
+
+    def __init__(self, advertise_host: str) -> None:
+        bind = "127.0.0.1" if is_loopback(advertise_host) else ""
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind((bind, 0))
+        self._sock.listen(64)
+        self.address = f"{advertise_host}:{self._sock.getsockname()[1]}"
+        self.status = "running"
+        self.position = "0:start"
+        self._thread = threading.Thread(target=self._serve, name="stratagem-liveness", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                try:
+                    conn.sendall(f"{self.status} {self.position}\n".encode())
+                except OSError:
+                    pass
+
+    def close(self, status: str) -> None:
+        """Say how this process ends, then stop answering (peers then see it as gone)."""
+        self.status = status
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+def probe(address: str, timeout: float) -> PeerState | None:
+    """Ask one peer; None when it refuses, does not answer in time, or is unreachable."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+            conn.settimeout(timeout)
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    return None
+                data += chunk
+    except OSError:
+        return None
+    status, _, position = data.decode(errors="replace").strip().partition(" ")
+    return PeerState(status, position)
+
+
+def probe_all(addresses: dict[int, str], timeout: float = 2.0) -> dict[int, PeerState | None]:
+    """Ask every peer at once; the answer for each rank, None for the lost ones."""
+    if not addresses:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(addresses))) as pool:
+        answers = pool.map(lambda a: probe(a, timeout), addresses.values())
+        return dict(zip(addresses, answers))
+
+
+def advertised_host(rendezvous_host: str) -> str:
+    """The address peers can reach this process at: loopback for local jobs, else the local
+    address of the route to the rendezvous host (no packet is sent: a UDP connect only routes)."""
+    if is_loopback(rendezvous_host):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((rendezvous_host, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostname()
