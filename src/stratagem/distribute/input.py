@@ -10,9 +10,10 @@ DataLoader's unseeded RandomSampler get a seed broadcast from the chief.
 its own pipeline of *per-replica* batches (sharded by the user, as in the seeds); local replicas
 take consecutive batches.
 
-With several workers, each ``next`` agrees on "does every worker still have data" (one tiny
+With several workers, every batch is agreed on: "does every worker have one?" (a one-element
 all-reduce), so an uneven end of data stops every worker at the same step instead of leaving
-one waiting in a collective.
+one waiting in a collective. The agreement on batch N+1 is started, asynchronously, when batch N
+is handed out, so it completes while step N computes instead of delaying every step.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.weak import WeakIdKeyDictionary
 
 from stratagem import data as sg_data
-from stratagem.comm.reduce_op import ReduceOp
+from stratagem.comm.communicator import PendingOp
 from stratagem.distribute.values import PerReplica
 from stratagem.errors import InputError
 
@@ -159,13 +160,58 @@ class _Distributor:
                         break
         return parts[0] if len(parts) == 1 else PerReplica(parts)
 
-    def everyone_has_data(self, have: bool) -> bool:
-        comm = self.strategy._comm
-        if comm.world_size == 1:
-            return have
-        flag = torch.tensor([1 if have else 0], dtype=torch.int32)
-        comm.all_reduce(flag, ReduceOp.MIN, what="'has another batch' of the input")
-        return bool(flag.item())
+
+_END = object()  # what a source yields when it has no more batches
+
+
+class _AgreedIterator:
+    """Hands out batches for as long as every worker has one (see the module docstring)."""
+
+    def __init__(self, strategy: Strategy, distributor: _Distributor) -> None:
+        self._strategy = strategy
+        self._distributor = distributor
+        self._comm = strategy._comm
+        self._ahead: tuple[Any, torch.Tensor, PendingOp] | None = None
+        self._done = False
+
+    def _produce(self) -> Any:
+        """This worker's next raw batch, or ``_END``."""
+        raise NotImplementedError
+
+    def _deliver(self, raw: Any) -> Any:
+        """A raw batch as the replicas of this worker receive it."""
+        raise NotImplementedError
+
+    def __iter__(self) -> _AgreedIterator:
+        return self
+
+    def _fetch_ahead(self) -> None:
+        raw = self._produce()
+        missing = torch.tensor([1 if raw is _END else 0], dtype=torch.int32)
+        pending = self._comm.all_reduce_async(missing, what="'is there another batch' of the input")
+        self._ahead = (raw, missing, pending)
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        if self._comm.world_size == 1:
+            raw = self._produce()
+        else:
+            if self._ahead is None:
+                self._fetch_ahead()
+            assert self._ahead is not None
+            raw, missing, pending = self._ahead
+            pending.wait()
+            if missing.item():
+                raw = _END
+            else:
+                self._fetch_ahead()  # agreed on while the caller runs its step
+        if raw is _END:
+            self._done, self._ahead = True, None
+            raise StopIteration
+        return self._deliver(raw)
+
+    get_next = __next__
 
 
 class DistributedDataset:
@@ -203,30 +249,19 @@ class DistributedDataset:
         return _SplittingIterator(self._strategy, iter(self._dataset), self._distributor)
 
 
-class _SplittingIterator:
+class _SplittingIterator(_AgreedIterator):
     def __init__(
         self, strategy: Strategy, source: Iterator[Any], distributor: _Distributor
     ) -> None:
-        self._strategy = strategy
+        super().__init__(strategy, distributor)
         self._source = source
-        self._distributor = distributor
         self._nominal: int | None = None
-        self._done = False
 
-    def __iter__(self) -> _SplittingIterator:
-        return self
+    def _produce(self) -> Any:
+        batch = next(self._source, _END)
+        return batch if batch is _END else _as_tensors(batch)
 
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        try:
-            batch = _as_tensors(next(self._source))
-            have = True
-        except StopIteration:
-            batch, have = None, False
-        if not self._distributor.everyone_has_data(have):
-            self._done = True
-            raise StopIteration
+    def _deliver(self, batch: Any) -> Any:
         size = batch_size_of(batch)
         replicas = self._strategy.num_replicas_in_sync
         if self._nominal is None:
@@ -251,8 +286,6 @@ class _SplittingIterator:
             for j in range(local)
         ]
         return self._distributor.deliver(parts, size)
-
-    get_next = __next__
 
 
 class DistributedDatasetFromFunction:
@@ -290,31 +323,17 @@ class DistributedDatasetFromFunction:
         return _PerReplicaIterator(self._strategy, iter(self._dataset), self._distributor)
 
 
-class _PerReplicaIterator:
+class _PerReplicaIterator(_AgreedIterator):
     def __init__(
         self, strategy: Strategy, source: Iterator[Any], distributor: _Distributor
     ) -> None:
-        self._strategy = strategy
+        super().__init__(strategy, distributor)
         self._source = source
-        self._distributor = distributor
-        self._done = False
 
-    def __iter__(self) -> _PerReplicaIterator:
-        return self
+    def _produce(self) -> Any:
+        # Local replicas take consecutive batches; a worker short of one for any has none.
+        parts = [next(self._source, _END) for _ in self._strategy._devices]
+        return _END if any(p is _END for p in parts) else [_as_tensors(p) for p in parts]
 
-    def __next__(self) -> Any:
-        if self._done:
-            raise StopIteration
-        parts: list[Any] = []
-        try:
-            for _ in self._strategy._devices:
-                parts.append(_as_tensors(next(self._source)))
-            have = True
-        except StopIteration:
-            have = False
-        if not self._distributor.everyone_has_data(have):
-            self._done = True
-            raise StopIteration
+    def _deliver(self, parts: Any) -> Any:
         return self._distributor.deliver(parts, None)
-
-    get_next = __next__

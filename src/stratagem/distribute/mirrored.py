@@ -26,6 +26,7 @@ import torch
 
 from stratagem.comm import LocalCommunicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
+from stratagem.distribute.context import current_replica
 from stratagem.distribute.devices import LogicalDevice, default_devices, parse_devices
 from stratagem.distribute.mirrored_variables import MirroredVariables
 from stratagem.distribute.strategy import Strategy
@@ -60,7 +61,12 @@ class MirroredStrategy(Strategy):
             gradient_aggregation=gradient_aggregation,
             sync_timeout=float(os.environ.get("STRATAGEM_OP_TIMEOUT", "60")),
         )
-        self._mirrors = MirroredVariables(parsed)
+        self._cross_device_ops.check_devices(
+            [d.torch_device for d in parsed], [d.name for d in parsed]
+        )
+        self._mirrors = MirroredVariables(
+            parsed, grad_scale=1 / len(parsed) if self._average_gradients else None
+        )
         self._intra_op_threads = self._threads_per_cpu_replica(parsed)
 
     @staticmethod
@@ -85,18 +91,36 @@ class MirroredStrategy(Strategy):
 
     def _before_run(self) -> None:
         self._mirrors.refresh()
+        self._mirrors.scaling = True
+
+    def _leave_run(self) -> None:
+        self._mirrors.scaling = False
 
     def _after_run(self) -> None:
         if self._mirrors.pending_gradients():
             self._reduce_gradients()
 
     def _reduce_gradients(self) -> None:
-        self._mirrors.reduce_gradients(self._cross_device_ops, average=self._average_gradients)
+        self._mirrors.reduce_gradients(self._cross_device_ops)
 
     # The merge call around optimizer.step() ------------------------------------------------
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._sync_replicas("optimizer.step()", self._reduce_gradients)
+        if self._on_replica_zero():
+            # The other replicas' steps find no gradient and wait: lend replica 0 their threads.
+            torch.set_num_threads(self._process_threads)
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._on_replica_zero():
+            torch.set_num_threads(self._intra_op_threads)
         self._sync_replicas("the end of optimizer.step()", self._mirrors.refresh)
+
+    def _on_replica_zero(self) -> bool:
+        ctx = current_replica()
+        return (
+            self._intra_op_threads is not None
+            and ctx is not None
+            and ctx.strategy is self
+            and ctx.local_replica_id == 0
+        )

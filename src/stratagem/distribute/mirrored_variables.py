@@ -11,7 +11,10 @@ bumping them, and neither do writes through ``.data``.
 
 After backward, replicas' gradients are summed into the primary's ``.grad`` by the strategy's
 cross-device op, and the copies' gradients are cleared: additive, so several backward passes
-before a step accumulate exactly as on one device.
+before a step accumulate exactly as on one device. For PyTorch's mean convention
+(``grad_scale=1/n``) each replica's gradient is scaled as it arrives, by a hook active only
+while the strategy runs replicas, so that accumulation stays exact there too; the hook reads a
+flag rather than a thread-local because CUDA backward runs on autograd's own threads.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ class _Mirror:
 class MirroredVariables:
     """The mirrored parameters and buffers of one strategy, and their replica copies."""
 
-    def __init__(self, devices: list[LogicalDevice]) -> None:
+    def __init__(self, devices: list[LogicalDevice], *, grad_scale: float | None = None) -> None:
         self.devices = devices
+        self.grad_scale = grad_scale
+        self.scaling = False  # set by the strategy while replicas run
         self._mirrors: dict[int, _Mirror] = {}
         # One id → copy map per replica i > 0: what ReplicaView swaps in that replica's thread.
         self._views: list[dict[int, torch.Tensor]] = [{} for _ in devices[1:]]
@@ -58,10 +63,20 @@ class MirroredVariables:
             copies.append(self._make_copy(tensor, d.torch_device, same_storage))
             shared.append(same_storage)
         self._mirrors[key] = _Mirror(weakref.ref(tensor), copies, shared)
+        if is_parameter:
+            for leaf in (tensor, *copies):
+                self._scale_gradients_of(leaf)
         for view, c in zip(self._views, copies):
             view[key] = c
         # Drop the entry when the primary dies, before its id can be reused.
         weakref.finalize(tensor, self._forget, key)
+
+    def _scale_gradients_of(self, leaf: torch.Tensor) -> None:
+        if self.grad_scale is not None and leaf.requires_grad:
+            leaf.register_hook(self._scale)
+
+    def _scale(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return grad * self.grad_scale if self.scaling else None
 
     def _forget(self, key: int) -> None:
         self._mirrors.pop(key, None)
@@ -96,6 +111,7 @@ class MirroredVariables:
 
     def _replace(self, key: int, m: _Mirror, i: int, primary: torch.Tensor, shared: bool) -> None:
         copy = self._make_copy(primary, self.devices[i + 1].torch_device, shared)
+        self._scale_gradients_of(copy)
         m.copies[i] = copy
         self._views[i][key] = copy
 
@@ -103,39 +119,46 @@ class MirroredVariables:
         """Whether some replica copy holds a gradient not yet summed into its primary."""
         return any(c.grad is not None for m in self._mirrors.values() for c in m.copies)
 
-    def reduce_gradients(self, ops: CrossDeviceOps, *, average: bool) -> None:
-        """Sum every replica's gradient into the primary's ``.grad``; clear the copies'."""
+    def reduce_gradients(self, ops: CrossDeviceOps) -> None:
+        """Add every replica copy's gradient into its primary's ``.grad``; clear the copies'.
+
+        Copies on the primary's own physical device (logical CPU devices) are added in place:
+        there is nothing to transfer, so packing them for a cross-device op would only copy
+        memory. Copies on other devices go through the strategy's cross-device op.
+        """
         if len(self.devices) == 1:
             return  # the primary's gradient is already the only one
-        value_lists, targets = [], []
-        for m in self._mirrors.values():
-            primary = m.primary()
-            if primary is None or not primary.requires_grad:
-                continue
-            grads = [primary.grad] + [c.grad for c in m.copies]
-            if all(g is None for g in grads):
-                continue
-            # A replica that produced no gradient (no use of the parameter) adds zeros.
-            devices = [primary.device] + [c.device for c in m.copies]
-            value_lists.append(
-                [
-                    g if g is not None else torch.zeros_like(primary, device=d)
-                    for g, d in zip(grads, devices)
-                ]
-            )
-            targets.append(m)
-        if not targets:
-            return
-        destination = self.devices[0].torch_device
+        remote_lists, remote_targets = [], []
         with torch.no_grad():
-            reduced = ops.batch_reduce(ReduceOp.SUM, value_lists, destination)
-            for m, total in zip(targets, reduced):
+            for m in self._mirrors.values():
                 primary = m.primary()
-                if average:
-                    total = total / len(self.devices)
-                if primary.grad is None:
-                    primary.grad = total.clone()
+                if primary is None:
+                    continue
+                grads = [c.grad for c in m.copies]
+                if all(g is None for g in grads):
+                    continue
+                if all(g is None or g.device == primary.device for g in grads):
+                    total = primary.grad
+                    for g in grads:
+                        if g is not None:
+                            total = g.clone() if total is None else total.add_(g)
+                    primary.grad = total
                 else:
-                    primary.grad.copy_(total)
+                    # A replica that produced no gradient (did not use the parameter) adds zeros.
+                    remote_lists.append(
+                        [
+                            g if g is not None else torch.zeros_like(primary, device=like.device)
+                            for g, like in zip([primary.grad, *grads], [primary, *m.copies])
+                        ]
+                    )
+                    remote_targets.append(primary)
                 for c in m.copies:
                     c.grad = None
+            if remote_targets:
+                destination = self.devices[0].torch_device
+                reduced = ops.batch_reduce(ReduceOp.SUM, remote_lists, destination)
+                for primary, total in zip(remote_targets, reduced):
+                    if primary.grad is None:
+                        primary.grad = total.clone()
+                    else:
+                        primary.grad.copy_(total)

@@ -72,8 +72,10 @@ class Strategy:
         self._average_gradients = aggregation is ReduceOp.MEAN
         self._captured: list[tuple[torch.Tensor, bool]] = []
         self._replicas = ReplicaGroup(len(devices), sync_timeout) if len(devices) > 1 else None
-        # Intra-op threads per replica thread when replicas share the CPU (MirroredStrategy).
+        # Intra-op threads per replica thread when replicas share the CPU (MirroredStrategy);
+        # between sync points one replica works alone and gets the process's threads back.
         self._intra_op_threads: int | None = None
+        self._process_threads = torch.get_num_threads()
         self._merge_values: list[Any] = [None] * len(devices)
         self._merge_result: Any = None
         if type(self).__name__ != "_DefaultDistributionStrategy":
@@ -178,15 +180,29 @@ class Strategy:
         first_id = self._comm.rank * n
         global_batch = recorded_global_batch_size((args, kwargs))
         self._before_run()
-        if self._replicas is None:
-            ctx = ReplicaContext(self, first_id, 0, global_batch)
-            previous = context.set_replica(ctx)
-            try:
-                result = fn(*select_replica(args, 0, 1), **select_replica(kwargs, 0, 1))
-            finally:
-                context.set_replica(previous)
-            self._after_run()
-            return result
+        try:
+            if self._replicas is None:
+                ctx = ReplicaContext(self, first_id, 0, global_batch)
+                previous = context.set_replica(ctx)
+                try:
+                    result = fn(*select_replica(args, 0, 1), **select_replica(kwargs, 0, 1))
+                finally:
+                    context.set_replica(previous)
+            else:
+                result = regroup(
+                    self._replicas.run(self._replica_calls(fn, args, kwargs, global_batch))
+                )
+        finally:
+            self._leave_run()
+        self._after_run()
+        return result
+
+    def _replica_calls(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, global_batch: int | None
+    ) -> list[Callable[[], Any]]:
+        """One call per local replica, each in its replica context, device and view."""
+        n = len(self._devices)
+        first_id = self._comm.rank * n
         grad_enabled = torch.is_grad_enabled()
         autocast = {
             kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
@@ -218,9 +234,7 @@ class Strategy:
 
             return call
 
-        results = self._replicas.run([on_replica(i) for i in range(n)])
-        self._after_run()
-        return regroup(results)
+        return [on_replica(i) for i in range(n)]
 
     def _sync_replicas(self, what: str, action: Callable[[], None]) -> None:
         """A merge call: in replica context every replica meets and ``action`` runs once;
@@ -232,10 +246,23 @@ class Strategy:
 
         def unviewed() -> None:
             # Runs in whichever replica thread arrives last; it must see the primaries.
-            with torch._C.DisableTorchFunction():
+            with torch._C.DisableTorchFunction(), self._all_threads():
                 action()
 
         self._replicas.sync(ctx.local_replica_id, what, unviewed)
+
+    @contextlib.contextmanager
+    def _all_threads(self) -> Iterator[None]:
+        """Every intra-op thread of the process, for work one replica does while others wait."""
+        if self._intra_op_threads is None:
+            yield
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self._process_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
 
     # ------------------------------------------------------------------ reduce and gather
 
@@ -393,8 +420,11 @@ class Strategy:
     def _before_run(self) -> None:
         """Called before each ``run``, in the cross-replica context."""
 
+    def _leave_run(self) -> None:
+        """Called when ``run`` ends, also when it raises (undo what ``_before_run`` set)."""
+
     def _after_run(self) -> None:
-        """Called after each ``run``, in the cross-replica context."""
+        """Called after each ``run`` that succeeded, in the cross-replica context."""
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Called by the optimizer step pre-hook (possibly in every replica thread)."""
