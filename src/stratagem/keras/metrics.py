@@ -1,0 +1,185 @@
+"""``sg.keras.metrics``: streaming metrics whose state is summed over all replicas on read.
+
+TF keeps metric variables "sync on read": each replica accumulates its own counts, and
+``result()`` adds them up across replicas and workers. Here each local replica has its own state
+tensors (replica threads never share one), and ``result()`` sums them and all-reduces across
+workers, so the accuracy printed on every worker is the global one. ``result()`` in a
+cross-replica context is a collective: every worker must call it, as in the seeds.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from stratagem.comm import ReduceOp
+from stratagem.distribute import get_strategy
+from stratagem.distribute.context import current_replica
+from stratagem.distribute.strategy import Strategy
+
+
+class Metric:
+    """Base class: subclasses define the state (``_initial``), ``_accumulate`` and ``_compute``."""
+
+    _state_names: tuple[str, ...] = ()
+
+    def __init__(self, name: str | None = None, dtype: torch.dtype = torch.float32) -> None:
+        self.name = name or _snake(type(self).__name__)
+        self.dtype = dtype
+        self._strategy: Strategy = get_strategy()
+        self._states: dict[int, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def _state(self, device: torch.device) -> list[torch.Tensor]:
+        ctx = current_replica()
+        replica = 0
+        if ctx is not None:
+            self._strategy = ctx.strategy
+            replica = ctx.local_replica_id
+        state = self._states.get(replica)
+        if state is None:
+            with self._lock:
+                state = self._states.setdefault(
+                    replica,
+                    [torch.zeros((), dtype=self.dtype, device=device) for _ in self._state_names],
+                )
+        return state
+
+    def update_state(self, *args: Any, **kwargs: Any) -> None:
+        with torch.no_grad():
+            self._accumulate(*args, **kwargs)
+
+    def _accumulate(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def _compute(self, totals: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _totals(self, *, across_workers: bool) -> list[torch.Tensor]:
+        totals = torch.zeros(len(self._state_names), dtype=torch.float64)
+        for state in list(self._states.values()):
+            totals += torch.stack([s.detach().to("cpu", torch.float64) for s in state])
+        if across_workers:
+            self._strategy._comm.all_reduce(totals, ReduceOp.SUM, what=f"metric {self.name}")
+        return list(totals)
+
+    def result(self) -> torch.Tensor:
+        """The metric over every replica; inside ``run``, over this process's replicas only."""
+        across = current_replica() is None
+        return self._compute(self._totals(across_workers=across)).to(self.dtype)
+
+    def reset_state(self) -> None:
+        with self._lock:
+            for state in self._states.values():
+                for s in state:
+                    s.zero_()
+
+    reset_states = reset_state  # TF 2.x name, used by the seeds
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.update_state(*args, **kwargs)
+        return self.result()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This process's accumulated state (checkpointing a metric is per process)."""
+        totals = self._totals(across_workers=False)
+        return {n: t.clone() for n, t in zip(self._state_names, totals)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing = set(self._state_names) - set(state)
+        if missing:
+            raise KeyError(f"metric {self.name} state lacks {sorted(missing)}; got {sorted(state)}")
+        self.reset_state()
+        target = self._state(torch.device("cpu"))
+        for s, n in zip(target, self._state_names):
+            s.copy_(torch.as_tensor(state[n]))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _snake(name: str) -> str:
+    out = "".join("_" + c.lower() if c.isupper() else c for c in name)
+    return out.lstrip("_")
+
+
+def _weights(sample_weight: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    if sample_weight is None:
+        return torch.ones_like(like, dtype=torch.float32)
+    return torch.as_tensor(sample_weight, device=like.device).to(torch.float32).expand_as(like)
+
+
+class Mean(Metric):
+    """The (weighted) mean of the values seen."""
+
+    _state_names = ("total", "count")
+
+    def _accumulate(self, values: Any, sample_weight: Any = None) -> None:
+        values = torch.as_tensor(values).to(torch.float32)
+        w = _weights(sample_weight, values)
+        total, count = self._state(values.device)
+        total += (values * w).sum()
+        count += w.sum()
+
+    def _compute(self, totals: list[torch.Tensor]) -> torch.Tensor:
+        total, count = totals
+        return total / count if count > 0 else torch.zeros((), dtype=torch.float64)
+
+
+class Sum(Metric):
+    """The sum of the values seen."""
+
+    _state_names = ("total",)
+
+    def _accumulate(self, values: Any, sample_weight: Any = None) -> None:
+        values = torch.as_tensor(values).to(torch.float32)
+        (total,) = self._state(values.device)
+        total += (values * _weights(sample_weight, values)).sum()
+
+    def _compute(self, totals: list[torch.Tensor]) -> torch.Tensor:
+        return totals[0]
+
+
+class _MatchRate(Mean):
+    """A mean of per-example 0/1 matches; subclasses say what a match is."""
+
+    def _matches(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _accumulate(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        y_true, y_pred = torch.as_tensor(y_true), torch.as_tensor(y_pred)
+        super()._accumulate(self._matches(y_true, y_pred).to(torch.float32), sample_weight)
+
+
+class SparseCategoricalAccuracy(_MatchRate):
+    """How often the arg-max of the predictions equals the integer label."""
+
+    def _matches(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        labels = y_true.reshape(y_pred.shape[:-1]) if y_true.dim() == y_pred.dim() else y_true
+        return y_pred.argmax(dim=-1) == labels.to(y_pred.device).long()
+
+
+class CategoricalAccuracy(_MatchRate):
+    """How often the arg-max of the predictions equals the arg-max of one-hot labels."""
+
+    def _matches(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        return y_pred.argmax(dim=-1) == y_true.to(y_pred.device).argmax(dim=-1)
+
+
+class Accuracy(_MatchRate):
+    """How often predictions equal labels exactly."""
+
+    def _matches(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        return y_pred == y_true.to(y_pred.device)
+
+
+__all__ = [
+    "Accuracy",
+    "CategoricalAccuracy",
+    "Mean",
+    "Metric",
+    "SparseCategoricalAccuracy",
+    "Sum",
+]
