@@ -11,9 +11,11 @@ exit the group is destroyed, so a job ends with exit code 0 and without abort me
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import datetime
 import os
+import pickle
 import socket
 import sys
 import threading
@@ -114,6 +116,14 @@ class ProcessGroupCommunicator(Communicator):
         self._me = resolver.peer_name(self.rank)
         self._seq = 0
         self._closed = False
+        # The last Works and their tensors, held here so that a gloo thread never drops the last
+        # reference to a Python object. Releasing one needs the GIL, and at interpreter exit
+        # Python ends a thread that waits for the GIL with pthread_exit, which aborts the
+        # process ("terminate called without an active exception", about once in 20 clean
+        # two-worker runs). gloo's threads may outlive destroy_process_group (creating any
+        # torch.optim optimizer after init pins the group), so this is never cleared early.
+        # Each gloo thread finishes with a Work before taking another: 64 later, it is done.
+        self._recent_works: collections.deque = collections.deque(maxlen=64)
         host, port = resolver.rendezvous_address
         hosts_store = self.rank == 0 and not resolver.agent_store
         owner = resolver.peer_name(0) if not resolver.agent_store else "the torchrun agent"
@@ -200,39 +210,59 @@ class ProcessGroupCommunicator(Communicator):
 
     # ----------------------------------------------------------------- collectives
 
+    def _launch(self, name: str, what: str, launch: Any, tensors: tuple) -> Any:
+        """Start a collective; keep its Work and tensors (see ``_recent_works``)."""
+        with self._operation(name, what), _without_backward_context():
+            work = launch()
+        self._recent_works.append((work, tensors))
+        return work
+
+    def _run(self, name: str, what: str, launch: Any, tensors: tuple) -> None:
+        """Run a collective to completion."""
+        work = self._launch(name, what, launch, tensors)
+        with self._operation(name, what):
+            work.wait()
+
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, what: str) -> None:
-        with self._operation("all_reduce", what):
-            dist.all_reduce(tensor, op.to_dist())
+        launch = lambda: dist.all_reduce(tensor, op.to_dist(), async_op=True)  # noqa: E731
+        self._run("all_reduce", what, launch, (tensor,))
         if op is ReduceOp.MEAN:
             tensor.div_(self.world_size)
 
     def all_reduce_async(self, tensor: torch.Tensor, *, what: str) -> PendingOp:
-        with self._operation("all_reduce", what):
-            work = dist.all_reduce(tensor, dist.ReduceOp.SUM, async_op=True)
+        launch = lambda: dist.all_reduce(tensor, dist.ReduceOp.SUM, async_op=True)  # noqa: E731
+        work = self._launch("all_reduce", what, launch, (tensor,))
         return _Pending(self, work, "all_reduce", what)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, what: str) -> None:
-        with self._operation("broadcast", what):
-            dist.broadcast(tensor, src)
+        launch = lambda: dist.broadcast(tensor, src, async_op=True)  # noqa: E731
+        self._run("broadcast", what, launch, (tensor,))
 
     def all_gather(self, tensor: torch.Tensor, *, what: str) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        with self._operation("all_gather", what):
-            dist.all_gather(out, tensor.contiguous())
+        source = tensor.contiguous()
+        launch = lambda: dist.all_gather(out, source, async_op=True)  # noqa: E731
+        self._run("all_gather", what, launch, (source, *out))
         return out
 
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        with self._operation("all_gather", what):
-            dist.all_gather_object(out, obj)
-        return out
+        # Pickled bytes through all_gather rather than dist.all_gather_object, whose internal
+        # Works and tensors could not be kept in ``_recent_works``.
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.all_gather(torch.tensor([payload.numel()]), what=what)
+        padded = torch.zeros(max(int(size) for size in sizes), dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = self.all_gather(padded, what=what)
+        return [
+            pickle.loads(chunk[: int(size)].numpy().tobytes())
+            for chunk, size in zip(gathered, sizes, strict=True)
+        ]
 
     def barrier(self, *, what: str) -> None:
         # A tiny all-reduce rather than dist.barrier: it runs on the same backend as the other
         # collectives and fails the same named way.
         flag = torch.zeros(1)
-        with self._operation("barrier", what):
-            dist.all_reduce(flag)
+        self._run("barrier", what, lambda: dist.all_reduce(flag, async_op=True), (flag,))
 
     # ----------------------------------------------------------------- shutdown
 
@@ -301,3 +331,22 @@ def connect(
         )
         runtime.set_current_communicator(comm)
         return comm
+
+
+@contextlib.contextmanager
+def _without_backward_context() -> Iterator[None]:
+    """Launch a collective without backward's Python context in its captured thread state.
+
+    ``backward()`` stashes a ``contextvars.Context`` in torch's thread-local state while it
+    runs, and a gloo Work launched from an autograd hook captures that state; releasing it then
+    needs the GIL wherever the Work dies, a gloo thread included (see ``_recent_works``).
+    """
+    if not torch._C._is_key_in_tls("context"):
+        yield
+        return
+    saved = torch._C._get_obj_in_tls("context")
+    torch._C._remove_obj_from_tls("context")
+    try:
+        yield
+    finally:
+        torch._C._stash_obj_in_tls("context", saved)
