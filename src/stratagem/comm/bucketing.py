@@ -43,6 +43,7 @@ class _Bucket:
     buffer: torch.Tensor  # the gradients of params, flat, then one flag per param
     views: list[torch.Tensor]  # each param's part of buffer, shaped like the param
     flags: torch.Tensor  # the flag part of buffer
+    what: str  # how errors name this bucket's all-reduce
     ready: int = 0
     complete: bool = False  # launched with every gradient of this process present
     pending: PendingOp | None = None
@@ -118,7 +119,8 @@ class GradientReducer:
         for p in params:
             views.append(buffer[offset : offset + p.numel()].view(p.shape))
             offset += p.numel()
-        bucket = _Bucket(params, buffer, views, buffer[total:])
+        what = f"gradients of {len(params)} parameters ({total} values)"
+        bucket = _Bucket(params, buffer, views, buffer[total:], what)
         self._buckets.append(bucket)
         for i, p in enumerate(params):
             self._slots[id(p)] = _Slot(bucket, i)
@@ -175,8 +177,7 @@ class GradientReducer:
                     if not state:
                         view.zero_()
                 bucket.flags.copy_(torch.tensor([1 if s else 0 for s in states]))
-        what = f"gradients of {len(bucket.params)} parameters ({bucket.numel} values)"
-        bucket.pending = self.comm.all_reduce_async(bucket.buffer, what=what)
+        bucket.pending = self.comm.all_reduce_async(bucket.buffer, what=bucket.what)
 
     def _end_of_backward(self) -> None:
         self._in_backward = False

@@ -1,0 +1,133 @@
+"""Lost, missing, duplicated and mismatched peers: a clear error naming the peer, never a hang."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import time
+
+import pytest
+
+from cluster_utils import WORKERS, Cluster, Process, child_env, free_ports, tf_config
+
+pytestmark = pytest.mark.multiprocess
+
+FAULTS = str(WORKERS / "faults.py")
+QUICK = {"STRATAGEM_RENDEZVOUS_TIMEOUT": "4", "STRATAGEM_OP_TIMEOUT": "4"}
+
+
+def _worker(tmp_path, workers: list[str], index: int, name: str, **env: str) -> Process:
+    extra = {"TF_CONFIG": tf_config(workers, index), **env}
+    return Process([sys.executable, FAULTS], child_env(extra), tmp_path, name)
+
+
+def _wait_for_line(proc: Process, text: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in proc.output_so_far():
+        assert proc.proc.poll() is None, f"{proc.name} exited before printing {text!r}"
+        assert time.monotonic() < deadline, f"{proc.name} never printed {text!r}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["kill-worker-1", "kill-the-store-host"])
+def test_kill_9_of_a_worker_mid_training_names_the_lost_peer(tmp_path, victim):
+    ports = free_ports(2)
+    with Cluster(FAULTS, 2, tmp_path, ports=ports, env={"MODE": "train_forever"}) as cluster:
+        survivor = cluster.processes[1 - victim]
+        _wait_for_line(survivor, "step 20")
+        cluster.processes[victim].kill_group(signal.SIGKILL)
+        killed_at = time.monotonic()
+        result = survivor.wait(timeout=60)
+    took = time.monotonic() - killed_at
+    assert result.returncode != 0
+    assert "PeerLostError" in result.stderr
+    assert (
+        f"worker {victim} (localhost:{ports[victim]}) was lost during all_reduce" in result.stderr
+    )
+    assert took < 30, f"the survivor took {took:.1f}s to notice"
+    # No C++ stack traces from the store: the dead store is detected with a plain socket.
+    assert "frame #" not in result.stderr, result.stderr
+
+
+def test_a_peer_that_never_arrives_is_named(tmp_path):
+    workers = [f"localhost:{p}" for p in free_ports(3)]
+    lonely = _worker(tmp_path, workers, 0, "w0", **QUICK)
+    result = lonely.wait(timeout=60)
+    assert result.returncode != 0
+    assert "RendezvousError" in result.stderr
+    assert f"missing: worker 1 ({workers[1]}), worker 2 ({workers[2]})" in result.stderr
+
+
+def test_a_missing_rendezvous_host_is_named(tmp_path):
+    workers = [f"localhost:{p}" for p in free_ports(2)]
+    result = _worker(tmp_path, workers, 1, "w1", **QUICK).wait(timeout=60)
+    assert result.returncode != 0
+    assert f"could not reach the rendezvous of worker 0 ({workers[0]})" in result.stderr
+    assert "frame #" not in result.stderr, result.stderr
+
+
+def test_port_in_use(tmp_path):
+    ports = free_ports(2)
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", ports[0]))
+    blocker.listen(1)
+    try:
+        workers = [f"localhost:{p}" for p in ports]
+        result = _worker(tmp_path, workers, 0, "w0", **QUICK).wait(timeout=60)
+    finally:
+        blocker.close()
+    assert result.returncode != 0
+    assert f"port {ports[0]} is already in use" in result.stderr
+
+
+def test_world_size_mismatch(tmp_path):
+    ports = free_ports(3)
+    two = [f"localhost:{p}" for p in ports[:2]]
+    three = [f"localhost:{p}" for p in ports]
+    a = _worker(tmp_path, two, 0, "w0", **QUICK)
+    b = _worker(tmp_path, three, 1, "w1", **QUICK)
+    results = [a.wait(timeout=60), b.wait(timeout=60)]
+    for r in results:
+        assert r.returncode != 0
+    assert any("world-size mismatch" in r.stderr for r in results), results[0].stderr
+
+
+def test_two_processes_claiming_one_task(tmp_path):
+    workers = [f"localhost:{p}" for p in free_ports(3)]
+    procs = [
+        _worker(tmp_path, workers, 0, "w0", **QUICK),
+        _worker(tmp_path, workers, 1, "w1a", **QUICK),
+        _worker(tmp_path, workers, 1, "w1b", **QUICK),
+    ]
+    results = [p.wait(timeout=60) for p in procs]
+    assert all(r.returncode != 0 for r in results)
+    assert sum("two processes claim worker 1" in r.stderr for r in results) == 1
+
+
+def test_workers_that_build_different_models(tmp_path):
+    with Cluster(FAULTS, 2, tmp_path, env={"MODE": "model_mismatch", **QUICK}) as cluster:
+        results = cluster.wait(timeout=90)
+    for r in results:
+        assert r.returncode != 0
+        assert "every worker must build the same model" in r.stderr
+
+
+def test_a_live_peer_that_never_reaches_a_collective_is_a_named_timeout(tmp_path):
+    env = {"MODE": "lag", "LAG": "60", **QUICK}
+    with Cluster(FAULTS, 2, tmp_path, env=env) as cluster:
+        result = cluster.processes[0].wait(timeout=60)
+    assert result.returncode != 0
+    assert "CollectiveTimeoutError" in result.stderr
+    assert "every peer is alive" in result.stderr
+    assert "worker 1 (localhost:" in result.stderr
+    assert result.seconds < 45
+
+
+def test_a_clean_run_exits_0_without_warnings(tmp_path):
+    with Cluster(FAULTS, 2, tmp_path, env={"MODE": "ok"}) as cluster:
+        results = cluster.wait(timeout=90)
+    for r in results:
+        r.check("worker")
+        assert "done" in r.stdout
+        assert r.stderr == ""
