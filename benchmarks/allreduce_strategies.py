@@ -2,11 +2,17 @@
 
 1. MultiWorkerMirroredStrategy on 2 worker processes vs raw DistributedDataParallel on 2
    worker processes: the seed CNN, global batch 128, RMSprop, the same synthetic batches, one
-   intra-op thread per process. Jobs alternate (DDP, ours, DDP, ours, ...); each reports
-   samples/s over the timed steps; the ratio is of the medians. Ours runs the seed's loop as
-   written: a distributed dataset, ``strategy.run``, ``compute_average_loss``, backward, step.
+   intra-op thread per process. Ours runs the seed's loop as written: a distributed dataset,
+   ``strategy.run``, ``compute_average_loss``, backward, step. Measured two ways:
+   - separate jobs, alternating (DDP, ours, DDP, ours, ...), each in fresh processes: what a
+     user sees, but a job's speed on a shared 2-core machine swings by ±15%;
+   - interleaved: in each of the same two processes, an MWMS model and a DDP model (over the
+     same gloo process group) train in alternating blocks of steps, so both sides see the same
+     machine state; far less noise. Samples/s per block; the ratio is of the medians.
 2. MirroredStrategy with 2 logical CPU replicas vs 1 replica, per-replica batch 256, one
-   process each time, alternating; samples/s and the ratio of medians.
+   process each time, alternating; samples/s and the ratio of medians. Beside it, the ceiling
+   of the design on this machine: raw PyTorch in 2 threads (1 intra-op thread each, each its
+   own model, no synchronisation at all) vs 1 thread with every intra-op thread.
 
 Every measurement runs in a fresh process with the same environment. ``--stable-malloc`` sets
 glibc's mmap and trim thresholds high in every one of them (both sides alike): on CPU a step of
@@ -14,7 +20,7 @@ this CNN frees and reallocates 11 MB gradients, and whether glibc hands them bac
 (page faults on the next step) swings a step by ±30% at random, which otherwise drowns the
 difference being measured.
 
-    python benchmarks/allreduce_strategies.py                   # full (about 3 min on 2 cores)
+    python benchmarks/allreduce_strategies.py                   # full (about 5 min on 2 cores)
     python benchmarks/allreduce_strategies.py --stable-malloc   # same, allocator noise removed
     python benchmarks/allreduce_strategies.py --quick           # a smoke run
 """
@@ -116,6 +122,99 @@ def worker_ours(rank: int, world: int, port: int, steps: int, warmup: int, batch
     return steps * batch / (time.perf_counter() - start)
 
 
+def worker_interleaved(rank: int, world: int, port: int, blocks: int, k: int, batch: int) -> str:
+    """Alternate blocks of k steps of MWMS and of DDP in this process; JSON of per-block rates."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import stratagem as sg
+
+    os.environ["TF_CONFIG"] = json.dumps(
+        {
+            "cluster": {"worker": [f"localhost:{port}", f"localhost:{port + 1}"][:world]},
+            "task": {"type": "worker", "index": rank},
+        }
+    )
+    strategy = sg.distribute.MultiWorkerMirroredStrategy()
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = seed_cnn()
+        optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
+    # Outside the scope: stratagem leaves this model alone; DDP uses the default process group.
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(seed_cnn())
+    ddp_optimizer = torch.optim.RMSprop(ddp.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
+    data = batches(k, batch // world, seed=rank)
+    loss_fn = sg.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=sg.keras.losses.Reduction.NONE
+    )
+
+    def step_fn(inputs):
+        x, y = inputs
+        loss = sg.nn.compute_average_loss(loss_fn(y, model(x)), global_batch_size=batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    def ours() -> None:
+        for inputs in strategy.distribute_datasets_from_function(lambda ctx: data):
+            strategy.run(step_fn, args=(inputs,))
+
+    def raw() -> None:
+        for x, y in data:
+            ddp_optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            ddp_optimizer.step()
+
+    comm = strategy._comm
+    rates: dict[str, list[float]] = {"ddp": [], "ours": []}
+    for block in range(blocks + 1):  # block 0 warms both up
+        order = [("ddp", raw), ("ours", ours)]
+        for name, fn in order if block % 2 else order[::-1]:
+            comm.barrier(what="block start")
+            start = time.perf_counter()
+            fn()
+            comm.barrier(what="block end")
+            if block:
+                rates[name].append(k * batch / (time.perf_counter() - start))
+    return json.dumps(rates)
+
+
+def raw_threads_rate(threads: int, steps: int, warmup: int, per_thread: int) -> float:
+    """Raw PyTorch, ``threads`` Python threads each training its own model copy: no sync."""
+    import threading
+
+    intra = max(1, torch.get_num_threads() // threads)
+    models = []
+    for _ in range(threads):
+        torch.manual_seed(0)
+        model = seed_cnn()
+        models.append((model, torch.optim.RMSprop(model.parameters(), lr=1e-3)))
+    data = batches(warmup + steps, per_thread, seed=0)
+    start_line = threading.Barrier(threads + 1)
+    finish_line = threading.Barrier(threads + 1)
+
+    def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        torch.set_num_threads(intra)
+        for i, (x, y) in enumerate(data):
+            if i == warmup:
+                start_line.wait()
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        finish_line.wait()
+
+    workers = [threading.Thread(target=train, args=pair) for pair in models]
+    for w in workers:
+        w.start()
+    start_line.wait()
+    start = time.perf_counter()
+    finish_line.wait()
+    seconds = time.perf_counter() - start
+    for w in workers:
+        w.join()
+    return steps * per_thread * threads / seconds
+
+
 STABLE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
 
 
@@ -126,8 +225,8 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def run_job(kind: str, steps: int, warmup: int, batch: int, extra: dict[str, str]) -> float:
-    """One 2-process job (one intra-op thread each); returns rank 0's samples/s."""
+def run_job(kind: str, steps: int, warmup: int, batch: int, extra: dict[str, str]) -> str:
+    """One 2-process job (one intra-op thread each); returns rank 0's last output line."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -152,13 +251,15 @@ def run_job(kind: str, steps: int, warmup: int, batch: int, extra: dict[str, str
     for p, out in zip(procs, outs):
         if p.returncode != 0:
             raise RuntimeError(f"{kind} worker exited {p.returncode}: {out}")
-    return float(outs[0].strip().splitlines()[-1])
+    return outs[0].strip().splitlines()[-1]
 
 
-def run_mirrored(replicas: int, steps: int, warmup: int, extra: dict[str, str]) -> float:
-    """One MirroredStrategy process over ``replicas`` logical CPU devices; samples/s."""
+def run_mirrored(
+    replicas: int, steps: int, warmup: int, extra: dict[str, str], mode: str = "--mirrored"
+) -> float:
+    """One process over ``replicas`` logical CPU devices (or raw threads); samples/s."""
     out = subprocess.run(
-        [sys.executable, __file__, "--mirrored", str(replicas), str(steps), str(warmup)],
+        [sys.executable, __file__, mode, str(replicas), str(steps), str(warmup)],
         env=_env(extra),
         capture_output=True,
         text=True,
@@ -204,74 +305,104 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few steps and rounds (a smoke run)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--jobs", type=int, default=3, help="interleaved jobs (10 blocks each)")
     parser.add_argument(
         "--stable-malloc", action="store_true", help="pin glibc's mmap/trim thresholds (see above)"
     )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     parser.add_argument("--mirrored", nargs=3, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-threads", nargs=3, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        kind, rank, port, steps, warmup, batch = args.worker
-        fn = worker_ddp if kind == "ddp" else worker_ours
-        print(fn(int(rank), 2, int(port), int(steps), int(warmup), int(batch)), flush=True)
+        kind, rank, port, *numbers = args.worker
+        fn = {"ddp": worker_ddp, "ours": worker_ours, "interleaved": worker_interleaved}[kind]
+        print(fn(int(rank), 2, int(port), *map(int, numbers)), flush=True)
         return
-    if args.mirrored:
-        replicas, steps, warmup = args.mirrored
-        devices = [f"cpu:{i}" for i in range(replicas)]
-        print(mirrored_rate(devices, steps, warmup, 256), flush=True)
+    if args.mirrored or args.raw_threads:
+        replicas, steps, warmup = args.mirrored or args.raw_threads
+        if args.mirrored:
+            rate = mirrored_rate([f"cpu:{i}" for i in range(replicas)], steps, warmup, 256)
+        else:
+            rate = raw_threads_rate(replicas, steps, warmup, 256)
+        print(rate, flush=True)
         return
     rounds, steps, warmup = (1, 4, 2) if args.quick else (args.rounds, args.steps, 10)
+    jobs, blocks, block_steps = (1, 2, 3) if args.quick else (args.jobs, 10, 10)
     extra = STABLE_MALLOC if args.stable_malloc else {}
 
-    ddp, ours = [], []
-    for r in range(rounds):
-        ddp.append(run_job("ddp", steps, warmup, 128, extra))
-        ours.append(run_job("ours", steps, warmup, 128, extra))
-        print(
-            f"round {r + 1}/{rounds}: DDP {ddp[-1]:8.1f}  MWMS {ours[-1]:8.1f} samples/s",
-            flush=True,
-        )
-    one, two = [], []
-    m_steps = max(2, steps // 3)
-    for r in range(rounds):
-        one.append(run_mirrored(1, m_steps, warmup // 2, extra))
-        two.append(run_mirrored(2, m_steps, warmup // 2, extra))
-        rates = f"1 replica {one[-1]:8.1f}  2 replicas {two[-1]:8.1f}"
-        print(f"round {r + 1}/{rounds}: Mirrored {rates} samples/s", flush=True)
+    def alternate(label: str, a: str, b: str, measure_a, measure_b) -> tuple[list, list]:
+        first, second = [], []
+        for r in range(rounds):
+            first.append(measure_a())
+            second.append(measure_b())
+            print(
+                f"{label} round {r + 1}/{rounds}: {a} {first[-1]:8.1f}  {b} {second[-1]:8.1f}"
+                " samples/s",
+                flush=True,
+            )
+        return first, second
 
+    ddp, ours = alternate(
+        "separate jobs",
+        "DDP",
+        "MWMS",
+        lambda: float(run_job("ddp", steps, warmup, 128, extra)),
+        lambda: float(run_job("ours", steps, warmup, 128, extra)),
+    )
+    ddp_blocks: list[float] = []
+    ours_blocks: list[float] = []
+    for j in range(jobs):
+        rates = json.loads(run_job("interleaved", blocks, block_steps, 128, extra))
+        ddp_blocks += rates["ddp"]
+        ours_blocks += rates["ours"]
+        job_ratio = statistics.median(rates["ours"]) / statistics.median(rates["ddp"])
+        print(f"interleaved job {j + 1}/{jobs}: MWMS/DDP {job_ratio:.3f}", flush=True)
+    m_steps = max(2, steps // 3)
+    one, two = alternate(
+        "Mirrored",
+        "1 replica",
+        "2 replicas",
+        lambda: run_mirrored(1, m_steps, warmup // 2, extra),
+        lambda: run_mirrored(2, m_steps, warmup // 2, extra),
+    )
+    raw_one, raw_two = alternate(
+        "raw threads",
+        "1 thread",
+        "2 threads",
+        lambda: run_mirrored(1, m_steps, warmup // 2, extra, "--raw-threads"),
+        lambda: run_mirrored(2, m_steps, warmup // 2, extra, "--raw-threads"),
+    )
+
+    def ratio(a: list[float], b: list[float]) -> float:
+        return statistics.median(b) / statistics.median(a)
+
+    rows = [
+        ("DDP, 2 workers, global batch 128, separate jobs", ddp, 1.0),
+        ("MultiWorkerMirroredStrategy, same, separate jobs", ours, ratio(ddp, ours)),
+        ("DDP, interleaved blocks", ddp_blocks, 1.0),
+        (
+            "MultiWorkerMirroredStrategy, interleaved blocks",
+            ours_blocks,
+            ratio(ddp_blocks, ours_blocks),
+        ),
+        ("MirroredStrategy, 1 CPU replica, batch 256", one, 1.0),
+        ("MirroredStrategy, 2 CPU replicas, 256 each", two, ratio(one, two)),
+        ("ceiling: raw PyTorch, 1 thread, batch 256", raw_one, 1.0),
+        ("ceiling: raw PyTorch, 2 threads, 256 each, no sync", raw_two, ratio(raw_one, raw_two)),
+    ]
     results = {
-        "mwms_vs_ddp": {
-            "ddp_samples_per_s": ddp,
-            "mwms_samples_per_s": ours,
-            "ratio_of_medians": statistics.median(ours) / statistics.median(ddp),
-        },
-        "mirrored_2_vs_1": {
-            "one_replica_samples_per_s": one,
-            "two_replicas_samples_per_s": two,
-            "ratio_of_medians": statistics.median(two) / statistics.median(one),
-        },
+        "rows": [
+            {"measurement": name, "samples_per_s": rates, "ratio_of_medians": r}
+            for name, rates, r in rows
+        ],
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "stable_malloc": args.stable_malloc,
     }
-    rows = [
-        ("DDP, 2 workers, global batch 128", ddp, 1.0),
-        (
-            "MultiWorkerMirroredStrategy, 2 workers",
-            ours,
-            results["mwms_vs_ddp"]["ratio_of_medians"],
-        ),
-        ("MirroredStrategy, 1 CPU replica, batch 256", one, 1.0),
-        (
-            "MirroredStrategy, 2 CPU replicas, 256 each",
-            two,
-            results["mirrored_2_vs_1"]["ratio_of_medians"],
-        ),
-    ]
     print("\n| measurement | median samples/s | ratio |\n| --- | --- | --- |")
-    for name, rates, ratio in rows:
-        print(f"| {name} | {statistics.median(rates):.0f} | {ratio:.3f} |")
+    for name, rates, r in rows:
+        print(f"| {name} | {statistics.median(rates):.0f} | {r:.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
