@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 # Variables that would make a child join some other cluster than the one we give it.
-_CLUSTER_VARS = (
+CLUSTER_VARS = (
     "TF_CONFIG",
     "STRATAGEM_CONFIG",
     "RANK",
@@ -54,7 +54,7 @@ def tf_config(workers: list[str], index: int, task_type: str = "worker") -> str:
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), env.get("PYTHONPATH", "")])

@@ -9,22 +9,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-_CLUSTER_VARS = (
-    "TF_CONFIG",
-    "STRATAGEM_CONFIG",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "SLURM_PROCID",
-    "SLURM_STEP_ID",
-)
+from cluster_utils import CLUSTER_VARS
 
 
 @pytest.fixture(autouse=True)
 def _no_cluster_environment(monkeypatch):
-    for name in _CLUSTER_VARS:
+    for name in CLUSTER_VARS:
         monkeypatch.delenv(name, raising=False)
     yield
     from stratagem.comm import runtime
