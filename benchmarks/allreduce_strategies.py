@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,7 +85,8 @@ def worker_ddp(rank: int, world: int, port: int, steps: int, warmup: int, batch:
     return steps * batch / seconds
 
 
-def worker_ours(rank: int, world: int, port: int, steps: int, warmup: int, batch: int) -> float:
+def seed_loop_under_mwms(rank: int, world: int, port: int, batch: int) -> tuple[Any, Any]:
+    """The strategy, and the seed's step function over the seed CNN built in its scope."""
     import stratagem as sg
 
     os.environ["TF_CONFIG"] = json.dumps(
@@ -98,8 +100,6 @@ def worker_ours(rank: int, world: int, port: int, steps: int, warmup: int, batch
     with strategy.scope():
         model = seed_cnn()
         optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
-    data = batches(warmup + steps, batch // world, seed=rank)
-    dataset = strategy.distribute_datasets_from_function(lambda ctx: data)
     loss_fn = sg.keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction=sg.keras.losses.Reduction.NONE
     )
@@ -112,6 +112,13 @@ def worker_ours(rank: int, world: int, port: int, steps: int, warmup: int, batch
         optimizer.step()
         return loss
 
+    return strategy, step_fn
+
+
+def worker_ours(rank: int, world: int, port: int, steps: int, warmup: int, batch: int) -> float:
+    strategy, step_fn = seed_loop_under_mwms(rank, world, port, batch)
+    data = batches(warmup + steps, batch // world, seed=rank)
+    dataset = strategy.distribute_datasets_from_function(lambda ctx: data)
     comm = strategy._comm
     for i, inputs in enumerate(dataset):
         if i == warmup:
@@ -126,34 +133,12 @@ def worker_interleaved(rank: int, world: int, port: int, blocks: int, k: int, ba
     """Alternate blocks of k steps of MWMS and of DDP in this process; JSON of per-block rates."""
     from torch.nn.parallel import DistributedDataParallel
 
-    import stratagem as sg
-
-    os.environ["TF_CONFIG"] = json.dumps(
-        {
-            "cluster": {"worker": [f"localhost:{port}", f"localhost:{port + 1}"][:world]},
-            "task": {"type": "worker", "index": rank},
-        }
-    )
-    strategy = sg.distribute.MultiWorkerMirroredStrategy()
-    torch.manual_seed(0)
-    with strategy.scope():
-        model = seed_cnn()
-        optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
+    strategy, step_fn = seed_loop_under_mwms(rank, world, port, batch)
     # Outside the scope: stratagem leaves this model alone; DDP uses the default process group.
     torch.manual_seed(0)
     ddp = DistributedDataParallel(seed_cnn())
     ddp_optimizer = torch.optim.RMSprop(ddp.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
     data = batches(k, batch // world, seed=rank)
-    loss_fn = sg.keras.losses.SparseCategoricalCrossentropy(
-        from_logits=True, reduction=sg.keras.losses.Reduction.NONE
-    )
-
-    def step_fn(inputs):
-        x, y = inputs
-        loss = sg.nn.compute_average_loss(loss_fn(y, model(x)), global_batch_size=batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
 
     def ours() -> None:
         for inputs in strategy.distribute_datasets_from_function(lambda ctx: data):
