@@ -318,7 +318,7 @@ def test_writing_over_a_foreign_directory_is_refused(tmp_path):
     # An empty directory is fine (someone ran makedirs first).
     (tmp_path / "empty").mkdir()
     Checkpoint(a=counter(3)).write(tmp_path / "empty")
-    assert sg_train.checkpoint.is_checkpoint(str(tmp_path / "empty"))
+    assert sg_train.storage.is_checkpoint(str(tmp_path / "empty"))
 
 
 _side_effects: list[str] = []
@@ -644,7 +644,7 @@ def test_latest_checkpoint_with_a_custom_index_name(tmp_path):
     ckpt = Checkpoint(step=counter())
     a = ckpt.write(tmp_path / "a")
     ckpt.write(tmp_path / "b")
-    sg_train.checkpoint.write_index(str(tmp_path), [("a", 1.0)], "a", filename="state")
+    sg_train.storage.write_index(str(tmp_path), [("a", 1.0)], "a", filename="state")
     assert latest_checkpoint(tmp_path, latest_filename="state") == a
     assert latest_checkpoint(tmp_path) == os.path.join(tmp_path, "b")
 

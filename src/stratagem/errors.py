@@ -37,3 +37,11 @@ class CollectiveTimeoutError(StratagemError, TimeoutError):
 
 class ReplicaError(StratagemError, RuntimeError):
     """Replicas of one step disagreed (one stopped at a sync point the others never reached)."""
+
+
+class CheckpointError(StratagemError, ValueError):
+    """A checkpoint cannot be written, read, or matched to the objects it should restore."""
+
+
+class CheckpointMatchError(CheckpointError, AssertionError):
+    """A ``LoadStatus`` assertion failed (an AssertionError too, as in TensorFlow)."""

@@ -21,11 +21,10 @@ from typing import Any
 import torch
 
 from stratagem.comm import current_communicator
-from stratagem.train.checkpoint import (
+from stratagem.errors import CheckpointError
+from stratagem.train.checkpoint import Checkpoint, PathLike
+from stratagem.train.storage import (
     DEFAULT_INDEX_FILENAME,
-    Checkpoint,
-    CheckpointError,
-    PathLike,
     hidden_sibling,
     is_checkpoint,
     leftover,
