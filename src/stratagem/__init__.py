@@ -9,15 +9,19 @@ which needs none of them, starts without importing torch.
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
+from typing import Any
 
 __version__ = "0.1.0"
 
 _SUBPACKAGES = ("cluster", "comm", "config", "data", "distribute", "errors", "keras", "nn", "train")
-__all__ = [*_SUBPACKAGES, "__version__"]
+__all__ = [*_SUBPACKAGES, "Model", "__version__"]
 
 
-def __getattr__(name: str) -> ModuleType:
+def __getattr__(name: str) -> Any:
+    if name == "Model":  # sg.Model is sg.keras.Model, as tf.keras.Model is reachable as tf.Model
+        from stratagem.keras import Model
+
+        return Model
     if name in _SUBPACKAGES:
         module = importlib.import_module(f"{__name__}.{name}")
         globals()[name] = module

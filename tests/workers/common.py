@@ -44,3 +44,9 @@ def reference_training(initial: dict, optimizer: str, batches) -> dict:
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def keras_data(n: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Examples for Model.fit; 100 is no multiple of the global batch 24 (a partial batch)."""
+    g = torch.Generator().manual_seed(4321)
+    return torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)

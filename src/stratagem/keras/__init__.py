@@ -1,5 +1,7 @@
-"""``sg.keras``: Keras-style metrics and losses (the custom-loop parts; ``Model`` comes later)."""
+"""``sg.keras``: ``Model`` with compile/fit/evaluate/predict, callbacks, metrics, losses and
+optimizers by Keras name."""
 
-from stratagem.keras import losses, metrics
+from stratagem.keras import callbacks, losses, metrics, optimizers
+from stratagem.keras.model import Model
 
-__all__ = ["losses", "metrics"]
+__all__ = ["Model", "callbacks", "losses", "metrics", "optimizers"]

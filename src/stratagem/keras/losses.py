@@ -105,3 +105,23 @@ class MeanSquaredError(Loss):
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         return ((y_pred - y_true.to(y_pred.dtype)) ** 2).mean(dim=-1)
+
+
+_BY_NAME: dict[str, type[Loss]] = {
+    "sparse_categorical_crossentropy": SparseCategoricalCrossentropy,
+    "categorical_crossentropy": CategoricalCrossentropy,
+    "mean_squared_error": MeanSquaredError,
+    "mse": MeanSquaredError,
+}
+
+
+def get(identifier: Any) -> Loss:
+    """A loss object from a Keras name or an object (returned as is)."""
+    if isinstance(identifier, Loss):
+        return identifier
+    if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
+        return _BY_NAME[identifier.lower()]()
+    raise ValueError(
+        f"unknown loss {identifier!r}; expected one of {sorted(_BY_NAME)} or an "
+        "sg.keras.losses.Loss object"
+    )

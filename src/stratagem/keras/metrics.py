@@ -175,6 +175,31 @@ class Accuracy(_MatchRate):
         return y_pred == y_true.to(y_pred.device)
 
 
+def get(identifier: Any, loss: Any = None) -> Metric:
+    """A metric from a Keras name (``"accuracy"`` follows the loss, as in Keras) or an object."""
+    if isinstance(identifier, Metric):
+        return identifier
+    from stratagem.keras import losses
+
+    name = identifier.lower() if isinstance(identifier, str) else None
+    if name in ("accuracy", "acc"):
+        if isinstance(loss, losses.SparseCategoricalCrossentropy):
+            return SparseCategoricalAccuracy(name=identifier)
+        if isinstance(loss, losses.CategoricalCrossentropy):
+            return CategoricalAccuracy(name=identifier)
+        return Accuracy(name=identifier)
+    by_name = {
+        "sparse_categorical_accuracy": SparseCategoricalAccuracy,
+        "categorical_accuracy": CategoricalAccuracy,
+    }
+    if name in by_name:
+        return by_name[name](name=identifier)
+    raise ValueError(
+        f"unknown metric {identifier!r}; expected 'accuracy', one of {sorted(by_name)}, or an "
+        "sg.keras.metrics.Metric object"
+    )
+
+
 __all__ = [
     "Accuracy",
     "CategoricalAccuracy",
@@ -182,4 +207,5 @@ __all__ = [
     "Metric",
     "SparseCategoricalAccuracy",
     "Sum",
+    "get",
 ]

@@ -1,0 +1,311 @@
+"""``sg.keras.Model``: Keras's compile / fit / evaluate / predict around an ``nn.Module``.
+
+The loops are written once, over the Strategy interface: global batches go through
+``strategy.experimental_distribute_dataset`` (split across replicas, auto-sharded across
+workers), each step is ``strategy.run(self.train_step, ...)``, and metrics are read in the
+cross-replica context, where ``result()`` sums every replica's state. The default strategy makes
+the same code single-device training. ``train_step`` and ``test_step`` are the override points.
+
+The loss follows the seeds: each replica's loss is its per-example losses summed and divided by
+the *global* batch (``sg.nn.compute_average_loss``), and the strategy sums gradients, so the
+update equals one device training on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from stratagem import nn as sg_nn
+from stratagem.distribute import get_strategy
+from stratagem.distribute.strategy import Strategy
+from stratagem.distribute.values import PerReplica
+from stratagem.keras import callbacks as callbacks_module
+from stratagem.keras import losses, metrics, optimizers
+from stratagem.keras.data_adapter import global_batches, unpack
+
+Logs = dict[str, float]
+
+
+class Model:
+    """A module with Keras's training API. Build the module inside ``strategy.scope()`` to
+    distribute it; ``Model(module)`` remembers that strategy (as a Keras model does)."""
+
+    def __init__(self, module: torch.nn.Module, name: str | None = None) -> None:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"sg.keras.Model wraps a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.name = name or type(module).__name__
+        self.distribute_strategy: Strategy = get_strategy()
+        self.optimizer: optimizers.BoundOptimizer | None = None
+        self.loss: losses.Loss | None = None
+        self.compiled_metrics: list[metrics.Metric] = []
+        self.stop_training = False
+        self.history: callbacks_module.History | None = None
+        self._loss_tracker: metrics.Mean | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        return self.module.parameters()
+
+    # ------------------------------------------------------------------ compile
+
+    def compile(
+        self, optimizer: Any = "rmsprop", loss: Any = None, metrics: Iterable[Any] | None = None
+    ) -> None:
+        """Optimizer, loss and metrics by Keras name or as objects (a torch optimizer too)."""
+        self.optimizer = optimizers.get(optimizer, self.module.parameters())
+        self.loss = losses.get(loss) if loss is not None else None
+        with self.distribute_strategy.scope():
+            self._loss_tracker = _metrics_module.Mean(name="loss")
+            self.compiled_metrics = [_metrics_module.get(m, self.loss) for m in metrics or []]
+        names = [m.name for m in self.compiled_metrics]
+        if len(set(names)) != len(names) or "loss" in names:
+            raise ValueError(f"metric names must be distinct and not 'loss'; got {names}")
+
+    def _require_compiled(self, what: str) -> None:
+        if self.optimizer is None or self._loss_tracker is None:
+            raise RuntimeError(f"call model.compile(optimizer, loss, metrics) before {what}")
+        if self.loss is None:
+            raise RuntimeError(f"{what} needs a loss: model.compile(loss=...) was given none")
+
+    @property
+    def metrics(self) -> list[metrics.Metric]:
+        tracker = [self._loss_tracker] if self._loss_tracker is not None else []
+        return tracker + self.compiled_metrics
+
+    @property
+    def metrics_names(self) -> list[str]:
+        return [m.name for m in self.metrics]
+
+    # ------------------------------------------------------------------ steps
+
+    def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
+        """This replica's share of the global mean loss; tracks the per-example losses."""
+        assert self.loss is not None and self._loss_tracker is not None
+        if y is None:
+            raise ValueError(
+                "the loss needs targets: give fit/evaluate y, or batches of (x, y) or (x, y, w)"
+            )
+        per_example = self.loss.call(torch.as_tensor(y, device=y_pred.device), y_pred)
+        if sample_weight is not None:
+            per_example = per_example * torch.as_tensor(sample_weight, device=per_example.device)
+        self._loss_tracker.update_state(per_example.detach())
+        if self.distribute_strategy._average_gradients:
+            # The strategy averages gradients over replicas (DDP's convention): a replica mean.
+            return per_example.mean()
+        return sg_nn.compute_average_loss(per_example)
+
+    def train_step(self, data: Any) -> None:
+        """One step on one replica's part of the batch: forward, loss, backward, update."""
+        assert self.optimizer is not None
+        x, y, sample_weight = unpack(data)
+        y_pred = self.module(x)
+        loss = self.compute_loss(x, y, y_pred, sample_weight)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self._update_metrics(y, y_pred.detach(), sample_weight)
+
+    def test_step(self, data: Any) -> None:
+        """One evaluation step on one replica's part of the batch."""
+        x, y, sample_weight = unpack(data)
+        with torch.no_grad():
+            y_pred = self.module(x)
+            self.compute_loss(x, y, y_pred, sample_weight)
+            self._update_metrics(y, y_pred, sample_weight)
+
+    def predict_step(self, data: Any) -> torch.Tensor:
+        x, _, _ = unpack(data)
+        with torch.no_grad():
+            return self.module(x)
+
+    def _update_metrics(self, y: Any, y_pred: torch.Tensor, sample_weight: Any) -> None:
+        for metric in self.compiled_metrics:
+            metric.update_state(y, y_pred, sample_weight)
+
+    def _logs(self) -> Logs:
+        # Cross-replica: every worker takes part (each result() is a small all-reduce).
+        return {m.name: float(m.result()) for m in self.metrics}
+
+    def _reset_metrics(self) -> None:
+        for m in self.metrics:
+            m.reset_state()
+
+    # ------------------------------------------------------------------ fit
+
+    def fit(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: int | str = "auto",
+        callbacks: Iterable[callbacks_module.Callback] | None = None,
+        validation_data: Any = None,
+        shuffle: bool = True,
+        initial_epoch: int = 0,
+        steps_per_epoch: int | None = None,
+    ) -> callbacks_module.History:
+        """Train for ``epochs`` epochs (from ``initial_epoch``); returns the ``History``."""
+        self._require_compiled("fit")
+        _check_count("epochs", epochs, minimum=0)
+        _check_count("initial_epoch", initial_epoch, minimum=0)
+        if steps_per_epoch is not None:
+            _check_count("steps_per_epoch", steps_per_epoch, minimum=1)
+        strategy = self.distribute_strategy
+        batches, steps = global_batches(x, y, batch_size, shuffle=shuffle, what="fit")
+        dataset = strategy.experimental_distribute_dataset(batches)
+        steps = steps_per_epoch or steps
+        self.history = callbacks_module.History()
+        cbs = self._callbacks(callbacks, verbose, epochs=epochs, steps=steps)
+        self.stop_training = False
+        self.module.train()
+        cbs.on_train_begin()
+        iterator: Iterator[Any] | None = None
+        logs: Logs = {}
+        for epoch in range(initial_epoch, epochs):
+            self._reset_metrics()
+            cbs.on_epoch_begin(epoch)
+            step = 0
+            while steps_per_epoch is None or step < steps_per_epoch:
+                if iterator is None:
+                    iterator = iter(dataset)
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    iterator = None
+                    if steps_per_epoch is None or step == 0:
+                        break
+                    continue  # steps_per_epoch goes on into the next pass over the data
+                cbs.on_train_batch_begin(step)
+                strategy.run(self.train_step, args=(batch,))
+                cbs.on_train_batch_end(step, self._logs())
+                step += 1
+            if steps_per_epoch is None:
+                iterator = None  # the next epoch is a fresh pass
+            if step == 0:
+                raise ValueError(
+                    f"fit found no batch to train on in epoch {epoch + 1}: the data is empty"
+                )
+            logs = self._logs()
+            if validation_data is not None:
+                val = self._evaluate_logs(validation_data, batch_size, verbose=0)
+                logs.update({f"val_{k}": v for k, v in val.items()})
+                self.module.train()
+            cbs.on_epoch_end(epoch, logs)
+            if self.stop_training:
+                break
+        cbs.on_train_end(logs)
+        return self.history
+
+    def _callbacks(
+        self, given: Iterable[Any] | None, verbose: int | str, *, epochs: int, steps: int | None
+    ) -> callbacks_module.CallbackList:
+        verbose = _verbosity(verbose)
+        chosen = list(given or [])
+        if verbose and not any(isinstance(c, callbacks_module.ProgbarLogger) for c in chosen):
+            chosen.append(callbacks_module.ProgbarLogger(verbose))
+        if self.history is not None:
+            chosen.append(self.history)
+        params = {"epochs": epochs, "steps": steps, "verbose": verbose}
+        return callbacks_module.CallbackList(chosen, self, params)
+
+    # ------------------------------------------------------------------ evaluate / predict
+
+    def evaluate(
+        self,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        verbose: int | str = "auto",
+        return_dict: bool = False,
+    ) -> Any:
+        """``[loss, *metrics]`` over the data (the loss alone without metrics), as Keras."""
+        self._require_compiled("evaluate")
+        logs = self._evaluate_logs((x, y) if y is not None else x, batch_size, verbose)
+        if return_dict:
+            return logs
+        values = [logs[name] for name in self.metrics_names]
+        return values[0] if len(values) == 1 else values
+
+    def _evaluate_logs(self, data: Any, batch_size: int | None, verbose: int | str) -> Logs:
+        x, y = _split_xy(data)
+        batches, _ = global_batches(x, y, batch_size, shuffle=False, what="evaluate")
+        strategy = self.distribute_strategy
+        self.module.eval()
+        self._reset_metrics()
+        count = 0
+        for batch in strategy.experimental_distribute_dataset(batches):
+            strategy.run(self.test_step, args=(batch,))
+            count += 1
+        if count == 0:
+            raise ValueError("evaluate found no batch: the data is empty")
+        logs = self._logs()
+        if _verbosity(verbose) and callbacks_module.is_chief():
+            print(callbacks_module.format_logs(logs), flush=True)
+        return logs
+
+    def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0) -> np.ndarray:
+        """The module's outputs for every example, in order, as a numpy array."""
+        batches, _ = global_batches(x, None, batch_size, shuffle=False, what="predict")
+        strategy = self.distribute_strategy
+        self.module.eval()
+        outputs = []
+        for batch in strategy.experimental_distribute_dataset(batches):
+            result = strategy.run(self.predict_step, args=(batch,))
+            if not isinstance(result, PerReplica | torch.Tensor):
+                raise TypeError(f"predict_step must return a tensor, got {type(result).__name__}")
+            outputs.append(strategy.gather(result, axis=0).cpu())
+        if not outputs:
+            raise ValueError("predict found no batch: the data is empty")
+        return torch.cat(outputs).numpy()
+
+    # ------------------------------------------------------------------ summary
+
+    def summary(self, print_fn: Any = None) -> None:
+        """The module, and its parameter counts."""
+        out = print_fn or (lambda line: print(line, file=sys.stdout))
+        total = sum(p.numel() for p in self.module.parameters())
+        trainable = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        out(f'Model: "{self.name}"')
+        out(repr(self.module))
+        out(f"Total params: {total:,}")
+        out(f"Trainable params: {trainable:,}")
+        out(f"Non-trainable params: {total - trainable:,}")
+
+
+_metrics_module = metrics  # ``Model.metrics`` (a property) shadows the module name in the class
+
+
+def _split_xy(data: Any) -> tuple[Any, Any]:
+    """``validation_data=(x_val, y_val)`` of arrays, or a dataset of batches."""
+    if isinstance(data, tuple) and len(data) in (2, 3) and _is_array(data[0]):
+        return data[0], data[1]
+    return data, None
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, torch.Tensor | np.ndarray)
+
+
+def _verbosity(verbose: int | str) -> int:
+    if verbose == "auto":
+        return 1 if sys.stdout.isatty() else 2
+    if verbose not in (0, 1, 2):
+        raise ValueError(f"verbose must be 'auto', 0, 1 or 2; got {verbose!r}")
+    return int(verbose)
+
+
+def _check_count(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}; got {value!r}")
+
+
+__all__ = ["Model"]

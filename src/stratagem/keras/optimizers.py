@@ -1,0 +1,128 @@
+"""``sg.keras.optimizers``: Keras optimizer names and objects, bound to parameters at compile.
+
+Keras builds an optimizer before it knows the variables; PyTorch optimizers need their
+parameters up front. So ``sg.keras.optimizers.Adam(learning_rate=1e-3)`` is a recipe that
+``Model.compile`` binds to the model's parameters, giving a real ``torch.optim`` optimizer
+wrapped so that ``model.optimizer.learning_rate`` reads and sets every group's ``lr``. Keras's
+defaults are kept (they differ from torch's: RMSprop's rho 0.9 and epsilon 1e-7, for example).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+
+class Optimizer:
+    """A recipe for a ``torch.optim`` optimizer; ``build(params)`` makes the optimizer."""
+
+    torch_class: type[torch.optim.Optimizer] = torch.optim.SGD
+
+    def __init__(self, learning_rate: float = 0.001, **options: Any) -> None:
+        self.learning_rate = float(learning_rate)
+        self.options = options
+
+    def _torch_options(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> BoundOptimizer:
+        optimizer = self.torch_class(params, lr=self.learning_rate, **self._torch_options())
+        return BoundOptimizer(optimizer)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(learning_rate={self.learning_rate:g})"
+
+
+class SGD(Optimizer):
+    torch_class = torch.optim.SGD
+
+    def __init__(
+        self, learning_rate: float = 0.01, momentum: float = 0.0, nesterov: bool = False
+    ) -> None:
+        super().__init__(learning_rate, momentum=momentum, nesterov=nesterov)
+
+
+class Adam(Optimizer):
+    torch_class = torch.optim.Adam
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+    ) -> None:
+        super().__init__(learning_rate, betas=(beta_1, beta_2), eps=epsilon)
+
+
+class RMSprop(Optimizer):
+    torch_class = torch.optim.RMSprop
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        rho: float = 0.9,
+        momentum: float = 0.0,
+        epsilon: float = 1e-7,
+    ) -> None:
+        super().__init__(learning_rate, alpha=rho, momentum=momentum, eps=epsilon)
+
+
+class Adagrad(Optimizer):
+    torch_class = torch.optim.Adagrad
+
+    def __init__(self, learning_rate: float = 0.001, epsilon: float = 1e-7) -> None:
+        super().__init__(learning_rate, eps=epsilon)
+
+
+class BoundOptimizer:
+    """A torch optimizer with Keras's ``learning_rate`` attribute; everything else delegates."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.torch_optimizer = optimizer
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.torch_optimizer.param_groups[0]["lr"])
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        for group in self.torch_optimizer.param_groups:
+            group["lr"] = float(value)
+
+    lr = learning_rate  # Keras 2's name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.torch_optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"BoundOptimizer({self.torch_optimizer!r})"
+
+
+_BY_NAME: dict[str, type[Optimizer]] = {
+    "sgd": SGD,
+    "adam": Adam,
+    "rmsprop": RMSprop,
+    "adagrad": Adagrad,
+}
+
+
+def get(identifier: Any, params: Iterable[torch.nn.Parameter]) -> BoundOptimizer:
+    """An optimizer over ``params`` from a name, a recipe, or a torch optimizer."""
+    if isinstance(identifier, BoundOptimizer):
+        return identifier
+    if isinstance(identifier, torch.optim.Optimizer):
+        return BoundOptimizer(identifier)
+    if isinstance(identifier, Optimizer):
+        return identifier.build(params)
+    if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
+        return _BY_NAME[identifier.lower()]().build(params)
+    raise ValueError(
+        f"unknown optimizer {identifier!r}; expected one of {sorted(_BY_NAME)}, an "
+        "sg.keras.optimizers object, or a torch.optim.Optimizer"
+    )
+
+
+__all__ = ["SGD", "Adagrad", "Adam", "BoundOptimizer", "Optimizer", "RMSprop", "get"]

@@ -1,0 +1,246 @@
+"""sg.keras.Model: compile/fit/evaluate/predict, callbacks, errors; the same fit under the default
+strategy, MirroredStrategy (2 replica threads) and MultiWorkerMirroredStrategy (2 processes)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import stratagem as sg
+from cluster_utils import WORKERS, run_cluster
+from workers.common import build_model, keras_data
+
+
+def _compiled(module: torch.nn.Module | None = None, lr: float = 0.1, metrics=("accuracy",)):
+    model = sg.keras.Model(module if module is not None else build_model())
+    model.compile(
+        sg.keras.optimizers.SGD(lr, momentum=0.9),
+        sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        list(metrics),
+    )
+    return model
+
+
+def _reference(initial: dict, x, y, epochs: int = 2):
+    """Default strategy, one device: what every strategy's fit must match."""
+    module = build_model()
+    module.load_state_dict(initial)
+    model = _compiled(module)
+    history = model.fit(x, y, batch_size=24, epochs=epochs, shuffle=False, verbose=0)
+    return model, history
+
+
+def test_fit_learns_and_reports_history_evaluate_and_predict():
+    torch.manual_seed(0)
+    x, y = keras_data(300)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()  # learnable labels
+    model = _compiled(lr=0.05)
+    history = model.fit(x, y, batch_size=32, epochs=12, validation_data=(x, y), verbose=0)
+    assert history.epoch == list(range(12))
+    assert set(history.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert history.history["accuracy"][-1] > 0.9
+    loss, accuracy = model.evaluate(x, y, batch_size=50, verbose=0)
+    assert loss == pytest.approx(history.history["val_loss"][-1], rel=1e-5)
+    assert accuracy == pytest.approx(history.history["val_accuracy"][-1], rel=1e-6)
+    # The accuracy is the plain fraction of correct arg-maxes.
+    predictions = model.predict(x, batch_size=64)
+    assert isinstance(predictions, np.ndarray) and predictions.shape == (300, 3)
+    expected = (torch.from_numpy(predictions).argmax(1) == y).float().mean().item()
+    assert accuracy == pytest.approx(expected, abs=1e-6)
+    with torch.no_grad():
+        np.testing.assert_allclose(predictions, model.module(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_names_resolve_like_keras_and_evaluate_without_metrics_is_a_scalar():
+    model = sg.Model(build_model())
+    model.compile("adam", "sparse_categorical_crossentropy")
+    assert isinstance(model.optimizer.torch_optimizer, torch.optim.Adam)
+    assert model.optimizer.learning_rate == pytest.approx(0.001)
+    model.optimizer.learning_rate = 0.01
+    assert all(g["lr"] == 0.01 for g in model.optimizer.param_groups)
+    x, y = keras_data(40)
+    # Without from_logits the loss takes probabilities, as in Keras.
+    module = torch.nn.Sequential(build_model(), torch.nn.Softmax(dim=-1))
+    probs = sg.keras.Model(module)
+    probs.compile("sgd", "sparse_categorical_crossentropy", ["accuracy"])
+    assert isinstance(probs.compiled_metrics[0], sg.keras.metrics.SparseCategoricalAccuracy)
+    value = model.evaluate(x, y, verbose=0)
+    assert isinstance(value, float)
+
+
+def test_a_torch_optimizer_and_the_dataset_inputs_work():
+    x, y = keras_data(48)
+    module = build_model()
+    model = sg.keras.Model(module)
+    model.compile(
+        torch.optim.SGD(module.parameters(), lr=0.1),
+        sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        ["accuracy"],
+    )
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+    assert model.fit(loader, epochs=1, verbose=0).history["loss"]
+    dataset = sg.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    assert len(model.fit(dataset, epochs=2, verbose=0).history["loss"]) == 2
+    batches = [(x[:24], y[:24]), (x[24:], y[24:])]
+    assert len(model.evaluate(batches, verbose=0)) == 2
+
+
+class _Recorder(sg.keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_train_begin(self, logs=None):
+        self.calls.append("train_begin")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.calls.append(f"epoch_begin {epoch}")
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(f"batch_end {batch} {sorted(logs)}")
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(f"epoch_end {epoch} {sorted(logs)}")
+
+    def on_train_end(self, logs=None):
+        self.calls.append("train_end")
+
+
+def test_callback_hooks_run_in_keras_order_and_steps_per_epoch_continues_the_data():
+    x, y = keras_data(48)
+    recorder = _Recorder()
+    _compiled().fit(
+        x, y, batch_size=16, epochs=3, initial_epoch=1, steps_per_epoch=2,
+        callbacks=[recorder], verbose=0,
+    )  # fmt: skip
+    names = "['accuracy', 'loss']"
+    assert recorder.calls == [
+        "train_begin",
+        "epoch_begin 1",
+        f"batch_end 0 {names}",
+        f"batch_end 1 {names}",
+        f"epoch_end 1 {names}",
+        "epoch_begin 2",
+        f"batch_end 0 {names}",  # the third batch of the first pass
+        f"batch_end 1 {names}",  # the first batch of the next pass
+        f"epoch_end 2 {names}",
+        "train_end",
+    ]
+
+
+def test_learning_rate_scheduler_and_early_stopping():
+    x, y = keras_data(48)
+    model = _compiled(lr=0.1)
+    seen = []
+
+    def schedule(epoch, lr):
+        seen.append(lr)
+        return 0.1 * 0.5**epoch
+
+    history = model.fit(
+        x, y, batch_size=16, epochs=3, verbose=0,
+        callbacks=[sg.keras.callbacks.LearningRateScheduler(schedule)],
+    )  # fmt: skip
+    assert seen == pytest.approx([0.1, 0.1, 0.05])
+    assert history.history["learning_rate"] == pytest.approx([0.1, 0.05, 0.025])
+
+    frozen = _compiled(lr=0.0)  # the loss can never improve
+    stopper = sg.keras.callbacks.EarlyStopping(monitor="loss", patience=1)
+    # Unshuffled, so every epoch's mean loss is bit-identical (a reordered sum may not be).
+    history = frozen.fit(
+        x, y, batch_size=16, epochs=10, shuffle=False, verbose=0, callbacks=[stopper]
+    )
+    assert history.epoch == [0, 1] and stopper.stopped_epoch == 1
+
+
+def test_progress_output_one_line_per_epoch():
+    x, y = keras_data(48)
+    stream = io.StringIO()
+    bar = sg.keras.callbacks.ProgbarLogger(verbose=2, stream=stream)
+    _compiled().fit(x, y, batch_size=16, epochs=2, callbacks=[bar], verbose=2)
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == "Epoch 1/2" and lines[2] == "Epoch 2/2", lines
+    assert "loss: " in lines[1] and "accuracy: " in lines[1], lines
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m, x, y: m.compile("adamax9", "mse"), "unknown optimizer 'adamax9'"),
+        (lambda m, x, y: m.compile("sgd", "hinge_loss"), "unknown loss 'hinge_loss'"),
+        (lambda m, x, y: m.compile("sgd", "mse", ["f7"]), "unknown metric 'f7'"),
+        (lambda m, x, y: m.fit(x, y, verbose=0), "call model.compile"),
+        (lambda m, x, y: (m.compile("sgd", "mse"), m.fit(x, y[:5], verbose=0)), "100 and 5"),
+        (lambda m, x, y: (m.compile("sgd", "mse"), m.fit(x, y, epochs=-1)), "got -1"),
+        (
+            lambda m, x, y: (m.compile("sgd", "mse"), m.fit([(x, y)], y, verbose=0)),
+            "y must be None",
+        ),
+        (
+            lambda m, x, y: (m.compile("sgd", "mse"), m.fit([(x, y)], batch_size=4, verbose=0)),
+            "already batched",
+        ),
+        (lambda m, x, y: (m.compile("sgd", "mse"), m.fit(x, y, verbose=7)), "got 7"),
+        (lambda m, x, y: (m.compile("sgd", "mse"), m.fit(x, verbose=0)), "needs targets"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(call, message):
+    x, y = keras_data(100)
+    with pytest.raises((ValueError, RuntimeError, TypeError), match=message):
+        call(sg.keras.Model(build_model()), x, y)
+
+
+def _assert_same_training(got: dict, reference_model, reference_history, x, y) -> None:
+    for k, v in reference_model.module.state_dict().items():
+        torch.testing.assert_close(got["final"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+    for name, values in reference_history.history.items():
+        assert got["history"][name] == pytest.approx(values, rel=1e-4, abs=1e-5), name
+    expected = reference_model.evaluate(x, y, batch_size=24, verbose=0)
+    assert got["evaluate"] == pytest.approx(expected, rel=1e-4, abs=1e-5)
+    predicted = torch.from_numpy(reference_model.predict(x, batch_size=24))
+    torch.testing.assert_close(got["predict"], predicted, rtol=1e-4, atol=1e-5)
+
+
+def test_mirrored_fit_equals_one_device_on_the_global_batch():
+    x, y = keras_data()
+    torch.manual_seed(3)
+    strategy = sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = _compiled()
+    initial = {k: v.detach().clone() for k, v in model.module.state_dict().items()}
+    history = model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+    got = {
+        "final": {k: v.detach().clone() for k, v in model.module.state_dict().items()},
+        "history": history.history,
+        "evaluate": model.evaluate(x, y, batch_size=24, verbose=0),
+        "predict": torch.from_numpy(model.predict(x, batch_size=24)),
+    }
+    reference_model, reference_history = _reference(initial, x, y)
+    _assert_same_training(got, reference_model, reference_history, x, y)
+
+
+@pytest.mark.multiprocess
+def test_multi_worker_fit_equals_one_device_on_the_global_batch(tmp_path):
+    results = run_cluster(
+        WORKERS / "keras_fit.py",
+        2,
+        tmp_path,
+        per_worker_env=[{"SEED": "7"}, {"SEED": "8"}],
+        timeout=240,
+    )
+    for i, r in enumerate(results):
+        r.check(f"worker {i}")
+    outs = [torch.load(tmp_path / f"keras-{i}.pt") for i in range(2)]
+    assert [o["num_replicas"] for o in outs] == [2, 2]
+    # Differently seeded workers start from the chief's values, and report global metrics.
+    for k in outs[0]["initial"]:
+        torch.testing.assert_close(outs[1]["initial"][k], outs[0]["initial"][k], rtol=0, atol=0)
+    assert outs[0]["history"] == outs[1]["history"]
+    x, y = keras_data()
+    reference_model, reference_history = _reference(outs[0]["initial"], x, y)
+    for out in outs:
+        _assert_same_training(out, reference_model, reference_history, x, y)
