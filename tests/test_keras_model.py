@@ -244,3 +244,83 @@ def test_multi_worker_fit_equals_one_device_on_the_global_batch(tmp_path):
     reference_model, reference_history = _reference(outs[0]["initial"], x, y)
     for out in outs:
         _assert_same_training(out, reference_model, reference_history, x, y)
+    # Files were written by the chief alone: one CSV with one row per epoch, one set of saves.
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[0] == "epoch,accuracy,loss", rows
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["checkpoint", "w-1", "w-2"]
+    loaded = sg.keras.Model(build_model())
+    loaded.load_weights(str(tmp_path / "ckpt" / "w-2"))
+    for k, v in outs[0]["final"].items():
+        torch.testing.assert_close(loaded.module.state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_model_checkpoint_csv_logger_and_load_weights(tmp_path):
+    x, y = keras_data(48)
+    model = _compiled()
+    saver = sg.keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "ckpt" / "w-{epoch:02d}"), save_weights_only=True
+    )
+    logger = sg.keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))
+    history = model.fit(x, y, batch_size=16, epochs=3, callbacks=[saver, logger], verbose=0)
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["checkpoint", "w-01", "w-02", "w-03"]
+    assert sg.train.latest_checkpoint(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt" / "w-03")
+    fresh = sg.keras.Model(build_model())
+    fresh.load_weights(str(tmp_path / "ckpt"))  # a directory: its newest checkpoint
+    for k, v in model.module.state_dict().items():
+        torch.testing.assert_close(fresh.module.state_dict()[k], v, rtol=0, atol=0)
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert rows[0] == "epoch,accuracy,loss" and len(rows) == 4, rows
+    for epoch, row in enumerate(rows[1:]):
+        e, accuracy, loss = row.split(",")
+        assert int(e) == epoch
+        assert float(loss) == pytest.approx(history.history["loss"][epoch], rel=1e-6)
+        assert float(accuracy) == pytest.approx(history.history["accuracy"][epoch], rel=1e-6)
+
+
+def test_model_checkpoint_save_best_only_and_a_filepath_naming_a_missing_log(tmp_path):
+    x, y = keras_data(48)
+    frozen = _compiled(lr=0.0)  # the loss never improves after the first epoch
+    best = sg.keras.callbacks.ModelCheckpoint(
+        str(tmp_path / "best-{epoch}"), monitor="loss", save_best_only=True
+    )
+    frozen.fit(x, y, batch_size=16, epochs=3, shuffle=False, callbacks=[best], verbose=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-1", "checkpoint"]
+    wrong = sg.keras.callbacks.ModelCheckpoint(str(tmp_path / "w-{val_auc}"))
+    with pytest.raises(KeyError, match="names 'val_auc'"):
+        frozen.fit(x, y, batch_size=16, epochs=1, callbacks=[wrong], verbose=0)
+
+
+class _Crash(sg.keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 2:
+            raise KeyboardInterrupt("simulated interruption")
+
+
+def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path):
+    x, y = keras_data(48)
+    torch.manual_seed(11)
+    initial = build_model().state_dict()
+    reference, _ = _reference(initial, x, y, epochs=4)
+    backup = str(tmp_path / "backup")
+
+    module = build_model()
+    module.load_state_dict(initial)
+    interrupted = _compiled(module)
+    with pytest.raises(KeyboardInterrupt):
+        interrupted.fit(
+            x, y, batch_size=24, epochs=4, shuffle=False, verbose=0,
+            callbacks=[_Crash(), sg.keras.callbacks.BackupAndRestore(backup)],
+        )  # fmt: skip
+    assert sg.train.latest_checkpoint(backup) is not None
+    # A new run (another initialisation, as a restarted script would have) resumes at epoch 2.
+    torch.manual_seed(12)
+    resumed = _compiled()
+    history = resumed.fit(
+        x, y, batch_size=24, epochs=4, shuffle=False, verbose=0,
+        callbacks=[sg.keras.callbacks.BackupAndRestore(backup)],
+    )  # fmt: skip
+    assert history.epoch == [2, 3]
+    for k, v in reference.module.state_dict().items():
+        torch.testing.assert_close(resumed.module.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+    assert not (tmp_path / "backup").exists()  # deleted once fit finished

@@ -22,7 +22,11 @@ model.compile(
     ["accuracy"],
 )
 x, y = keras_data()
-history = model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+callbacks = [
+    sg.keras.callbacks.ModelCheckpoint("ckpt/w-{epoch}", save_weights_only=True),
+    sg.keras.callbacks.CSVLogger("log.csv"),
+]
+history = model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
 result = {
     "num_replicas": strategy.num_replicas_in_sync,
     "initial": initial,

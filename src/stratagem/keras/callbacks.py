@@ -245,11 +245,22 @@ class EarlyStopping(Callback):
                 print(f"Epoch {epoch + 1}: early stopping")
 
 
+# The callbacks that write files live in their own module; they are part of this namespace,
+# imported last because they build on Callback above.
+from stratagem.keras.file_callbacks import (  # noqa: E402
+    BackupAndRestore,
+    CSVLogger,
+    ModelCheckpoint,
+)
+
 __all__ = [
+    "BackupAndRestore",
+    "CSVLogger",
     "Callback",
     "CallbackList",
     "EarlyStopping",
     "History",
     "LearningRateScheduler",
+    "ModelCheckpoint",
     "ProgbarLogger",
 ]

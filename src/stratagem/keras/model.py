@@ -13,6 +13,7 @@ update equals one device training on the whole global batch.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -27,6 +28,8 @@ from stratagem.distribute.values import PerReplica
 from stratagem.keras import callbacks as callbacks_module
 from stratagem.keras import losses, metrics, optimizers
 from stratagem.keras.data_adapter import global_batches, unpack
+from stratagem.train import Checkpoint, latest_checkpoint
+from stratagem.train.storage import is_checkpoint
 
 Logs = dict[str, float]
 
@@ -47,6 +50,7 @@ class Model:
         self.stop_training = False
         self.history: callbacks_module.History | None = None
         self._loss_tracker: metrics.Mean | None = None
+        self._initial_epoch = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -167,10 +171,11 @@ class Model:
         cbs = self._callbacks(callbacks, verbose, epochs=epochs, steps=steps)
         self.stop_training = False
         self.module.train()
-        cbs.on_train_begin()
+        self._initial_epoch = initial_epoch
+        cbs.on_train_begin()  # BackupAndRestore may move _initial_epoch on
         iterator: Iterator[Any] | None = None
         logs: Logs = {}
-        for epoch in range(initial_epoch, epochs):
+        for epoch in range(self._initial_epoch, epochs):
             self._reset_metrics()
             cbs.on_epoch_begin(epoch)
             step = 0
@@ -266,6 +271,22 @@ class Model:
         if not outputs:
             raise ValueError("predict found no batch: the data is empty")
         return torch.cat(outputs).numpy()
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, filepath: str) -> None:
+        """Load the module's weights from a checkpoint (``ModelCheckpoint``'s, a
+        ``sg.train.Checkpoint`` with ``model=``), or the newest one in a directory."""
+        path = os.fspath(filepath)
+        if os.path.isdir(path) and not is_checkpoint(path):
+            newest = latest_checkpoint(path)
+            if newest is None:
+                raise FileNotFoundError(f"no checkpoint in directory {path!r}")
+            path = newest
+        # Other saved state (an optimizer) is left alone, as Keras's load_weights does.
+        Checkpoint(model=self.module).restore(
+            path
+        ).expect_partial().assert_existing_objects_matched()
 
     # ------------------------------------------------------------------ summary
 

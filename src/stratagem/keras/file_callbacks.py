@@ -1,0 +1,203 @@
+"""The callbacks that write files: ``CSVLogger``, ``ModelCheckpoint``, ``BackupAndRestore``.
+
+Only the chief writes; every worker runs the hooks and none waits for the writes (checkpoints
+go through ``sg.train.Checkpoint``, whose ``write`` is chief-only and atomic). On several
+machines the directories must be on a filesystem every worker sees, since all of them read a
+backup on restore.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import shutil
+from typing import IO, Any
+
+import torch
+
+from stratagem.keras.callbacks import Callback, Logs, is_chief
+from stratagem.train import Checkpoint, CheckpointManager, latest_checkpoint
+from stratagem.train.storage import record_in_index
+
+
+class CSVLogger(Callback):
+    """One CSV row per epoch (``epoch`` then the logs, sorted), written by the chief."""
+
+    def __init__(self, filename: str, separator: str = ",", append: bool = False) -> None:
+        super().__init__()
+        self.filename = os.fspath(filename)
+        self.separator = separator
+        self.append = append
+        self._file: IO[str] | None = None
+        self._writer: Any = None
+        self._keys: list[str] | None = None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._keys = None
+        if not is_chief():
+            return
+        os.makedirs(os.path.dirname(self.filename) or ".", exist_ok=True)
+        continuing = self.append and os.path.isfile(self.filename)
+        if continuing:
+            with open(self.filename, newline="") as f:
+                header = next(csv.reader(f, delimiter=self.separator), None)
+            self._keys = header[1:] if header else None
+        self._file = open(self.filename, "a" if continuing else "w", newline="")  # noqa: SIM115
+        self._writer = csv.writer(self._file, delimiter=self.separator)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self._writer is None:
+            return
+        logs = logs or {}
+        if self._keys is None:
+            self._keys = sorted(logs)
+            self._writer.writerow(["epoch", *self._keys])
+        self._writer.writerow([epoch, *(logs.get(k, "NA") for k in self._keys)])
+        assert self._file is not None
+        self._file.flush()
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file, self._writer = None, None
+
+
+def _better(mode: str, monitor: str) -> str:
+    if mode not in ("auto", "min", "max"):
+        raise ValueError(f"mode {mode!r} is unknown; expected 'auto', 'min' or 'max'")
+    if mode == "auto":
+        return "max" if "acc" in monitor or monitor.endswith("auc") else "min"
+    return mode
+
+
+class ModelCheckpoint(Callback):
+    """Saves the model every epoch (or every ``save_freq`` batches) at ``filepath``.
+
+    ``filepath`` may hold ``{epoch}`` (from 1, as Keras) and log names, with format specs:
+    ``"ckpt/weights-{epoch:02d}-{val_loss:.2f}"``. Each save is an ``sg.train`` checkpoint
+    directory (the module, and unless ``save_weights_only`` the optimizer) recorded in its
+    directory's index, so ``sg.train.latest_checkpoint(dir)`` and ``model.load_weights(path)``
+    find it. ``save_best_only`` keeps to saves where ``monitor`` improved (``mode``).
+    """
+
+    def __init__(
+        self,
+        filepath: str,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_best_only: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+    ) -> None:
+        super().__init__()
+        if save_freq != "epoch" and (
+            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
+        ):
+            raise ValueError(f"save_freq must be 'epoch' or a positive int; got {save_freq!r}")
+        self.filepath = os.fspath(filepath)
+        self.monitor, self.mode = monitor, _better(mode, monitor)
+        self.verbose = verbose
+        self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
+        self.save_freq = save_freq
+        self.best: float | None = None
+        self._batches = 0
+        self._epoch = 0
+
+    def _checkpoint(self) -> Checkpoint:
+        assert self.model is not None
+        if self.save_weights_only or self.model.optimizer is None:
+            return Checkpoint(model=self.model.module)
+        return Checkpoint(model=self.model.module, optimizer=self.model.optimizer.torch_optimizer)
+
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            return
+        self._batches += 1
+        if self._batches % int(self.save_freq) == 0:
+            self._save(self._epoch, logs or {}, batch=batch)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(epoch, logs or {})
+
+    def _save(self, epoch: int, logs: Logs, batch: int | None = None) -> None:
+        if self.save_best_only:
+            value = logs.get(self.monitor)
+            if value is None:
+                raise KeyError(
+                    f"ModelCheckpoint(save_best_only=True) monitors {self.monitor!r}, which the "
+                    f"logs lack; they have {sorted(logs)}"
+                )
+            if not math.isfinite(value) or not self._improved(value):
+                return
+            self.best = value
+        try:
+            path = self.filepath.format(epoch=epoch + 1, batch=batch, **logs)
+        except KeyError as e:
+            raise KeyError(
+                f"ModelCheckpoint filepath {self.filepath!r} names {e}, which the logs lack; "
+                f"available: epoch, batch, {', '.join(sorted(logs))}"
+            ) from None
+        self._checkpoint().write(path)
+        if is_chief():
+            record_in_index(os.path.dirname(path) or ".", os.path.basename(path))
+            if self.verbose:
+                print(f"\nEpoch {epoch + 1}: saving model to {path}")
+
+    def _improved(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        return value < self.best if self.mode == "min" else value > self.best
+
+
+class BackupAndRestore(Callback):
+    """Backs up the training state at the end of every epoch; a restarted ``fit`` resumes at
+    the epoch after the last backup, with the model and optimizer as they were.
+
+    The backup is deleted when ``fit`` finishes (unless ``delete_checkpoint=False``), so only
+    an interrupted run leaves one behind. Backups at a batch frequency (Keras's integer
+    ``save_freq``) are not supported yet.
+    """
+
+    def __init__(
+        self, backup_dir: str, save_freq: str = "epoch", delete_checkpoint: bool = True
+    ) -> None:
+        super().__init__()
+        if save_freq != "epoch":
+            raise ValueError(
+                f"BackupAndRestore supports save_freq='epoch' only for now; got {save_freq!r}"
+            )
+        self.backup_dir = os.fspath(backup_dir)
+        self.delete_checkpoint = delete_checkpoint
+        self._epoch = torch.tensor(-1, dtype=torch.int64)
+        self._manager: CheckpointManager | None = None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        assert self.model is not None and self.model.optimizer is not None
+        checkpoint = Checkpoint(
+            model=self.model.module,
+            optimizer=self.model.optimizer.torch_optimizer,
+            epoch=self._epoch,
+        )
+        self._manager = CheckpointManager(checkpoint, self.backup_dir, max_to_keep=1)
+        latest = latest_checkpoint(self.backup_dir)
+        if latest is not None:
+            checkpoint.restore(latest).assert_existing_objects_matched()
+            self.model._initial_epoch = int(self._epoch) + 1
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        assert self._manager is not None
+        self._epoch.fill_(epoch)
+        self._manager.save()
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self.delete_checkpoint and is_chief():
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+
+__all__ = ["BackupAndRestore", "CSVLogger", "ModelCheckpoint"]
