@@ -32,3 +32,17 @@ def test_allreduce_benchmark_smoke_run_reports_every_row(tmp_path):
     # The table printed for the README has the same rows.
     table = [line for line in output.splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(rows), output  # header, rule, rows
+
+
+def test_fit_overhead_benchmark_smoke_run_reports_both_figures(tmp_path):
+    out = tmp_path / "results.json"
+    argv = [sys.executable, str(REPO / "benchmarks" / "fit_overhead.py"), "--quick"]
+    argv += ["--json", str(out)]
+    result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    results = json.loads(out.read_text())
+    assert math.isfinite(results["one_device_fit_overhead_median_of_runs"]), results
+    assert results["two_workers_fit_over_ddp_median_of_runs"] > 0, results
+    assert all(v > 0 for v in results["one_device_ms_per_step"].values()), results
+    assert "| fit overhead vs a hand-written loop" in output, output

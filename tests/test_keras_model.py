@@ -167,6 +167,10 @@ def test_progress_output_one_line_per_epoch():
     assert "loss: " in lines[1] and "accuracy: " in lines[1], lines
 
 
+def _sparse(model):
+    model.compile("sgd", sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -186,6 +190,16 @@ def test_progress_output_one_line_per_epoch():
         ),
         (lambda m, x, y: (m.compile("sgd", "mse"), m.fit(x, y, verbose=7)), "got 7"),
         (lambda m, x, y: (m.compile("sgd", "mse"), m.fit(x, verbose=0)), "needs targets"),
+        (
+            lambda m, x, y: (_sparse(m), m.fit(x, torch.nn.functional.one_hot(y), verbose=0)),
+            r"one integer label per example \(shape \[32\]\); got labels of shape \[32, 3\]",
+        ),
+        (lambda m, x, y: (_sparse(m), m.fit(x, y + 0.5, verbose=0)), "integer class labels"),
+        (lambda m, x, y: (_sparse(m), m.fit(x, y + 3, verbose=0)), r"classes 0\.\.2"),
+        (
+            lambda m, x, y: (_sparse(m), m.fit(x, y, validation_data=(x[:, :4], y), verbose=0)),
+            r"validation_data examples have shape \[4\], the training examples \[5\]",
+        ),
     ],
 )
 def test_bad_arguments_are_clear_errors(call, message):
@@ -324,3 +338,114 @@ def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path):
     for k, v in reference.module.state_dict().items():
         torch.testing.assert_close(resumed.module.state_dict()[k], v, rtol=1e-5, atol=1e-6)
     assert not (tmp_path / "backup").exists()  # deleted once fit finished
+
+
+def test_tensorboard_writes_event_files_tensorboard_reads(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x, y = keras_data(48)
+    board = sg.keras.callbacks.TensorBoard(str(tmp_path / "logs"), update_freq="batch")
+    history = _compiled().fit(
+        x, y, batch_size=16, epochs=2, validation_data=(x, y), callbacks=[board], verbose=0
+    )
+    train = EventAccumulator(str(tmp_path / "logs" / "train"))
+    validation = EventAccumulator(str(tmp_path / "logs" / "validation"))
+    train.Reload()
+    validation.Reload()
+    tags = set(train.Tags()["scalars"])
+    assert {"epoch_loss", "epoch_accuracy", "epoch_learning_rate", "batch_loss"} <= tags
+    assert [e.step for e in train.Scalars("epoch_loss")] == [0, 1]
+    for tag, key, events in [
+        ("epoch_loss", "loss", train),
+        ("epoch_accuracy", "accuracy", train),
+        ("epoch_loss", "val_loss", validation),
+    ]:
+        values = [e.value for e in events.Scalars(tag)]
+        assert values == pytest.approx(history.history[key], rel=1e-6), tag
+    assert [e.step for e in train.Scalars("batch_loss")] == list(range(1, 7))  # 3 per epoch
+
+
+def _trained_and_saved(path):
+    x, y = keras_data(48)
+    torch.manual_seed(5)
+    model = _compiled()
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model.save(str(path))
+    return model, x, y
+
+
+def test_save_and_load_model_outside_and_inside_a_strategy_scope(tmp_path):
+    model, x, y = _trained_and_saved(tmp_path / "saved")
+    assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "program.pt2",
+    ]
+    expected = model.predict(x)
+    loaded = sg.keras.models.load_model(str(tmp_path / "saved"))
+    np.testing.assert_allclose(loaded.predict(x), expected, rtol=1e-5, atol=1e-6)
+    assert loaded.evaluate(x, y, verbose=0) == pytest.approx(
+        model.evaluate(x, y, verbose=0), rel=1e-5
+    )
+    assert loaded.optimizer.learning_rate == pytest.approx(0.1)
+    # The weights load in plain PyTorch, without stratagem.
+    from safetensors.torch import load_file
+
+    plain = build_model()
+    plain.load_state_dict(load_file(str(tmp_path / "saved" / "model.safetensors")))
+    with torch.no_grad():
+        np.testing.assert_allclose(plain(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+    # Inside a scope the loaded model is distributed: training it on 2 replicas equals
+    # training the single-device copy on the global batch.
+    strategy = sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        mirrored = sg.keras.models.load_model(str(tmp_path / "saved"))
+    assert mirrored.distribute_strategy is strategy
+    mirrored.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(mirrored.predict(x), loaded.predict(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_without_a_program_loads_into_a_given_module(tmp_path):
+    model = _compiled()  # never saw an input: nothing to export with
+    with pytest.warns(UserWarning, match="never saw an input"):
+        model.save(str(tmp_path / "saved"))
+    with pytest.raises(ValueError, match="pass module="):
+        sg.keras.models.load_model(str(tmp_path / "saved"))
+    loaded = sg.keras.models.load_model(str(tmp_path / "saved"), module=build_model())
+    for k, v in model.module.state_dict().items():
+        torch.testing.assert_close(loaded.module.state_dict()[k], v, rtol=0, atol=0)
+    with pytest.raises(FileNotFoundError, match="not a saved model"):
+        sg.keras.models.load_model(str(tmp_path))
+
+
+def test_a_global_batch_smaller_than_the_replicas_is_a_clear_error():
+    strategy = sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model = _compiled()
+    x, y = keras_data(8)
+    with pytest.raises(ValueError, match="batch_size 1 is the global batch, smaller than the 2"):
+        model.fit(x, y, batch_size=1, verbose=0)
+
+
+def test_a_truncated_weights_file_is_a_clear_error(tmp_path):
+    _trained_and_saved(tmp_path / "saved")
+    weights = tmp_path / "saved" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="truncated or damaged"):
+        sg.keras.models.load_model(str(tmp_path / "saved"))
+
+
+def test_per_step_logs_are_computed_only_for_callbacks_that_read_them(monkeypatch):
+    # Under MultiWorkerMirroredStrategy each computation is an all-reduce: none per step unless
+    # a callback reads batch logs (a progress bar in a terminal, a user's batch hook...).
+    x, y = keras_data(48)
+    model = _compiled()
+    calls = []
+    original = model._logs
+    monkeypatch.setattr(model, "_logs", lambda: calls.append(1) or original())
+    model.fit(x, y, batch_size=16, epochs=2, verbose=2)  # 3 steps an epoch
+    assert len(calls) == 2  # the epoch ends
+    calls.clear()
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[_Recorder()])
+    assert len(calls) == 2 + 6

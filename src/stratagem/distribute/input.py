@@ -272,6 +272,8 @@ class _SplittingIterator(_AgreedIterator):
                 f"replicas; use a global batch size divisible by {replicas} (only a last, "
                 "smaller batch may be uneven)"
             )
+        if replicas == 1:  # one replica in all: the global batch is its batch
+            return self._distributor.deliver([batch], size)
         sizes = split_sizes(size, replicas)
         local = len(self._strategy._devices)
         first = self._strategy._comm.rank * local

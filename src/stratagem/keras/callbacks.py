@@ -38,6 +38,12 @@ class Callback:
     def set_params(self, params: dict[str, Any]) -> None:
         self.params = params
 
+    @property
+    def needs_batch_logs(self) -> bool:
+        """Whether ``on_train_batch_end`` reads its logs. Computing them is a collective per
+        step under MultiWorkerMirroredStrategy, so fit does it only for callbacks that do."""
+        return type(self).on_train_batch_end is not Callback.on_train_batch_end
+
     def on_train_begin(self, logs: Logs | None = None) -> None: ...
     def on_train_end(self, logs: Logs | None = None) -> None: ...
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...
@@ -94,7 +100,10 @@ class History(Callback):
 
 
 def format_logs(logs: Logs) -> str:
-    return " - ".join(f"{k}: {v:.4f}" for k, v in logs.items())
+    # Keras's format: 4 decimals, or scientific notation for small values (a decayed lr).
+    return " - ".join(
+        f"{k}: {v:.4f}" if v == 0 or abs(v) >= 1e-3 else f"{k}: {v:.4e}" for k, v in logs.items()
+    )
 
 
 class ProgbarLogger(Callback):
@@ -113,6 +122,10 @@ class ProgbarLogger(Callback):
 
     def _out(self) -> Any:
         return self.stream or sys.stdout
+
+    @property
+    def needs_batch_logs(self) -> bool:
+        return self.verbose == 1
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._start = time.monotonic()
@@ -251,6 +264,7 @@ from stratagem.keras.file_callbacks import (  # noqa: E402
     BackupAndRestore,
     CSVLogger,
     ModelCheckpoint,
+    TensorBoard,
 )
 
 __all__ = [
@@ -263,4 +277,5 @@ __all__ = [
     "LearningRateScheduler",
     "ModelCheckpoint",
     "ProgbarLogger",
+    "TensorBoard",
 ]

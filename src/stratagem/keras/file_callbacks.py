@@ -1,7 +1,9 @@
-"""The callbacks that write files: ``CSVLogger``, ``ModelCheckpoint``, ``BackupAndRestore``.
+"""The callbacks that write files: ``CSVLogger``, ``ModelCheckpoint``, ``BackupAndRestore``,
+``TensorBoard``.
 
 Only the chief writes; every worker runs the hooks and none waits for the writes (checkpoints
-go through ``sg.train.Checkpoint``, whose ``write`` is chief-only and atomic). On several
+go through ``sg.train.Checkpoint``, whose ``write`` is chief-only and atomic), except once at
+the end of ``fit``, so that what follows it on any worker sees the last checkpoint. On several
 machines the directories must be on a filesystem every worker sees, since all of them read a
 backup on restore.
 """
@@ -16,6 +18,7 @@ from typing import IO, Any
 
 import torch
 
+from stratagem.comm import current_communicator
 from stratagem.keras.callbacks import Callback, Logs, is_chief
 from stratagem.train import Checkpoint, CheckpointManager, latest_checkpoint
 from stratagem.train.storage import record_in_index
@@ -105,6 +108,10 @@ class ModelCheckpoint(Callback):
         self._batches = 0
         self._epoch = 0
 
+    @property
+    def needs_batch_logs(self) -> bool:
+        return self.save_freq != "epoch"
+
     def _checkpoint(self) -> Checkpoint:
         assert self.model is not None
         if self.save_weights_only or self.model.optimizer is None:
@@ -148,6 +155,11 @@ class ModelCheckpoint(Callback):
             record_in_index(os.path.dirname(path) or ".", os.path.basename(path))
             if self.verbose:
                 print(f"\nEpoch {epoch + 1}: saving model to {path}")
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        # The one synchronisation: code after fit (load_weights of the latest save) on any
+        # worker must see the chief's last write.
+        current_communicator().barrier(what="ModelCheckpoint's last save")
 
     def _improved(self, value: float) -> bool:
         if self.best is None:
@@ -200,4 +212,60 @@ class BackupAndRestore(Callback):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
 
-__all__ = ["BackupAndRestore", "CSVLogger", "ModelCheckpoint"]
+class TensorBoard(Callback):
+    """TensorBoard event files, as Keras lays them out: ``<log_dir>/train`` and
+    ``<log_dir>/validation`` with ``epoch_loss``, ``epoch_accuracy``... per epoch, the learning
+    rate as ``epoch_learning_rate``, and with ``update_freq="batch"`` (or every N batches)
+    ``batch_*`` scalars by global step. Written by the chief through ``SummaryWriter``.
+    """
+
+    def __init__(self, log_dir: str = "logs", update_freq: str | int = "epoch") -> None:
+        super().__init__()
+        if update_freq not in ("epoch", "batch") and (
+            isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1
+        ):
+            raise ValueError(
+                f"update_freq must be 'epoch', 'batch' or a positive int; got {update_freq!r}"
+            )
+        self.log_dir = os.fspath(log_dir)
+        self.update_freq = 1 if update_freq == "batch" else update_freq
+        self._writers: dict[str, Any] = {}
+        self._step = 0
+
+    @property
+    def needs_batch_logs(self) -> bool:
+        return self.update_freq != "epoch"
+
+    def _writer(self, split: str) -> Any:
+        if split not in self._writers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writers[split] = SummaryWriter(os.path.join(self.log_dir, split))
+        return self._writers[split]
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        self._step += 1
+        if self.update_freq == "epoch" or not is_chief() or self._step % self.update_freq:
+            return
+        for name, value in (logs or {}).items():
+            self._writer("train").add_scalar(f"batch_{name}", value, self._step)
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if not is_chief():
+            return
+        logs = dict(logs or {})
+        if "learning_rate" not in logs and self.model is not None and self.model.optimizer:
+            logs["learning_rate"] = self.model.optimizer.learning_rate
+        for name, value in logs.items():
+            split, tag = ("validation", name[4:]) if name.startswith("val_") else ("train", name)
+            self._writer(split).add_scalar(f"epoch_{tag}", value, epoch)
+        for writer in self._writers.values():
+            writer.flush()
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
+
+
+__all__ = ["BackupAndRestore", "CSVLogger", "ModelCheckpoint", "TensorBoard"]

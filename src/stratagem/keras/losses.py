@@ -69,10 +69,34 @@ class SparseCategoricalCrossentropy(Loss):
         self.from_logits = from_logits
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
+        _check_labels(y_true, y_pred)
         labels = y_true.reshape(y_pred.shape[:-1]).long()
         logits = y_pred if self.from_logits else torch.log(y_pred.clamp_min(1e-7))
         flat = logits.reshape(-1, logits.shape[-1])
         return F.cross_entropy(flat, labels.reshape(-1), reduction="none").reshape(labels.shape)
+
+
+def _check_labels(y_true: torch.Tensor, y_pred: torch.Tensor) -> None:
+    """Integer class labels, one per prediction row, each a valid class."""
+    rows, classes = y_pred.shape[:-1], y_pred.shape[-1]
+    if y_true.numel() != rows.numel():
+        hint = " (one-hot labels go with CategoricalCrossentropy)" if y_true.dim() == 2 else ""
+        raise ValueError(
+            f"SparseCategoricalCrossentropy takes one integer label per example (shape "
+            f"{list(rows)}); got labels of shape {list(y_true.shape)}{hint}"
+        )
+    if y_true.is_floating_point() and not torch.equal(y_true, y_true.round()):
+        raise ValueError(
+            f"SparseCategoricalCrossentropy takes integer class labels; got {y_true.dtype} "
+            f"values such as {y_true.flatten()[(y_true != y_true.round()).flatten()][0].item()}"
+        )
+    if y_true.numel():
+        low, high = (int(v) for v in torch.aminmax(y_true))
+        if low < 0 or high >= classes:
+            raise ValueError(
+                f"labels must be classes 0..{classes - 1} (the predictions have {classes}); "
+                f"got values from {low} to {high}"
+            )
 
 
 class CategoricalCrossentropy(Loss):

@@ -118,8 +118,12 @@ class Mean(Metric):
 
     def _accumulate(self, values: Any, sample_weight: Any = None) -> None:
         values = torch.as_tensor(values).to(torch.float32)
-        w = _weights(sample_weight, values)
         total, count = self._state(values.device)
+        if sample_weight is None:  # the common case, called every step: no weight tensor
+            total += values.sum()
+            count += values.numel()
+            return
+        w = _weights(sample_weight, values)
         total += (values * w).sum()
         count += w.sum()
 

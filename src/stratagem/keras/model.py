@@ -51,6 +51,7 @@ class Model:
         self.history: callbacks_module.History | None = None
         self._loss_tracker: metrics.Mean | None = None
         self._initial_epoch = 0
+        self._example_input: torch.Tensor | None = None  # for torch.export in save()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -110,6 +111,7 @@ class Model:
         """One step on one replica's part of the batch: forward, loss, backward, update."""
         assert self.optimizer is not None
         x, y, sample_weight = unpack(data)
+        self._remember_input(x)
         y_pred = self.module(x)
         loss = self.compute_loss(x, y, y_pred, sample_weight)
         self.optimizer.zero_grad()
@@ -127,8 +129,14 @@ class Model:
 
     def predict_step(self, data: Any) -> torch.Tensor:
         x, _, _ = unpack(data)
+        self._remember_input(x)
         with torch.no_grad():
             return self.module(x)
+
+    def _remember_input(self, x: Any) -> None:
+        if self._example_input is None and isinstance(x, torch.Tensor) and len(x) > 0:
+            # Two rows: torch.export specialises a dimension of size 1.
+            self._example_input = x[:1].detach().cpu().repeat(2, *([1] * (x.dim() - 1)))
 
     def _update_metrics(self, y: Any, y_pred: torch.Tensor, sample_weight: Any) -> None:
         for metric in self.compiled_metrics:
@@ -164,13 +172,21 @@ class Model:
         if steps_per_epoch is not None:
             _check_count("steps_per_epoch", steps_per_epoch, minimum=1)
         strategy = self.distribute_strategy
+        replicas = strategy.num_replicas_in_sync
+        if batch_size is not None and isinstance(batch_size, int) and batch_size < replicas:
+            raise ValueError(
+                f"batch_size {batch_size} is the global batch, smaller than the "
+                f"{replicas} replicas in sync; give at least one example per replica"
+            )
+        _check_validation_shape(x, validation_data)
         batches, steps = global_batches(x, y, batch_size, shuffle=shuffle, what="fit")
         dataset = strategy.experimental_distribute_dataset(batches)
         steps = steps_per_epoch or steps
         self.history = callbacks_module.History()
         cbs = self._callbacks(callbacks, verbose, epochs=epochs, steps=steps)
         self.stop_training = False
-        self.module.train()
+        _set_training(self.module, True)
+        batch_logs = any(cb.needs_batch_logs for cb in cbs.callbacks)
         self._initial_epoch = initial_epoch
         cbs.on_train_begin()  # BackupAndRestore may move _initial_epoch on
         iterator: Iterator[Any] | None = None
@@ -191,7 +207,7 @@ class Model:
                     continue  # steps_per_epoch goes on into the next pass over the data
                 cbs.on_train_batch_begin(step)
                 strategy.run(self.train_step, args=(batch,))
-                cbs.on_train_batch_end(step, self._logs())
+                cbs.on_train_batch_end(step, self._logs() if batch_logs else {})
                 step += 1
             if steps_per_epoch is None:
                 iterator = None  # the next epoch is a fresh pass
@@ -203,7 +219,7 @@ class Model:
             if validation_data is not None:
                 val = self._evaluate_logs(validation_data, batch_size, verbose=0)
                 logs.update({f"val_{k}": v for k, v in val.items()})
-                self.module.train()
+                _set_training(self.module, True)
             cbs.on_epoch_end(epoch, logs)
             if self.stop_training:
                 break
@@ -244,7 +260,7 @@ class Model:
         x, y = _split_xy(data)
         batches, _ = global_batches(x, y, batch_size, shuffle=False, what="evaluate")
         strategy = self.distribute_strategy
-        self.module.eval()
+        _set_training(self.module, False)
         self._reset_metrics()
         count = 0
         for batch in strategy.experimental_distribute_dataset(batches):
@@ -261,7 +277,7 @@ class Model:
         """The module's outputs for every example, in order, as a numpy array."""
         batches, _ = global_batches(x, None, batch_size, shuffle=False, what="predict")
         strategy = self.distribute_strategy
-        self.module.eval()
+        _set_training(self.module, False)
         outputs = []
         for batch in strategy.experimental_distribute_dataset(batches):
             result = strategy.run(self.predict_step, args=(batch,))
@@ -277,6 +293,8 @@ class Model:
     def load_weights(self, filepath: str) -> None:
         """Load the module's weights from a checkpoint (``ModelCheckpoint``'s, a
         ``sg.train.Checkpoint`` with ``model=``), or the newest one in a directory."""
+        if filepath is None:
+            raise ValueError("load_weights got None (did latest_checkpoint find no checkpoint?)")
         path = os.fspath(filepath)
         if os.path.isdir(path) and not is_checkpoint(path):
             newest = latest_checkpoint(path)
@@ -287,6 +305,12 @@ class Model:
         Checkpoint(model=self.module).restore(
             path
         ).expect_partial().assert_existing_objects_matched()
+
+    def save(self, filepath: str) -> str:
+        """Write the model as a self-describing directory (see ``sg.keras.saving``)."""
+        from stratagem.keras.saving import save_model
+
+        return save_model(self, filepath)
 
     # ------------------------------------------------------------------ summary
 
@@ -303,6 +327,24 @@ class Model:
 
 
 _metrics_module = metrics  # ``Model.metrics`` (a property) shadows the module name in the class
+
+
+def _check_validation_shape(x: Any, validation_data: Any) -> None:
+    if validation_data is None or not _is_array(x):
+        return
+    x_val, _ = _split_xy(validation_data)
+    if _is_array(x_val) and tuple(x_val.shape[1:]) != tuple(x.shape[1:]):
+        raise ValueError(
+            f"validation_data examples have shape {list(x_val.shape[1:])}, the training "
+            f"examples {list(x.shape[1:])}"
+        )
+
+
+def _set_training(module: torch.nn.Module, training: bool) -> None:
+    try:
+        module.train(training)
+    except NotImplementedError:
+        pass  # a module rebuilt from a torch.export program keeps the mode it was exported in
 
 
 def _split_xy(data: Any) -> tuple[Any, Any]:
