@@ -449,3 +449,25 @@ def test_per_step_logs_are_computed_only_for_callbacks_that_read_them(monkeypatc
     calls.clear()
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[_Recorder()])
     assert len(calls) == 2 + 6
+
+
+def test_auc_matches_scikit_learn_and_sums_over_replicas():
+    from sklearn.metrics import roc_auc_score
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 2, (400,), generator=g)
+    scores = (labels.float() * 0.3 + torch.rand(400, generator=g) * 0.7).clamp(0, 1)
+    auc = sg.keras.metrics.AUC()
+    auc.update_state(labels[:150], scores[:150])
+    auc.update_state(labels[150:], scores[150:])
+    assert float(auc.result()) == pytest.approx(roc_auc_score(labels, scores), abs=5e-3)
+    # Under MirroredStrategy each replica counts its half; the result is over both.
+    strategy = sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        mirrored = sg.keras.metrics.AUC()
+    data = strategy.experimental_distribute_dataset([(labels, scores)])
+    for batch in data:
+        strategy.run(lambda b: mirrored.update_state(*b), args=(batch,))
+    assert float(mirrored.result()) == pytest.approx(float(auc.result()), abs=1e-6)
+    with pytest.raises(ValueError, match="num_thresholds must be an integer > 1; got 1"):
+        sg.keras.metrics.AUC(num_thresholds=1)

@@ -24,6 +24,7 @@ class Metric:
     """Base class: subclasses define the state (``_initial``), ``_accumulate`` and ``_compute``."""
 
     _state_names: tuple[str, ...] = ()
+    _state_shape: tuple[int, ...] = ()  # every state tensor's shape (scalars by default)
 
     def __init__(self, name: str | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.name = name or _snake(type(self).__name__)
@@ -43,7 +44,10 @@ class Metric:
             with self._lock:
                 state = self._states.setdefault(
                     replica,
-                    [torch.zeros((), dtype=self.dtype, device=device) for _ in self._state_names],
+                    [
+                        torch.zeros(self._state_shape, dtype=self.dtype, device=device)
+                        for _ in self._state_names
+                    ],
                 )
         return state
 
@@ -58,7 +62,7 @@ class Metric:
         raise NotImplementedError
 
     def _totals(self, *, across_workers: bool) -> list[torch.Tensor]:
-        totals = torch.zeros(len(self._state_names), dtype=torch.float64)
+        totals = torch.zeros((len(self._state_names), *self._state_shape), dtype=torch.float64)
         for state in list(self._states.values()):
             totals += torch.stack([s.detach().to("cpu", torch.float64) for s in state])
         if across_workers:
@@ -179,6 +183,53 @@ class Accuracy(_MatchRate):
         return y_pred == y_true.to(y_pred.device)
 
 
+class AUC(Metric):
+    """Area under the ROC curve, from confusion counts at ``num_thresholds`` thresholds (as
+    Keras: predictions are probabilities, or logits with ``from_logits=True``; labels 0/1;
+    everything is flattened). The counts are summed over replicas and workers on read."""
+
+    _state_names = ("true_positives", "false_positives", "true_negatives", "false_negatives")
+
+    def __init__(
+        self, num_thresholds: int = 200, from_logits: bool = False, name: str | None = None
+    ) -> None:
+        if isinstance(num_thresholds, bool) or not isinstance(num_thresholds, int):
+            raise ValueError(f"num_thresholds must be an integer > 1; got {num_thresholds!r}")
+        if num_thresholds < 2:
+            raise ValueError(f"num_thresholds must be an integer > 1; got {num_thresholds!r}")
+        super().__init__(name or "auc")
+        self.from_logits = from_logits
+        self._state_shape = (num_thresholds,)
+        inner = [(i + 1) / (num_thresholds - 1) for i in range(num_thresholds - 2)]
+        self.thresholds = torch.tensor([-1e-7, *inner, 1 + 1e-7], dtype=torch.float64)
+
+    def _accumulate(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
+        y_pred = torch.as_tensor(y_pred).to(torch.float64).flatten()
+        if self.from_logits:
+            y_pred = torch.sigmoid(y_pred)
+        labels = torch.as_tensor(y_true, device=y_pred.device).to(torch.float64).flatten()
+        if labels.shape != y_pred.shape:
+            raise ValueError(
+                f"AUC takes one 0/1 label per prediction; got {labels.numel()} labels for "
+                f"{y_pred.numel()} predictions"
+            )
+        w = _weights(sample_weight, labels).to(torch.float64).flatten()
+        above = y_pred[None, :] > self.thresholds.to(y_pred.device)[:, None]
+        positive, negative = labels * w, (1 - labels) * w
+        tp, fp, tn, fn = self._state(y_pred.device)
+        tp += (above * positive).sum(1).to(tp.dtype)
+        fp += (above * negative).sum(1).to(fp.dtype)
+        tn += (~above * negative).sum(1).to(tn.dtype)
+        fn += (~above * positive).sum(1).to(fn.dtype)
+
+    def _compute(self, totals: list[torch.Tensor]) -> torch.Tensor:
+        tp, fp, tn, fn = totals
+        tpr = tp / (tp + fn).clamp_min(1e-12)
+        fpr = fp / (fp + tn).clamp_min(1e-12)
+        # Thresholds ascend, so both rates descend: trapezoids between neighbours.
+        return ((fpr[:-1] - fpr[1:]) * (tpr[:-1] + tpr[1:]) / 2).sum()
+
+
 def get(identifier: Any, loss: Any = None) -> Metric:
     """A metric from a Keras name (``"accuracy"`` follows the loss, as in Keras) or an object."""
     if isinstance(identifier, Metric):
@@ -195,6 +246,7 @@ def get(identifier: Any, loss: Any = None) -> Metric:
     by_name = {
         "sparse_categorical_accuracy": SparseCategoricalAccuracy,
         "categorical_accuracy": CategoricalAccuracy,
+        "auc": AUC,
     }
     if name in by_name:
         return by_name[name](name=identifier)
@@ -205,6 +257,7 @@ def get(identifier: Any, loss: Any = None) -> Metric:
 
 
 __all__ = [
+    "AUC",
     "Accuracy",
     "CategoricalAccuracy",
     "Mean",
