@@ -134,3 +134,30 @@ def test_keras_example_on_two_workers(tmp_path):
     # The chief alone printed the progress (its epoch lines), both workers the evaluations.
     assert re.findall(r"\[worker 1\] Epoch \d+/2", output) == [], output
     assert len(re.findall(r"\[worker 0\] Epoch \d+/2", output)) == 2, output
+
+
+def test_a_killed_fit_resumes_from_backup_and_ends_as_an_uninterrupted_one(tmp_path):
+    script = str(REPO / "tests" / "workers" / "keras_backup.py")
+
+    def launch(name, *extra):
+        argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2", *extra, script]
+        argv += [str(tmp_path / f"{name}-backup")]
+        return argv
+
+    plain, plain_output = _wait(
+        Process(launch("plain"), child_env(), tmp_path, "plain"), timeout=300
+    )
+    assert plain.returncode == 0, plain_output
+    argv = [*launch("killed", "--max-restarts", "1"), "--kill"]
+    launcher = Process(argv, child_env(), tmp_path, "killed", merge_output=True)
+    killed, killed_output = _wait(launcher, timeout=300)
+    assert killed.returncode == 0, killed_output
+    before, _, after = killed_output.partition("restarting the job")
+    assert after and "worker 1 failed" in before, killed_output
+    pattern = r"\[worker 0\] trained epochs \[([0-9, ]+)\] final accuracy ([0-9.]+)"
+    ((full_epochs, full_accuracy),) = re.findall(pattern, plain_output)
+    ((resumed_epochs, resumed_accuracy),) = re.findall(pattern, after)
+    assert full_epochs == "0, 1, 2, 3, 4, 5"
+    assert resumed_epochs == "3, 4, 5"  # epochs 0-2 were backed up before the kill
+    assert abs(float(resumed_accuracy) - float(full_accuracy)) <= 0.01
+    assert not (tmp_path / "killed-backup").exists()  # removed once the fit finished
