@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,23 +38,8 @@ from typing import Any
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "examples"))
-
-
-def seed_cnn() -> torch.nn.Module:
-    from mnist import build_cnn_model
-
-    return build_cnn_model()
-
-
-def batches(n: int, size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (torch.rand(size, 28, 28, generator=g), torch.randint(0, 10, (size,), generator=g))
-        for _ in range(n)
-    ]
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import STABLE_MALLOC, batches, clean_env, free_port, run_processes, seed_cnn
 
 # ------------------------------------------------------------------------------ workers
 
@@ -200,58 +183,22 @@ def raw_threads_rate(threads: int, steps: int, warmup: int, per_thread: int) -> 
     return steps * per_thread * threads / seconds
 
 
-STABLE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
-
-
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
-    for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
 def run_job(kind: str, steps: int, warmup: int, batch: int, extra: dict[str, str]) -> str:
     """One 2-process job (one intra-op thread each); returns rank 0's last output line."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    numbers = [str(steps), str(warmup), str(batch)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", kind, str(rank), str(port), *numbers],
-            env=_env({"OMP_NUM_THREADS": "1", **extra}),
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+    port, numbers = free_port(), [str(steps), str(warmup), str(batch)]
+    argvs = [
+        [sys.executable, __file__, "--worker", kind, str(rank), str(port), *numbers]
         for rank in range(2)
     ]
-    try:
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    for p, out in zip(procs, outs):
-        if p.returncode != 0:
-            raise RuntimeError(f"{kind} worker exited {p.returncode}: {out}")
-    return outs[0].strip().splitlines()[-1]
+    return run_processes(argvs, clean_env({"OMP_NUM_THREADS": "1", **extra}))[0]
 
 
 def run_mirrored(
     replicas: int, steps: int, warmup: int, extra: dict[str, str], mode: str = "--mirrored"
 ) -> float:
     """One process over ``replicas`` logical CPU devices (or raw threads); samples/s."""
-    out = subprocess.run(
-        [sys.executable, __file__, mode, str(replicas), str(steps), str(warmup)],
-        env=_env(extra),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    ).stdout
-    return float(out.strip().splitlines()[-1])
+    argv = [sys.executable, __file__, mode, str(replicas), str(steps), str(warmup)]
+    return float(run_processes([argv], clean_env(extra))[0])
 
 
 # ------------------------------------------------------------------------------ mirrored

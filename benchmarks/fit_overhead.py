@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from allreduce_strategies import STABLE_MALLOC, batches, seed_cnn
+from common import STABLE_MALLOC, batches, clean_env, free_port, run_processes, seed_cnn
 
 
 def _model(sg):
@@ -115,30 +113,8 @@ def two_workers(rank: int, port: int, blocks: int, steps: int, batch: int) -> di
 
 
 def _run(argv: list[str], extra: dict[str, str], n: int = 1) -> list[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
-    for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, *argv, str(rank)],
-            env=env,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        for rank in range(n)
-    ]
-    try:
-        outs = [p.communicate(timeout=600)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
-    for p, out in zip(procs, outs):
-        if p.returncode != 0:
-            raise RuntimeError(f"{argv} exited {p.returncode}: {out}")
-    return [out.strip().splitlines()[-1] for out in outs]
+    argvs = [[sys.executable, __file__, *argv, str(rank)] for rank in range(n)]
+    return run_processes(argvs, clean_env(extra))
 
 
 def main() -> None:
@@ -171,10 +147,9 @@ def main() -> None:
         print(f"one device, run {r + 1}/{runs}: fit overhead {overheads[-1]:+.2%}", flush=True)
     ratios, fit_rates, ddp_rates = [], [], []
     for r in range(runs):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        lines = _run(["--two-workers", str(port), str(blocks), str(steps), "128"], extra, n=2)
+        lines = _run(
+            ["--two-workers", str(free_port()), str(blocks), str(steps), "128"], extra, n=2
+        )
         got = json.loads(lines[0])
         fit_rates += got["fit"]
         ddp_rates += got["ddp"]

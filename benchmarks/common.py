@@ -1,0 +1,64 @@
+"""What the benchmarks share: the seed CNN and its synthetic batches, and running measurements
+in fresh processes (each in its own process group, killed whatever happens)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+# glibc keeps freed memory instead of handing it back to the kernel (see allreduce_strategies).
+STABLE_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+
+
+def seed_cnn() -> torch.nn.Module:
+    from mnist import build_cnn_model
+
+    return build_cnn_model()
+
+
+def batches(n: int, size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.rand(size, 28, 28, generator=g), torch.randint(0, 10, (size,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(extra: dict[str, str]) -> dict[str, str]:
+    """This environment without any cluster of the caller's, plus ``extra``."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
+    for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def run_processes(argvs: list[list[str]], env: dict[str, str], timeout: float = 600) -> list[str]:
+    """Run one process per argv together; the last line each printed. Fails if any fails."""
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        for argv in argvs
+    ]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    for argv, p, out in zip(argvs, procs, outs):
+        if p.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[1:])} exited {p.returncode}: {out}")
+    return [out.strip().splitlines()[-1] for out in outs]
