@@ -87,6 +87,9 @@ def test_a_torch_optimizer_and_the_dataset_inputs_work():
     assert len(model.fit(dataset, epochs=2, verbose=0).history["loss"]) == 2
     batches = [(x[:24], y[:24]), (x[24:], y[24:])]
     assert len(model.evaluate(batches, verbose=0)) == 2
+    # Arrays with a batch_size for training, a dataset of batches for validation.
+    history = model.fit(x, y, batch_size=16, validation_data=batches, verbose=0)
+    assert "val_loss" in history.history
 
 
 class _Recorder(sg.keras.callbacks.Callback):

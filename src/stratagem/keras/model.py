@@ -217,7 +217,9 @@ class Model:
                 )
             logs = self._logs()
             if validation_data is not None:
-                val = self._evaluate_logs(validation_data, batch_size, verbose=0)
+                # batch_size applies to validation arrays; a dataset comes batched.
+                val_batch = batch_size if _is_array(_split_xy(validation_data)[0]) else None
+                val = self._evaluate_logs(validation_data, val_batch, verbose=0)
                 logs.update({f"val_{k}": v for k, v in val.items()})
                 _set_training(self.module, True)
             cbs.on_epoch_end(epoch, logs)
