@@ -194,6 +194,34 @@ class LearningRateScheduler(Callback):
             logs["learning_rate"] = self.model.optimizer.learning_rate
 
 
+class Monitor:
+    """A logged quantity a callback watches: which way is better (``mode``; ``"auto"`` is max
+    for accuracies and AUC, else min), the best value seen, and whether a new one improves on
+    it by more than ``min_delta``."""
+
+    def __init__(self, who: str, name: str, mode: str = "auto", min_delta: float = 0.0) -> None:
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"{who} mode {mode!r} is unknown; expected 'auto', 'min' or 'max'")
+        if mode == "auto":
+            mode = "max" if "acc" in name or name.endswith("auc") else "min"
+        self.who, self.name, self.mode, self.min_delta = who, name, mode, abs(min_delta)
+        self.best: float | None = None
+
+    def read(self, logs: Logs) -> float:
+        if self.name not in logs:
+            raise KeyError(
+                f"{self.who} monitors {self.name!r}, which the logs lack; they have {sorted(logs)}"
+            )
+        return logs[self.name]
+
+    def improved(self, value: float) -> bool:
+        if self.best is None:
+            return True
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+
 class EarlyStopping(Callback):
     """Stops training when ``monitor`` has not improved by ``min_delta`` for ``patience`` epochs.
 
@@ -210,38 +238,22 @@ class EarlyStopping(Callback):
         verbose: int = 0,
     ) -> None:
         super().__init__()
-        if mode not in ("auto", "min", "max"):
-            raise ValueError(f"EarlyStopping mode {mode!r} is unknown; expected auto, min or max")
-        if mode == "auto":
-            mode = "max" if "acc" in monitor or monitor.endswith("auc") else "min"
-        self.monitor, self.mode = monitor, mode
+        self._monitor = Monitor("EarlyStopping", monitor, mode, min_delta)
+        self.monitor, self.mode = monitor, self._monitor.mode
         self.min_delta, self.patience = abs(min_delta), patience
         self.restore_best_weights, self.verbose = restore_best_weights, verbose
         self.stopped_epoch = 0
-        self._best: float | None = None
         self._best_state: dict[str, Any] | None = None
         self._wait = 0
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        self._best, self._best_state, self._wait, self.stopped_epoch = None, None, 0, 0
-
-    def _improved(self, value: float) -> bool:
-        if self._best is None:
-            return True
-        if self.mode == "min":
-            return value < self._best - self.min_delta
-        return value > self._best + self.min_delta
+        self._monitor.best, self._best_state, self._wait, self.stopped_epoch = None, None, 0, 0
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         assert self.model is not None
-        value = (logs or {}).get(self.monitor)
-        if value is None:
-            raise KeyError(
-                f"EarlyStopping monitors {self.monitor!r}, which the logs lack; they have "
-                f"{sorted(logs or {})}"
-            )
-        if self._improved(value):
-            self._best, self._wait = value, 0
+        value = self._monitor.read(logs or {})
+        if self._monitor.improved(value):
+            self._monitor.best, self._wait = value, 0
             if self.restore_best_weights:
                 self._best_state = {
                     k: v.detach().clone() for k, v in self.model.module.state_dict().items()

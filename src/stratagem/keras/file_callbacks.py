@@ -19,7 +19,7 @@ from typing import IO, Any
 import torch
 
 from stratagem.comm import current_communicator
-from stratagem.keras.callbacks import Callback, Logs, is_chief
+from stratagem.keras.callbacks import Callback, Logs, Monitor, is_chief
 from stratagem.train import Checkpoint, CheckpointManager, latest_checkpoint
 from stratagem.train.storage import record_in_index
 
@@ -66,14 +66,6 @@ class CSVLogger(Callback):
             self._file, self._writer = None, None
 
 
-def _better(mode: str, monitor: str) -> str:
-    if mode not in ("auto", "min", "max"):
-        raise ValueError(f"mode {mode!r} is unknown; expected 'auto', 'min' or 'max'")
-    if mode == "auto":
-        return "max" if "acc" in monitor or monitor.endswith("auc") else "min"
-    return mode
-
-
 class ModelCheckpoint(Callback):
     """Saves the model every epoch (or every ``save_freq`` batches) at ``filepath``.
 
@@ -100,13 +92,18 @@ class ModelCheckpoint(Callback):
         ):
             raise ValueError(f"save_freq must be 'epoch' or a positive int; got {save_freq!r}")
         self.filepath = os.fspath(filepath)
-        self.monitor, self.mode = monitor, _better(mode, monitor)
+        self._monitor = Monitor("ModelCheckpoint(save_best_only=True)", monitor, mode)
+        self.monitor, self.mode = monitor, self._monitor.mode
         self.verbose = verbose
         self.save_best_only, self.save_weights_only = save_best_only, save_weights_only
         self.save_freq = save_freq
-        self.best: float | None = None
         self._batches = 0
         self._epoch = 0
+
+    @property
+    def best(self) -> float | None:
+        """The best ``monitor`` value saved so far (with ``save_best_only``)."""
+        return self._monitor.best
 
     @property
     def needs_batch_logs(self) -> bool:
@@ -134,15 +131,10 @@ class ModelCheckpoint(Callback):
 
     def _save(self, epoch: int, logs: Logs, batch: int | None = None) -> None:
         if self.save_best_only:
-            value = logs.get(self.monitor)
-            if value is None:
-                raise KeyError(
-                    f"ModelCheckpoint(save_best_only=True) monitors {self.monitor!r}, which the "
-                    f"logs lack; they have {sorted(logs)}"
-                )
-            if not math.isfinite(value) or not self._improved(value):
+            value = self._monitor.read(logs)
+            if not math.isfinite(value) or not self._monitor.improved(value):
                 return
-            self.best = value
+            self._monitor.best = value
         try:
             path = self.filepath.format(epoch=epoch + 1, batch=batch, **logs)
         except KeyError as e:
@@ -160,11 +152,6 @@ class ModelCheckpoint(Callback):
         # The one synchronisation: code after fit (load_weights of the latest save) on any
         # worker must see the chief's last write.
         current_communicator().barrier(what="ModelCheckpoint's last save")
-
-    def _improved(self, value: float) -> bool:
-        if self.best is None:
-            return True
-        return value < self.best if self.mode == "min" else value > self.best
 
 
 class BackupAndRestore(Callback):
