@@ -39,7 +39,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import STABLE_MALLOC, batches, clean_env, free_port, run_processes, seed_cnn
+from common import (
+    STABLE_MALLOC,
+    batches,
+    clean_env,
+    free_port,
+    hand_written_loop,
+    run_processes,
+    seed_cnn,
+)
 
 # ------------------------------------------------------------------------------ workers
 
@@ -119,8 +127,7 @@ def worker_interleaved(rank: int, world: int, port: int, blocks: int, k: int, ba
     strategy, step_fn = seed_loop_under_mwms(rank, world, port, batch)
     # Outside the scope: stratagem leaves this model alone; DDP uses the default process group.
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(seed_cnn())
-    ddp_optimizer = torch.optim.RMSprop(ddp.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
+    train_ddp = hand_written_loop(DistributedDataParallel(seed_cnn()))
     data = batches(k, batch // world, seed=rank)
 
     def ours() -> None:
@@ -128,10 +135,7 @@ def worker_interleaved(rank: int, world: int, port: int, blocks: int, k: int, ba
             strategy.run(step_fn, args=(inputs,))
 
     def raw() -> None:
-        for x, y in data:
-            ddp_optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            ddp_optimizer.step()
+        train_ddp(data)
 
     comm = strategy._comm
     rates: dict[str, list[float]] = {"ddp": [], "ours": []}

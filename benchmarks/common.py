@@ -31,6 +31,19 @@ def batches(n: int, size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tens
     ]
 
 
+def hand_written_loop(module: torch.nn.Module):
+    """Plain PyTorch training of ``module`` (RMSprop as the seed sets it): ``run(pairs)``."""
+    optimizer = torch.optim.RMSprop(module.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
+
+    def run(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for x, y in pairs:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(module(x), y).backward()
+            optimizer.step()
+
+    return run
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,7 +25,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import STABLE_MALLOC, batches, clean_env, free_port, run_processes, seed_cnn
+from common import (
+    STABLE_MALLOC,
+    batches,
+    clean_env,
+    free_port,
+    hand_written_loop,
+    run_processes,
+    seed_cnn,
+)
 
 
 def _model(sg):
@@ -38,25 +46,13 @@ def _model(sg):
     return model
 
 
-def _raw(module: torch.nn.Module):
-    optimizer = torch.optim.RMSprop(module.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
-
-    def run(pairs):
-        for x, y in pairs:
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(module(x), y).backward()
-            optimizer.step()
-
-    return run
-
-
 def one_device(blocks: int, steps: int, batch: int) -> dict[str, list[float]]:
     """Seconds per step of fit and of the hand-written loop, one value per block."""
     import stratagem as sg
 
     torch.manual_seed(0)
     model = _model(sg)
-    raw = _raw(seed_cnn())
+    raw = hand_written_loop(seed_cnn())
     pairs = batches(steps, batch, seed=0)
     x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
     per_step: dict[str, list[float]] = {"fit": [], "hand": []}
@@ -90,7 +86,7 @@ def two_workers(rank: int, port: int, blocks: int, steps: int, batch: int) -> di
     with strategy.scope():
         model = _model(sg)
     torch.manual_seed(0)
-    raw = _raw(DistributedDataParallel(seed_cnn()))
+    raw = hand_written_loop(DistributedDataParallel(seed_cnn()))
     pairs = batches(steps, batch, seed=0)  # global batches, the same on both workers
     x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
     part = slice(rank * batch // 2, (rank + 1) * batch // 2)  # this worker's half of each batch
