@@ -16,6 +16,7 @@ Only the chief writes; ``save`` returns on every worker once the write is comple
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import shutil
@@ -188,7 +189,7 @@ def _recompile(model: Model, spec: dict[str, Any]) -> None:
         raise ValueError(f"saved optimizer class {opt['torch_class']!r} is not in torch.optim")
     defaults = {k: tuple(v) if isinstance(v, list) else v for k, v in opt["defaults"].items()}
     defaults["lr"] = opt["learning_rate"]
-    accepted = torch_class.__init__.__code__.co_varnames
+    accepted = inspect.signature(torch_class).parameters
     optimizer = torch_class(
         model.module.parameters(), **{k: v for k, v in defaults.items() if k in accepted}
     )
