@@ -154,10 +154,15 @@ def test_a_killed_fit_resumes_from_backup_and_ends_as_an_uninterrupted_one(tmp_p
     assert killed.returncode == 0, killed_output
     before, _, after = killed_output.partition("restarting the job")
     assert after and "worker 1 failed" in before, killed_output
-    pattern = r"\[worker 0\] trained epochs \[([0-9, ]+)\] final accuracy ([0-9.]+)"
-    ((full_epochs, full_accuracy),) = re.findall(pattern, plain_output)
-    ((resumed_epochs, resumed_accuracy),) = re.findall(pattern, after)
+    pattern = r"\[worker 0\] trained epochs \[([0-9, ]+)\] losses ([0-9. ]+) final accuracy"
+    pattern += r" ([0-9.]+)"
+    ((full_epochs, full_losses, full_accuracy),) = re.findall(pattern, plain_output)
+    ((resumed_epochs, resumed_losses, resumed_accuracy),) = re.findall(pattern, after)
     assert full_epochs == "0, 1, 2, 3, 4, 5"
-    assert resumed_epochs == "3, 4, 5"  # epochs 0-2 were backed up before the kill
+    assert resumed_epochs == "3, 4, 5"  # killed in epoch 3, which resumed after its batch 4
+    # The same batches in the same order, and epoch 3's loss summed over the killed run's first
+    # 4 batches and the resumed run's last 16: the same epoch losses as the uninterrupted run.
+    expected = [float(v) for v in full_losses.split()[3:]]
+    assert [float(v) for v in resumed_losses.split()] == pytest.approx(expected, abs=1e-5)
     assert abs(float(resumed_accuracy) - float(full_accuracy)) <= 0.01
     assert not (tmp_path / "killed-backup").exists()  # removed once the fit finished

@@ -1,8 +1,10 @@
-"""Model.fit with BackupAndRestore under MultiWorkerMirroredStrategy, 6 epochs.
+"""Model.fit with BackupAndRestore(save_freq=4) under MultiWorkerMirroredStrategy, 6 epochs of
+20 shuffled batches.
 
-With ``--kill``, worker 1 of the launcher's first attempt SIGKILLs itself as epoch 3 begins:
-a fit killed mid-training, which the launcher's restart must resume from the backup.
-Prints the epochs this run trained and the final accuracy.
+With ``--kill``, worker 1 of the launcher's first attempt SIGKILLs itself as batch 5 of epoch 3
+begins: a fit killed mid-epoch, which the launcher's restart must resume from the backup taken
+after batch 4 (the chief wrote it before batch 4's all-reduce, which worker 1 took part in).
+Prints the epochs this run trained, their losses and the final accuracy.
 """
 
 import os
@@ -30,14 +32,19 @@ y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
 
 class KillOnce(sg.keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
         first_attempt = os.environ.get("STRATAGEM_RESTART_COUNT") == "0"
-        if kill and first_attempt and epoch == 3 and strategy.cluster_resolver.task_id == 1:
+        at = (self.epoch, batch) == (3, 5)
+        if kill and first_attempt and at and strategy.cluster_resolver.task_id == 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 history = model.fit(
-    x, y, batch_size=24, epochs=6, shuffle=False, verbose=0,
-    callbacks=[sg.keras.callbacks.BackupAndRestore(backup_dir), KillOnce()],
+    x, y, batch_size=24, epochs=6, verbose=0,
+    callbacks=[sg.keras.callbacks.BackupAndRestore(backup_dir, save_freq=4), KillOnce()],
 )  # fmt: skip
 loss, accuracy = model.evaluate(x, y, verbose=0)
-print(f"trained epochs {history.epoch} final accuracy {accuracy:.6f} loss {loss:.6f}", flush=True)
+losses = " ".join(f"{v:.6f}" for v in history.history["loss"])
+print(f"trained epochs {history.epoch} losses {losses} final accuracy {accuracy:.6f}", flush=True)

@@ -5,18 +5,26 @@
   the same shuffle, so slicing the global batch shards the data exactly once per epoch);
 - an ``sg.data.Dataset``, a DataLoader or any re-iterable of batches ``(x, y)`` or
   ``(x, y, sample_weight)``: used as is, each batch being a global batch.
+
+``FitData`` is fit's side of it: the training batches by position (pass over the data, batch
+within the pass), so that a backup taken mid-epoch resumes exactly where it was.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from stratagem import data as sg_data
+from stratagem.data._shuffle import derive_seed
+
+if TYPE_CHECKING:
+    from stratagem.distribute.strategy import Strategy
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -29,31 +37,39 @@ def _as_tensor(value: Any, name: str) -> torch.Tensor:
     raise TypeError(f"{name} must be an array or a tensor here, got {type(value).__name__}")
 
 
+def _check_batch_size(batch_size: Any) -> int:
+    if batch_size is not None and (
+        isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
+    ):
+        raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
+    return batch_size or DEFAULT_BATCH_SIZE
+
+
+def _is_arrays(x: Any) -> bool:
+    return isinstance(x, torch.Tensor | np.ndarray)
+
+
+def _examples(x: Any, y: Any) -> tuple[sg_data.Dataset, int]:
+    """Arrays ``x`` (and ``y``) as a dataset of examples, and how many there are."""
+    xs = _as_tensor(x, "x")
+    if y is None:
+        return sg_data.Dataset.from_tensor_slices(xs), len(xs)
+    ys = _as_tensor(y, "y")
+    if len(ys) != len(xs):
+        raise ValueError(f"x and y hold different numbers of examples: {len(xs)} and {len(ys)}")
+    return sg_data.Dataset.from_tensor_slices((xs, ys)), len(xs)
+
+
 def global_batches(
-    x: Any, y: Any, batch_size: int | None, *, shuffle: bool, what: str
+    x: Any, y: Any, batch_size: int | None, *, what: str
 ) -> tuple[Iterable[Any], int | None]:
-    """The global batches and, when known, how many there are per epoch."""
+    """The global batches, in order, and, when known, how many there are."""
     if x is None:
         raise ValueError(f"{what} needs data: x is None")
-    if isinstance(x, torch.Tensor | np.ndarray):
-        if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
-        ):
-            raise ValueError(f"batch_size must be a positive integer; got {batch_size!r}")
-        size = batch_size or DEFAULT_BATCH_SIZE
-        xs = _as_tensor(x, "x")
-        if y is not None:
-            ys = _as_tensor(y, "y")
-            if len(ys) != len(xs):
-                raise ValueError(
-                    f"x and y hold different numbers of examples: {len(xs)} and {len(ys)}"
-                )
-            dataset = sg_data.Dataset.from_tensor_slices((xs, ys))
-        else:
-            dataset = sg_data.Dataset.from_tensor_slices(xs)
-        if shuffle:
-            dataset = dataset.shuffle(len(xs))
-        return dataset.batch(size), math.ceil(len(xs) / size)
+    if _is_arrays(x):
+        size = _check_batch_size(batch_size)
+        examples, n = _examples(x, y)
+        return examples.batch(size), math.ceil(n / size)
     if y is not None:
         raise ValueError(
             f"{what}: y must be None when x is a dataset or an iterable of batches "
@@ -74,6 +90,85 @@ def global_batches(
     except TypeError:
         steps = None
     return x, steps
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where fit is in its data: ``batch`` batches into pass ``pass_index``, shuffled from
+    ``seed``. Plain integers, so that a backup can save it and a restarted fit seek to it."""
+
+    seed: int = 0
+    pass_index: int = 0
+    batch: int = 0
+
+
+class FitData:
+    """fit's global batches, pass after pass, distributed by the strategy, with a position.
+
+    Arrays are shuffled per pass with a seed derived from ``(seed, pass)``, ``seed`` drawn from
+    torch's generator on the chief and broadcast. So every worker has the same order (slicing
+    the global batch shards each pass exactly once), and a fit that seeks to a saved position
+    sees the same order again: resuming mid-pass trains on exactly the batches an uninterrupted
+    run would have. A dataset, DataLoader or iterable of the user's is iterated as given, and
+    seeking to batch k of a pass skips its first k batches: exact when the dataset's order
+    repeats (no shuffle, or seeded shuffles), the rest of a reshuffled pass otherwise.
+    """
+
+    def __init__(
+        self, x: Any, y: Any, batch_size: int | None, *, shuffle: bool, strategy: Strategy
+    ) -> None:
+        self._strategy = strategy
+        batches, self.steps = global_batches(x, y, batch_size, what="fit")
+        self._examples: sg_data.Dataset | None = None
+        self._distributed: Iterable[Any] | None = None
+        if _is_arrays(x):
+            self._examples, _ = _examples(x, y)
+            self._batch_size = _check_batch_size(batch_size)
+        else:
+            self._distributed = strategy.experimental_distribute_dataset(batches)
+        self._shuffle = shuffle and self._examples is not None
+        seed = torch.randint(0, 1 << 62, (1,), dtype=torch.int64) if self._shuffle else None
+        if seed is not None and strategy._comm.world_size > 1:
+            strategy._comm.broadcast(seed, 0, what="fit's shuffle seed")
+        self.position = DataPosition(seed=0 if seed is None else int(seed.item()))
+        self.empty_pass = False  # whether the last pass to end had no batch at all
+        self._iterator: Iterator[Any] | None = None
+
+    def seek(self, position: DataPosition) -> None:
+        """Go on from ``position`` (a saved one) at the next ``next_batch``."""
+        self.position = position
+        self._iterator = None
+
+    def next_batch(self) -> Any | None:
+        """The next global batch of the pass under way (starting one if none is), or None when
+        that pass is over; the call after None starts the next pass."""
+        if self._iterator is None:
+            self._iterator = self._open_pass()
+        batch = next(self._iterator, None)
+        p = self.position
+        if batch is None:
+            self.empty_pass = p.batch == 0
+            self.position = DataPosition(p.seed, p.pass_index + 1, 0)
+            self._iterator = None
+            return None
+        self.position = DataPosition(p.seed, p.pass_index, p.batch + 1)
+        return batch
+
+    def _open_pass(self) -> Iterator[Any]:
+        p = self.position
+        if self._examples is None:
+            assert self._distributed is not None
+            iterator = iter(self._distributed)
+            for _ in range(p.batch):  # a saved position in the user's pass: skip what was done
+                next(iterator, None)
+            return iterator
+        examples = self._examples
+        if self._shuffle:
+            seed = derive_seed(p.seed, p.pass_index)
+            examples = examples.shuffle(examples.cardinality(), seed=seed)
+        # Batches are consecutive examples: skipping k batches is skipping k * size examples.
+        batches = examples.skip(p.batch * self._batch_size).batch(self._batch_size)
+        return iter(self._strategy.experimental_distribute_dataset(batches))
 
 
 def unpack(data: Any) -> tuple[Any, Any, Any]:

@@ -100,6 +100,27 @@ class Metric:
         for s, n in zip(target, self._state_names):
             s.copy_(torch.as_tensor(state[n]))
 
+    def global_state(self) -> torch.Tensor:
+        """The state summed over every replica of every worker, stacked: a collective, which
+        every worker calls. What a mid-epoch backup saves of an epoch's metric so far."""
+        return torch.stack(self._totals(across_workers=True))
+
+    def load_global_state(self, totals: torch.Tensor, *, holder: bool) -> None:
+        """Make ``totals`` (from ``global_state``) the state over all replicas: this process's
+        first replica holds them when ``holder`` (one process in all), the others hold zeros, so
+        ``result()``'s sum across replicas is ``totals``."""
+        expected = (len(self._state_names), *self._state_shape)
+        if tuple(totals.shape) != expected:
+            raise ValueError(
+                f"metric {self.name}: saved state of shape {tuple(totals.shape)} does not fit "
+                f"this metric's {expected}"
+            )
+        self.reset_state()
+        if holder:
+            device = self._strategy._devices[0].torch_device
+            for s, t in zip(self._state(device), totals):
+                s.copy_(t)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
 

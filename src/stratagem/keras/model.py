@@ -27,7 +27,7 @@ from stratagem.distribute.strategy import Strategy
 from stratagem.distribute.values import PerReplica
 from stratagem.keras import callbacks as callbacks_module
 from stratagem.keras import losses, metrics, optimizers
-from stratagem.keras.data_adapter import global_batches, unpack
+from stratagem.keras.data_adapter import DataPosition, FitData, global_batches, unpack
 from stratagem.train import Checkpoint, latest_checkpoint
 from stratagem.train.storage import is_checkpoint
 
@@ -51,6 +51,8 @@ class Model:
         self.history: callbacks_module.History | None = None
         self._loss_tracker: metrics.Mean | None = None
         self._initial_epoch = 0
+        self._initial_step = 0  # batches of the initial epoch already done (a resumed fit)
+        self._fit_data: FitData | None = None  # while fit runs
         self._example_input: torch.Tensor | None = None  # for torch.export in save()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -179,45 +181,39 @@ class Model:
                 f"{replicas} replicas in sync; give at least one example per replica"
             )
         _check_validation_shape(x, validation_data)
-        batches, steps = global_batches(x, y, batch_size, shuffle=shuffle, what="fit")
-        dataset = strategy.experimental_distribute_dataset(batches)
-        steps = steps_per_epoch or steps
+        data = FitData(x, y, batch_size, shuffle=shuffle, strategy=strategy)
+        steps = steps_per_epoch or data.steps
         self.history = callbacks_module.History()
         cbs = self._callbacks(callbacks, verbose, epochs=epochs, steps=steps)
         self.stop_training = False
         _set_training(self.module, True)
         batch_logs = any(cb.needs_batch_logs for cb in cbs.callbacks)
-        self._initial_epoch = initial_epoch
-        cbs.on_train_begin()  # BackupAndRestore may move _initial_epoch on
-        iterator: Iterator[Any] | None = None
+        self._fit_data, self._initial_epoch, self._initial_step = data, initial_epoch, 0
+        self._reset_metrics()
+        cbs.on_train_begin()  # BackupAndRestore may move the start on (see _resume_fit)
         logs: Logs = {}
         for epoch in range(self._initial_epoch, epochs):
-            self._reset_metrics()
+            step = self._initial_step if epoch == self._initial_epoch else 0
+            if step == 0:  # a resumed epoch goes on with the metric totals restored with it
+                self._reset_metrics()
             cbs.on_epoch_begin(epoch)
-            step = 0
             while steps_per_epoch is None or step < steps_per_epoch:
-                if iterator is None:
-                    iterator = iter(dataset)
-                try:
-                    batch = next(iterator)
-                except StopIteration:
-                    iterator = None
-                    if steps_per_epoch is None or step == 0:
+                batch = data.next_batch()
+                if batch is None:  # the pass is over
+                    if steps_per_epoch is None or data.empty_pass:
                         break
                     continue  # steps_per_epoch goes on into the next pass over the data
                 cbs.on_train_batch_begin(step)
                 strategy.run(self.train_step, args=(batch,))
-                cbs.on_train_batch_end(step, self._logs() if batch_logs else {})
                 step += 1
-            if steps_per_epoch is None:
-                iterator = None  # the next epoch is a fresh pass
+                cbs.on_train_batch_end(step - 1, self._logs() if batch_logs else {})
             if step == 0:
                 raise ValueError(
                     f"fit found no batch to train on in epoch {epoch + 1}: the data is empty"
                 )
             logs = self._logs()
             if validation_data is not None:
-                # batch_size applies to validation arrays; a dataset comes batched.
+                # batch_size applies to validation arrays; a validation dataset comes batched.
                 val_batch = batch_size if _is_array(_split_xy(validation_data)[0]) else None
                 val = self._evaluate_logs(validation_data, val_batch, verbose=0)
                 logs.update({f"val_{k}": v for k, v in val.items()})
@@ -225,8 +221,38 @@ class Model:
             cbs.on_epoch_end(epoch, logs)
             if self.stop_training:
                 break
+        self._fit_data = None
         cbs.on_train_end(logs)
         return self.history
+
+    def _fit_progress(self, epoch: int, step: int) -> dict[str, torch.Tensor]:
+        """Where the fit under way is, as tensors a checkpoint holds: ``epoch`` with ``step``
+        of its batches done, the data position, and the epoch's metric totals so far (their
+        sum over all workers: a collective, called by every worker). ``_resume_fit`` reads it.
+        """
+        if self._fit_data is None:
+            raise RuntimeError("_fit_progress is for callbacks of a fit under way; none is")
+        data = self._fit_data.position
+        progress = {
+            "position": torch.tensor(
+                [epoch, step, data.seed, data.pass_index, data.batch], dtype=torch.int64
+            )
+        }
+        for i, metric in enumerate(self.metrics):
+            progress[f"metric_{i}"] = metric.global_state()
+        return progress
+
+    def _resume_fit(self, progress: dict[str, torch.Tensor]) -> None:
+        """Make the fit about to start go on from ``progress`` (``_fit_progress``'s, restored):
+        at its epoch and step, on the same data position, with the metric totals it had."""
+        if self._fit_data is None:
+            raise RuntimeError("_resume_fit is for on_train_begin of a fit; none is under way")
+        epoch, step, seed, pass_index, batch = (int(v) for v in progress["position"])
+        self._initial_epoch, self._initial_step = epoch, step
+        self._fit_data.seek(DataPosition(seed, pass_index, batch))
+        holder = self.distribute_strategy._comm.rank == 0
+        for i, metric in enumerate(self.metrics):
+            metric.load_global_state(progress[f"metric_{i}"], holder=holder)
 
     def _callbacks(
         self, given: Iterable[Any] | None, verbose: int | str, *, epochs: int, steps: int | None
@@ -260,7 +286,7 @@ class Model:
 
     def _evaluate_logs(self, data: Any, batch_size: int | None, verbose: int | str) -> Logs:
         x, y = _split_xy(data)
-        batches, _ = global_batches(x, y, batch_size, shuffle=False, what="evaluate")
+        batches, _ = global_batches(x, y, batch_size, what="evaluate")
         strategy = self.distribute_strategy
         _set_training(self.module, False)
         self._reset_metrics()
@@ -277,7 +303,7 @@ class Model:
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0) -> np.ndarray:
         """The module's outputs for every example, in order, as a numpy array."""
-        batches, _ = global_batches(x, None, batch_size, shuffle=False, what="predict")
+        batches, _ = global_batches(x, None, batch_size, what="predict")
         strategy = self.distribute_strategy
         _set_training(self.module, False)
         outputs = []
