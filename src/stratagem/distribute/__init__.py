@@ -19,6 +19,7 @@ from stratagem.distribute.input import InputContext, InputOptions
 from stratagem.distribute.mirrored import MirroredStrategy
 from stratagem.distribute.multi_worker_mirrored import MultiWorkerMirroredStrategy
 from stratagem.distribute.one_device import OneDeviceStrategy
+from stratagem.distribute.parameter_server import ParameterServerStrategy, Server
 from stratagem.distribute.strategy import Strategy
 from stratagem.distribute.values import PerReplica
 
@@ -31,10 +32,12 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "Server",
     "Strategy",
     "cluster_resolver",
     "experimental",

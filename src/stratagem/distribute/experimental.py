@@ -1,9 +1,13 @@
-"""``sg.distribute.experimental``: collective options (and, later, more experimental strategies)."""
+"""``sg.distribute.experimental``: collective options, variable partitioners (TF's
+``tf.distribute.experimental.partitioners``) and the experimental strategies."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+# Re-exported: sg.distribute.experimental.partitioners, as TF has it.
+from stratagem.distribute import partitioners as partitioners
 
 
 class CommunicationImplementation(enum.Enum):

@@ -1,0 +1,116 @@
+"""The RPC world of a parameter-server job: every task joins ``torch.distributed.rpc``.
+
+Members are the chief, the workers and the ps tasks (TF's order: chief, workers by index, then
+ps by index), named ``"worker:0"``, ``"ps:1"``... They meet at the first member's address, as
+the all-reduce strategies do: a roll call on our own TCPStore names any task that never arrives
+(a ps address that never answers) instead of TensorPipe's bare store timeout, and TensorPipe's
+agent then starts on that same store. Evaluators run on their own and take no part.
+
+``shutdown()`` is graceful: it returns once every member has called it, so a ps that serves
+until the workers are done simply calls it and waits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.autograd as dist_autograd
+import torch.distributed.rpc as rpc
+
+from stratagem.cluster import ClusterResolver
+from stratagem.cluster.address import parse_address
+from stratagem.comm.rendezvous import Member, open_store, roll_call
+from stratagem.errors import RendezvousError
+
+RPC_TASK_TYPES = ("chief", "worker", "ps")
+
+
+def rpc_members(spec: Any) -> list[tuple[str, int]]:
+    """``(task_type, task_id)`` of the RPC members, in rank order."""
+    return [
+        (job, index)
+        for job in RPC_TASK_TYPES
+        if job in spec.jobs
+        for index in spec.task_indices(job)
+    ]
+
+
+def rpc_name(task_type: str, task_id: int) -> str:
+    return f"{task_type}:{task_id}"
+
+
+class RpcWorld:
+    """This process's membership of the job's RPC world (started by the constructor)."""
+
+    def __init__(
+        self, resolver: ClusterResolver, *, rendezvous_timeout: float, rpc_timeout: float
+    ) -> None:
+        spec = resolver.cluster_spec()
+        self.members = rpc_members(spec)
+        me = (resolver.task_type, resolver.task_id)
+        if me not in self.members:
+            raise RendezvousError(
+                f"{resolver.describe()} is not a member of the job's RPC world (its chief, "
+                f"workers and ps tasks: {self.members})"
+            )
+        self.rank = self.members.index(me)  # type: ignore[arg-type]
+        self.world_size = len(self.members)
+        self.name = rpc_name(*me)  # type: ignore[arg-type]
+        self._spec = spec
+        first = self.members[0]
+        host, port = parse_address(spec.task_address(*first))
+        base = open_store(
+            host,
+            port,
+            is_server=self.rank == 0,
+            timeout_s=rendezvous_timeout,
+            owner=self.describe(0),
+            me=self.describe(self.rank),
+        )
+        store = dist.PrefixStore(f"stratagem-rpc/{resolver.attempt}/", base)
+        cluster = json.dumps({j: spec.num_tasks(j) for j in sorted(spec.jobs)}, sort_keys=True)
+        member = Member(
+            rank=self.rank,
+            world_size=self.world_size,
+            name=self.describe(self.rank),
+            cluster=cluster,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            liveness="",
+        )
+        roll_call(store, member, timeout_s=rendezvous_timeout, peer_name=self.describe)
+        options = rpc.TensorPipeRpcBackendOptions(
+            rpc_timeout=rpc_timeout,
+            # Sync-mode pushes park a thread-free future each, but fetches and reads of every
+            # worker may arrive at once: leave room beyond TensorPipe's default of 16.
+            num_worker_threads=max(16, 4 * self.world_size),
+        )
+        rpc_store = dist.PrefixStore("agent/", store)
+        rpc_store.set_timeout(datetime.timedelta(seconds=rendezvous_timeout))
+        # What rpc.init_rpc does after its own rendezvous, on the store we already met on.
+        dist_autograd._init(self.rank)
+        rpc._init_rpc_backend(
+            rpc.BackendType.TENSORPIPE, rpc_store, self.name, self.rank, self.world_size, options
+        )
+        self._base = base  # the rank-0 store serves the agent until shutdown
+        self._running = True
+
+    def describe(self, rank: int) -> str:
+        """``"ps 0 (localhost:2223)"``: who holds an RPC rank, for error messages."""
+        task_type, task_id = self.members[rank]
+        name = task_type if task_type == "chief" else f"{task_type} {task_id}"
+        return f"{name} ({self._spec.task_address(task_type, task_id)})"
+
+    def names(self, task_type: str) -> list[str]:
+        return [rpc_name(t, i) for t, i in self.members if t == task_type]
+
+    def shutdown(self) -> None:
+        """Leave the RPC world once every member has asked to (graceful), then stop."""
+        if self._running:
+            self._running = False
+            rpc.shutdown(graceful=True)

@@ -1,0 +1,419 @@
+"""ParameterServerStrategy: parameters held by ps tasks; workers pull them and push gradients.
+
+1. The cluster has ps tasks beside the chief and workers (``stratagem run -n W --ps K``). Every
+   task joins one RPC world (``comm.rpc_world``). On a ps task, creating the strategy (or
+   ``sg.distribute.Server(...).join()``) serves the shards until every worker is done, then
+   ends the process with exit code 0: the rest of the script is for workers.
+2. Scope: each parameter created inside is cut into shards along its first dimension by the
+   ``variable_partitioner`` (whole without one), and the shards are placed on the ps tasks,
+   balanced by bytes (``partitioners.plan_shards``: every worker computes the same plan). The
+   chief's initial values create the shards; the other workers pull them, so all start equal.
+   Each worker keeps a local copy of every parameter to compute on; buffers stay local.
+3. ``optimizer.step()``: the worker pushes each ps the gradients of its shards (with the
+   optimizer's class and current hyperparameters) and gets back the shards' new values; the
+   update itself runs on the ps that owns the shard, with the optimizer state there
+   (``ps_server``). The local step then finds no gradient and does nothing. How pushes become
+   updates is the mode: ``async`` (each push applied at once; bounded staleness and a staleness
+   policy), ``sync`` (the mean of ``replicas_to_aggregate`` pushes per step), and sync with
+   ``backup_workers`` (n + b workers, the first n pushes of a step win, late ones are dropped).
+4. Each worker trains on its own batches at its own pace: ``num_replicas_in_sync`` is 1 per
+   worker, ``strategy.reduce`` and metrics are this worker's, ``experimental_distribute_dataset``
+   gives worker i every W-th global batch from the i-th, and ``distribute_datasets_from_function``
+   gets an ``InputContext`` with the worker's index among the W workers.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from stratagem.cluster import ClusterResolver, collective_members, resolve_cluster
+from stratagem.cluster.roles import describe_jobs
+from stratagem.comm import LocalCommunicator, set_current_communicator
+from stratagem.comm.process_group import Timeouts
+from stratagem.comm.rpc_world import RpcWorld, rpc_name
+from stratagem.distribute import ps_server
+from stratagem.distribute.devices import LogicalDevice
+from stratagem.distribute.input import DistributedDatasetFromFunction, InputContext, InputOptions
+from stratagem.distribute.partitioners import Partitioner, Shard, plan_shards
+from stratagem.distribute.strategy import Strategy, StrategyExtended
+
+MODES = ("async", "sync")
+STALENESS_POLICIES = ("apply", "scale", "drop")
+
+
+class Server:
+    """``sg.distribute.Server(cluster_resolver=None)``: this ps task, serving its shards.
+
+    ``join()`` blocks until every worker has finished, then returns (TF's ``server.join()``
+    never returns; here the ps can exit cleanly when the job is done).
+    """
+
+    def __init__(self, cluster_resolver: ClusterResolver | None = None) -> None:
+        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        if resolver.task_type != "ps":
+            raise ValueError(
+                f"sg.distribute.Server serves a ps task; this process is {resolver.describe()}"
+            )
+        timeouts = Timeouts.from_env()
+        self.store = ps_server.serve(rpc_name("ps", resolver.task_id or 0))
+        self._world = RpcWorld(
+            resolver, rendezvous_timeout=timeouts.rendezvous, rpc_timeout=timeouts.operation
+        )
+
+    def join(self) -> None:
+        self._world.shutdown()
+
+
+class _IndependentWorker(LocalCommunicator):
+    """A worker's communicator: no collectives (workers meet only at the ps), but the job's
+    chief rule, so that checkpoints and summaries are written by the chief alone."""
+
+    def __init__(self, chief: bool, name: str) -> None:
+        super().__init__()
+        self._chief = chief
+        self._name = name
+
+    @property
+    def is_chief(self) -> bool:
+        return self._chief
+
+    def peer_name(self, rank: int) -> str:
+        return self._name
+
+
+def _check_options(
+    mode: str,
+    num_workers: int,
+    replicas_to_aggregate: int | None,
+    backup_workers: int,
+    max_staleness: int | None,
+    staleness_policy: str,
+    max_gradient_staleness: int | None,
+    compression: str | None,
+) -> int:
+    """Validate the options against the cluster; the replicas aggregated per sync step."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    for what, value in (
+        ("backup_workers", backup_workers),
+        ("max_staleness", max_staleness),
+        ("max_gradient_staleness", max_gradient_staleness),
+    ):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{what} must be an int; got {value!r}")
+        if value is not None and value < 0:
+            raise ValueError(f"{what} must be >= 0; got {value}")
+    if staleness_policy not in STALENESS_POLICIES:
+        raise ValueError(
+            f"staleness_policy must be one of {STALENESS_POLICIES}; got {staleness_policy!r}"
+        )
+    if staleness_policy == "drop" and max_gradient_staleness is None:
+        raise ValueError(
+            "staleness_policy='drop' needs max_gradient_staleness: gradients computed on "
+            "parameters more than that many updates old are dropped"
+        )
+    if compression not in (None, "bf16"):
+        raise ValueError(f"compression must be None or 'bf16'; got {compression!r}")
+    if mode == "async":
+        if backup_workers or replicas_to_aggregate is not None:
+            raise ValueError(
+                "backup_workers and replicas_to_aggregate are for mode='sync'; async mode "
+                "applies every push on its own"
+            )
+        return 1
+    if max_staleness is not None or staleness_policy != "apply":
+        raise ValueError("max_staleness and staleness_policy are for mode='async'")
+    if backup_workers >= num_workers:
+        raise ValueError(
+            f"backup_workers={backup_workers} leaves no worker to aggregate: the cluster has "
+            f"{num_workers} workers (chief included); each step waits for workers - backups"
+        )
+    needed = replicas_to_aggregate
+    if needed is None:
+        needed = num_workers - backup_workers
+    if isinstance(needed, bool) or not isinstance(needed, int) or needed < 1:
+        raise ValueError(f"replicas_to_aggregate must be a positive int; got {needed!r}")
+    if needed > num_workers:
+        raise ValueError(
+            f"replicas_to_aggregate={needed} is more than the {num_workers} workers (chief "
+            "included) of the cluster: no step could ever complete"
+        )
+    return needed
+
+
+class ParameterServerStrategy(Strategy):
+    """``sg.distribute.ParameterServerStrategy(cluster_resolver=None, variable_partitioner=None,
+    mode="async", replicas_to_aggregate=None, backup_workers=0, max_staleness=None)``."""
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        variable_partitioner: Partitioner | None = None,
+        mode: str = "async",
+        replicas_to_aggregate: int | None = None,
+        backup_workers: int = 0,
+        max_staleness: int | None = None,
+        *,
+        staleness_policy: str = "apply",
+        max_gradient_staleness: int | None = None,
+        compression: str | None = None,
+    ) -> None:
+        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        spec = resolver.cluster_spec()
+        num_ps = spec.num_tasks("ps") if spec and "ps" in spec.jobs else 0
+        if num_ps == 0:
+            raise ValueError(
+                "ParameterServerStrategy needs ps tasks to hold the parameters; this cluster has "
+                f"{describe_jobs(spec) if spec else 'no cluster at all'}. Launch with "
+                "`stratagem run -n W --ps K script.py`, or give TF_CONFIG a 'ps' job"
+            )
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise TypeError(
+                "variable_partitioner must be a partitioner such as "
+                "sg.distribute.experimental.partitioners.FixedShardsPartitioner(2); got "
+                f"{variable_partitioner!r}"
+            )
+        workers = collective_members(spec)
+        needed = _check_options(
+            mode,
+            len(workers),
+            replicas_to_aggregate,
+            backup_workers,
+            max_staleness,
+            staleness_policy,
+            max_gradient_staleness,
+            compression,
+        )
+        self.mode = mode
+        self._rule = ps_server.UpdateRule(
+            mode=mode,
+            num_workers=len(workers),
+            replicas_to_aggregate=needed,
+            max_staleness=max_staleness,
+            staleness_policy=staleness_policy,
+            max_gradient_staleness=max_gradient_staleness,
+            compression=compression,
+        )
+        self._partitioner = variable_partitioner
+        self._num_ps = num_ps
+        if resolver.task_type == "ps":
+            Server(resolver).join()
+            raise SystemExit(0)  # the job is done: the rest of the script is the workers'
+        if resolver.task_type == "evaluator":
+            raise ValueError(
+                "an evaluator task does not join a ParameterServerStrategy; it evaluates the "
+                "checkpoints the chief writes (see sg.train.latest_checkpoint)"
+            )
+        timeouts = Timeouts.from_env()
+        self._world = RpcWorld(
+            resolver, rendezvous_timeout=timeouts.rendezvous, rpc_timeout=timeouts.operation
+        )
+        atexit.register(self._finish)
+        self._worker_index = workers.index((resolver.task_type, resolver.task_id))  # type: ignore[arg-type]
+        self._num_workers = len(workers)
+        self._ps_names = self._world.names("ps")
+        comm = _IndependentWorker(resolver.is_chief, self._world.describe(self._world.rank))
+        set_current_communicator(comm)
+        super().__init__(
+            [LogicalDevice("cpu:0", torch.device("cpu"))],
+            comm=comm,
+            cluster_resolver=resolver,
+        )
+        self._variables: list[torch.Tensor] = []  # in creation order: the variable ids
+        self._shards: dict[int, list[Shard]] = {}  # id(param) -> its shards
+        self._versions: dict[tuple[int, tuple], int] = {}  # (ps, group keys) -> version pulled
+        self._lock = threading.Lock()
+
+    @property
+    def extended(self) -> StrategyExtended:
+        chief = self._comm.is_chief
+        return StrategyExtended(("cpu:0",), tuple(self._ps_names), chief, chief)
+
+    def __repr__(self) -> str:
+        return (
+            f"ParameterServerStrategy(mode={self.mode!r}, workers={self._num_workers}, "
+            f"ps={self._num_ps}, worker={self._worker_index})"
+        )
+
+    # Scope: shards on the ps ------------------------------------------------------------
+
+    def _adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+        params = [t for t, is_param in tensors if is_param]
+        if not params:
+            return
+        first = len(self._variables)
+        plan = plan_shards(
+            [tuple(p.shape) for p in params],
+            [p.dtype for p in params],
+            self._partitioner,
+            self._num_ps,
+        )
+        per_ps: list[dict[ps_server.ShardKey, torch.Tensor]] = [{} for _ in self._ps_names]
+        for offset, (p, shards) in enumerate(zip(params, plan)):
+            shards = [
+                Shard(first + offset, s.index, s.start, s.rows, s.nbytes, s.ps) for s in shards
+            ]
+            self._variables.append(p)
+            self._shards[id(p)] = shards
+            for s in shards:
+                per_ps[s.ps][(s.variable, s.index)] = _rows(p, s).detach().clone()
+        if self._comm.is_chief:
+            futures = [
+                rpc.rpc_async(name, ps_server.rpc_create, args=(self._rule, per_ps[i]))
+                for i, name in enumerate(self._ps_names)
+            ]
+            torch.futures.wait_all(futures)
+        else:
+            futures = [
+                rpc.rpc_async(name, ps_server.rpc_fetch, args=(list(per_ps[i]),))
+                for i, name in enumerate(self._ps_names)
+            ]
+            for i, values in enumerate(torch.futures.wait_all(futures)):
+                self._write(list(per_ps[i]), values)
+
+    def _write(self, keys: list[ps_server.ShardKey], values: list[torch.Tensor]) -> None:
+        """Copy shard values pulled from a ps into the local parameters."""
+        with torch.no_grad():
+            for (variable, index), value in zip(keys, values):
+                p = self._variables[variable]
+                _rows(p, self._shards[id(p)][index]).copy_(value)
+
+    def _check_optimizer(
+        self, optimizer: torch.optim.Optimizer, num_params: int, num_outside: int
+    ) -> None:
+        if num_outside:
+            raise RuntimeError(
+                f"this optimizer updates {num_outside} parameters created outside "
+                "ParameterServerStrategy.scope(); their updates would stay on this worker. "
+                "Create the whole model inside strategy.scope()"
+            )
+
+    # optimizer.step(): push gradients, pull values ------------------------------------
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        cls = type(optimizer)
+        optimizer_class = (cls.__module__, cls.__qualname__)
+        requests: list[tuple[int, tuple, list[tuple[dict, list]], list[torch.Tensor]]] = []
+        for ps in range(self._num_ps):
+            groups, grads = [], []
+            for group in optimizer.param_groups:
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                keys = []
+                for p in group["params"]:
+                    for s in self._shards.get(id(p), ()):
+                        if s.ps != ps:
+                            continue
+                        keys.append((s.variable, s.index))
+                        grads.append(self._wire(_rows(p.grad, s) if p.grad is not None
+                                                else torch.zeros_like(_rows(p, s))))  # fmt: skip
+                groups.append((hyper, keys))
+            if any(keys for _, keys in groups):
+                group_keys = tuple(k for _, keys in groups for k in keys)
+                requests.append((ps, group_keys, groups, grads))
+        futures = [
+            rpc.rpc_async(
+                self._ps_names[ps],
+                ps_server.rpc_push,
+                args=(
+                    self._worker_index,
+                    optimizer_class,
+                    groups,
+                    self._versions.get((ps, keys), 0),
+                    grads,
+                ),
+            )
+            for ps, keys, groups, grads in requests
+        ]
+        for (ps, keys, _, _), (values, version) in zip(requests, torch.futures.wait_all(futures)):
+            self._versions[(ps, keys)] = version
+            self._write(list(keys), values)
+        # The update happened on the ps: the local step must find nothing to do.
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in self._shards:
+                    p.grad = None
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.to(torch.bfloat16) if self._rule.compression == "bf16" else t.contiguous()
+
+    # Reading the parameters (evaluation, checkpoints) ------------------------------------
+
+    def pull(self) -> None:
+        """Bring this worker's copies up to the ps's current values (e.g. before evaluating)."""
+        futures, keys = [], []
+        for ps, name in enumerate(self._ps_names):
+            mine = [
+                (s.variable, s.index) for shards in self._shards.values() for s in shards
+                if s.ps == ps
+            ]  # fmt: skip
+            keys.append(mine)
+            futures.append(rpc.rpc_async(name, ps_server.rpc_read, args=(mine,)))
+        for mine, values in zip(keys, torch.futures.wait_all(futures)):
+            self._write(mine, values)
+
+    def ps_stats(self) -> list[dict[str, int]]:
+        """What each ps applied, dropped and held back so far (for tests and benchmarks)."""
+        futures = [rpc.rpc_async(n, ps_server.rpc_stats) for n in self._ps_names]
+        return list(torch.futures.wait_all(futures))
+
+    def _finish(self) -> None:
+        """At exit: tell every ps this worker is done, then leave the RPC world (graceful)."""
+        try:
+            futures = [
+                rpc.rpc_async(n, ps_server.rpc_leave, args=(self._worker_index,))
+                for n in self._ps_names
+            ]
+            torch.futures.wait_all(futures)
+        finally:
+            self._world.shutdown()
+
+    # Input: each worker its own share of the batches --------------------------------------
+
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> Any:
+        """Worker i trains on global batches i, i + W, i + 2W... of ``dataset``."""
+        return super().experimental_distribute_dataset(
+            _EveryNth(dataset, self._num_workers, self._worker_index), options
+        )
+
+    def distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        options: InputOptions | None = None,
+    ) -> DistributedDatasetFromFunction:
+        ctx = InputContext(
+            num_input_pipelines=self._num_workers,
+            input_pipeline_id=self._worker_index,
+            num_replicas_in_sync=1,
+        )
+        return DistributedDatasetFromFunction(self, lambda _: dataset_fn(ctx), options)
+
+
+class _EveryNth:
+    """Every ``n``-th element of a re-iterable, from the ``i``-th: one worker's share."""
+
+    def __init__(self, source: Iterable[Any], n: int, i: int) -> None:
+        self.source, self.n, self.i = source, n, i
+
+    def __iter__(self) -> Iterator[Any]:
+        for k, item in enumerate(self.source):
+            if k % self.n == self.i:
+                yield item
+
+    def __len__(self) -> int:
+        return len(range(self.i, len(self.source), self.n))  # type: ignore[arg-type]
+
+
+def _rows(t: torch.Tensor, s: Shard) -> torch.Tensor:
+    return t if t.dim() == 0 else t.narrow(0, s.start, s.rows)
+
+
+__all__ = ["ParameterServerStrategy", "Server"]

@@ -1,0 +1,348 @@
+"""What a ps task holds and does: variable shards, their optimizer, and each mode's update rule.
+
+Workers reach a ps through RPC (the module-level functions at the end run on the ps, on
+TensorPipe's threads). One ``_Group`` per optimizer a worker pushes for: the shards it updates
+on this ps, a torch optimizer of the worker's class over them (its state lives here, beside the
+shards), a version (updates applied), and per mode:
+
+- ``async``: a pushed gradient is applied at once (under the group's lock); its staleness is the
+  number of updates applied since the worker pulled the values it was computed on. The policy
+  applies it as is, scales it by ``1 / (1 + staleness)`` or drops it beyond a bound. With
+  ``max_staleness=s`` a worker more than ``s`` steps ahead of the slowest worker still training
+  gets its reply (its next parameters) only once the slowest catches up (bounded staleness).
+- ``sync``: gradients pushed for the current version are summed until ``replicas_to_aggregate``
+  have arrived; then their mean is applied, the version moves on, and every contributor gets
+  the new values. A gradient for an older version (a backup worker that came late) is dropped,
+  never applied to a later step; its worker gets the current values and goes on from there.
+
+Replies carry copies of the values: a reply is serialised after the lock is released, and the
+next update must not change it on the way out.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.futures import Future
+
+ShardKey = tuple[int, int]  # (variable, shard index)
+Reply = tuple[list[torch.Tensor], int]  # (values of the group's shards, version)
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """How gradients become updates: the strategy's mode and its options (sent by the chief)."""
+
+    mode: str  # "async" or "sync"
+    num_workers: int
+    replicas_to_aggregate: int
+    max_staleness: int | None = None
+    staleness_policy: str = "apply"  # "apply", "scale" or "drop"
+    max_gradient_staleness: int | None = None
+    compression: str | None = None  # None or "bf16"
+
+
+@dataclass
+class _Group:
+    keys: tuple[ShardKey, ...]
+    optimizer: torch.optim.Optimizer
+    version: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    total: list[torch.Tensor] | None = None  # sync: the sum of this version's gradients so far
+    count: int = 0
+    waiting: list[Future] = field(default_factory=list)  # sync: contributors to this version
+    clocks: dict[int, int] = field(default_factory=dict)  # steps pushed, per worker
+    parked: list[tuple[int, Future]] = field(default_factory=list)  # bounded staleness
+
+
+@dataclass
+class Stats:
+    applied: int = 0  # gradients applied (async) or contributed to an applied mean (sync)
+    dropped: int = 0  # gradients dropped: late in sync, too stale in async
+    steps: int = 0  # updates applied
+    waits: int = 0  # replies held back by the staleness bound
+
+
+class ShardStore:
+    """The shards this ps task holds, and the update rule; one per ps process."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.rule: UpdateRule | None = None
+        self.stats = Stats()
+        self._shards: dict[ShardKey, torch.Tensor] = {}
+        self._groups: dict[tuple[ShardKey, ...], _Group] = {}
+        self._lock = threading.Lock()  # the dicts above, and the workers' states
+        self._ready: Future = Future()  # set when the chief has created the shards
+        self._left: set[int] = set()
+
+    # --- creation and reads -----------------------------------------------------------
+
+    def create(self, rule: UpdateRule, shards: dict[ShardKey, torch.Tensor]) -> None:
+        with self._lock:
+            if self.rule is not None:
+                return  # created already: a restarted chief's values must not overwrite
+            self.rule = rule
+            for key, value in shards.items():
+                self._shards[key] = value.detach().clone().requires_grad_(True)
+        self._ready.set_result(None)
+
+    def when_ready(self) -> Future:
+        return self._ready
+
+    def read(self, keys: Sequence[ShardKey]) -> list[torch.Tensor]:
+        self._check_keys(keys)
+        return [self._wire(self._shards[k].detach().clone()) for k in keys]
+
+    def _check_keys(self, keys: Sequence[ShardKey]) -> None:
+        missing = [k for k in keys if k not in self._shards]
+        if missing:
+            raise KeyError(
+                f"{self.name} holds no shard {missing[0]} (variable, shard); it holds "
+                f"{len(self._shards)} shards: every worker must build the same model"
+            )
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        assert self.rule is not None
+        return t.to(torch.bfloat16) if self.rule.compression == "bf16" else t
+
+    # --- pushes -----------------------------------------------------------------------
+
+    def push(
+        self,
+        worker: int,
+        optimizer_class: tuple[str, str],
+        groups: Sequence[tuple[dict[str, Any], Sequence[ShardKey]]],
+        version: int,
+        grads: Sequence[torch.Tensor],
+    ) -> Future:
+        """A worker's gradients for the shards of one optimizer; the future is the reply."""
+        assert self.rule is not None, "push before create"
+        group = self._group(optimizer_class, groups)
+        rule = self.rule
+        reply: Future = Future()
+        with group.lock:
+            self._set_hyperparameters(group, groups)
+            if rule.mode == "sync":
+                self._push_sync(group, worker, version, grads, reply)
+            else:
+                self._push_async(group, worker, version, grads, reply)
+        return reply
+
+    def _group(
+        self,
+        optimizer_class: tuple[str, str],
+        groups: Sequence[tuple[dict[str, Any], Sequence[ShardKey]]],
+    ) -> _Group:
+        keys = tuple(k for _, ks in groups for k in ks)
+        with self._lock:
+            group = self._groups.get(keys)
+            if group is None:
+                self._check_keys(keys)
+                cls = _import(optimizer_class)
+                param_groups = [
+                    {"params": [self._shards[k] for k in ks], **hyper} for hyper, ks in groups if ks
+                ]
+                group = _Group(keys, cls(param_groups))
+                self._groups[keys] = group
+            return group
+
+    @staticmethod
+    def _set_hyperparameters(
+        group: _Group, groups: Sequence[tuple[dict[str, Any], Sequence[ShardKey]]]
+    ) -> None:
+        # The worker's current options (a learning-rate schedule changes them), group by group.
+        live = [hyper for hyper, ks in groups if ks]
+        for param_group, hyper in zip(group.optimizer.param_groups, live):
+            param_group.update(hyper)
+
+    def _apply(self, group: _Group, grads: Sequence[torch.Tensor], scale: float) -> None:
+        params = [p for g in group.optimizer.param_groups for p in g["params"]]
+        for p, g in zip(params, grads):
+            g = g.to(p.dtype)
+            p.grad = g if scale == 1.0 else g.mul_(scale)
+        group.optimizer.step()
+        for p in params:
+            p.grad = None
+        group.version += 1
+        self.stats.steps += 1
+
+    def _values(self, group: _Group) -> Reply:
+        return [self._wire(self._shards[k].detach().clone()) for k in group.keys], group.version
+
+    def _push_sync(
+        self,
+        group: _Group,
+        worker: int,
+        version: int,
+        grads: Sequence[torch.Tensor],
+        reply: Future,
+    ) -> None:
+        assert self.rule is not None
+        if version < group.version:  # late: this version was applied without it
+            self.stats.dropped += 1
+            reply.set_result(self._values(group))
+            return
+        if group.total is None:
+            # bf16 on the wire, summed in float32.
+            group.total = [g.to(torch.float32 if g.dtype == torch.bfloat16 else g.dtype).clone()
+                           for g in grads]  # fmt: skip
+        else:
+            for t, g in zip(group.total, grads):
+                t.add_(g.to(t.dtype))
+        group.count += 1
+        group.waiting.append(reply)
+        self._step_if_complete(group)
+
+    def _step_if_complete(self, group: _Group) -> None:
+        """Sync: once enough gradients of this version are in, apply their mean and reply."""
+        if not group.waiting or group.count < self._needed():
+            return
+        count, waiting, total = group.count, group.waiting, group.total
+        group.total, group.count, group.waiting = None, 0, []
+        assert total is not None
+        self.stats.applied += count
+        self._apply(group, total, 1.0 / count)
+        values = self._values(group)
+        for w in waiting:
+            w.set_result(values)
+
+    def _needed(self) -> int:
+        assert self.rule is not None
+        active = self.rule.num_workers - len(self._left)
+        return max(1, min(self.rule.replicas_to_aggregate, active))
+
+    def _push_async(
+        self,
+        group: _Group,
+        worker: int,
+        version: int,
+        grads: Sequence[torch.Tensor],
+        reply: Future,
+    ) -> None:
+        assert self.rule is not None
+        rule = self.rule
+        staleness = group.version - version
+        bound = rule.max_gradient_staleness
+        if rule.staleness_policy == "drop" and bound is not None and staleness > bound:
+            self.stats.dropped += 1
+        else:
+            scale = 1.0 / (1 + staleness) if rule.staleness_policy == "scale" else 1.0
+            self._apply(group, [g.clone() if scale != 1.0 else g for g in grads], scale)
+            self.stats.applied += 1
+        group.clocks[worker] = group.clocks.get(worker, 0) + 1
+        if self._too_far_ahead(group, worker):
+            self.stats.waits += 1
+            group.parked.append((worker, reply))
+        else:
+            reply.set_result(self._values(group))
+        self._release(group)
+
+    def _too_far_ahead(self, group: _Group, worker: int) -> bool:
+        assert self.rule is not None
+        s = self.rule.max_staleness
+        if s is None:
+            return False
+        training = [c for w, c in group.clocks.items() if w not in self._left]
+        # Workers that have not pushed yet count as clock 0, unless they left.
+        if len(group.clocks) - len(self._left & set(group.clocks)) < self._active():
+            training.append(0)
+        return group.clocks[worker] - min(training, default=0) > s
+
+    def _active(self) -> int:
+        assert self.rule is not None
+        return self.rule.num_workers - len(self._left)
+
+    def _release(self, group: _Group) -> None:
+        still = []
+        for worker, reply in group.parked:
+            if worker not in self._left and self._too_far_ahead(group, worker):
+                still.append((worker, reply))
+            else:
+                reply.set_result(self._values(group))
+        group.parked = still
+
+    # --- workers leaving --------------------------------------------------------------
+
+    def leave(self, worker: int) -> None:
+        """A worker finished (or died): it no longer holds back the others."""
+        with self._lock:
+            self._left.add(worker)
+            groups = list(self._groups.values())
+        for group in groups:
+            with group.lock:
+                self._release(group)
+                self._step_if_complete(group)  # a sync step no longer waits for it
+
+
+def _import(path: tuple[str, str]) -> type:
+    module, qualname = path
+    if module == "__main__":
+        raise TypeError(
+            f"the optimizer class {qualname} is defined in the script itself (__main__); a ps "
+            "task builds the optimizer before the script defines it. Use a torch.optim "
+            "optimizer or define the class in a module the script imports"
+        )
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# --- what workers call on a ps (torch.distributed.rpc runs these on the ps's threads) -------
+
+_STORE: ShardStore | None = None
+
+
+def serve(name: str) -> ShardStore:
+    """Make this process a ps: the store the RPC functions below use."""
+    global _STORE
+    _STORE = ShardStore(name)
+    return _STORE
+
+
+def _store() -> ShardStore:
+    if _STORE is None:
+        raise RuntimeError("this process is not a ps task (no ShardStore is served here)")
+    return _STORE
+
+
+def rpc_create(rule: UpdateRule, shards: dict[ShardKey, torch.Tensor]) -> None:
+    _store().create(rule, shards)
+
+
+@torch.distributed.rpc.functions.async_execution
+def rpc_fetch(keys: list[ShardKey]) -> Future:
+    """The shards' values, once the chief has created them (workers wait here)."""
+    store = _store()
+    return store.when_ready().then(lambda _: store.read(keys))
+
+
+@torch.distributed.rpc.functions.async_execution
+def rpc_push(
+    worker: int,
+    optimizer_class: tuple[str, str],
+    groups: list[tuple[dict[str, Any], list[ShardKey]]],
+    version: int,
+    grads: list[torch.Tensor],
+) -> Future:
+    return _store().push(worker, optimizer_class, groups, version, grads)
+
+
+def rpc_read(keys: list[ShardKey]) -> list[torch.Tensor]:
+    return _store().read(keys)
+
+
+def rpc_leave(worker: int) -> None:
+    _store().leave(worker)
+
+
+def rpc_stats() -> dict[str, int]:
+    stats = _store().stats
+    return {"applied": stats.applied, "dropped": stats.dropped, "steps": stats.steps,
+            "waits": stats.waits}  # fmt: skip

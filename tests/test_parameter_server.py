@@ -1,0 +1,212 @@
+"""ParameterServerStrategy: partitioners and placement (pure logic), the ps update rules
+(in-process, no RPC), and real jobs of workers and ps tasks through the launcher."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import stratagem as sg
+from cluster_utils import WORKERS, Process, child_env, free_ports
+from stratagem.cluster import SimpleClusterResolver
+from stratagem.distribute.partitioners import (
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+    place_shards,
+    plan_shards,
+    shard_rows,
+)
+from stratagem.distribute.ps_server import ShardStore, UpdateRule
+from workers.common import global_batches, reference_training
+
+# --- partitioners and placement --------------------------------------------------------------
+
+
+def test_partitioners_cut_along_the_first_dimension_as_tensorflow_does():
+    assert FixedShardsPartitioner(3)((10, 4)) == [3, 1]
+    assert FixedShardsPartitioner(8)((5,)) == [5]  # never more shards than rows
+    assert FixedShardsPartitioner(2)(()) == []  # scalars are never cut
+    # 1000 x 256 float32 = 1 MB: 4 shards of >= 256 KiB, capped by max_shards.
+    assert MinSizePartitioner(256 << 10, max_shards=8)((1000, 256)) == [3, 1]
+    assert MinSizePartitioner(1 << 20, max_shards=8)((1000, 256)) == [1, 1]
+    assert MinSizePartitioner(64 << 10, max_shards=2)((1000, 256)) == [2, 1]
+    assert MaxSizePartitioner(300_000)((1000, 256)) == [4, 1]  # 1 024 000 bytes / 300 000
+    assert shard_rows(10, 3) == [4, 3, 3] and shard_rows(2, 2) == [1, 1]
+
+
+def test_partitioner_errors_echo_what_they_were_given():
+    with pytest.raises(ValueError, match=r"num_shards must be an integer >= 1; got 0"):
+        FixedShardsPartitioner(0)
+    with pytest.raises(ValueError, match=r"needs 4 shards of at most 300000 bytes, more than "):
+        MaxSizePartitioner(300_000, max_shards=2)((1000, 256))
+    with pytest.raises(ValueError, match=r"rows of 1024 bytes, more than max_shard_bytes=100"):
+        MaxSizePartitioner(100)((1000, 256))
+
+
+def test_shards_are_placed_largest_first_on_the_least_loaded_ps():
+    assert place_shards([100, 10, 60, 50], 2) == [0, 0, 1, 1]  # 100 + 10 and 60 + 50
+    plan = plan_shards([(10, 4), (3,)], [torch.float32] * 2, FixedShardsPartitioner(2), 2)
+    assert [(s.start, s.rows, s.ps) for s in plan[0]] == [(0, 5, 0), (5, 5, 1)]
+    assert [(s.start, s.rows) for s in plan[1]] == [(0, 2), (2, 1)]
+    loads = [0, 0]
+    for shards in plan:
+        for s in shards:
+            loads[s.ps] += s.nbytes
+    assert loads == [80 + 8, 80 + 4]  # 5 rows of 16 bytes each, then the 2-row and 1-row shards
+
+
+# --- the ps update rules, in process -------------------------------------------------------
+
+SGD = ("torch.optim", "SGD")
+
+
+def _store(mode: str, workers: int, **rule) -> ShardStore:
+    store = ShardStore("ps:0")
+    needed = rule.pop("replicas_to_aggregate", workers)
+    store.create(UpdateRule(mode, workers, needed, **rule), {(0, 0): torch.zeros(2)})
+    return store
+
+
+def _push(store: ShardStore, worker: int, version: int, grad: float, lr: float = 1.0):
+    groups = [({"lr": lr}, [(0, 0)])]
+    return store.push(worker, SGD, groups, version, [torch.full((2,), grad)])
+
+
+def test_sync_applies_the_mean_of_the_first_n_and_drops_a_late_backup_gradient():
+    store = _store("sync", 3, replicas_to_aggregate=2)
+    a, b = _push(store, 0, 0, 1.0), _push(store, 1, 0, 3.0)
+    (values, version), _ = a.wait(), b.wait()
+    assert version == 1 and values[0].tolist() == [-2.0, -2.0]  # 0 - lr * mean(1, 3)
+    late = _push(store, 2, 0, 100.0)  # computed on version 0, which is already applied
+    values, version = late.wait()
+    assert version == 1 and values[0].tolist() == [-2.0, -2.0]  # dropped, never applied
+    assert store.stats.dropped == 1 and store.stats.applied == 2 and store.stats.steps == 1
+
+
+def test_sync_contributors_wait_for_the_step_and_a_leaving_worker_releases_it():
+    store = _store("sync", 2)
+    first = _push(store, 0, 0, 2.0)
+    assert not first.done()  # waits for the second gradient of version 0
+    store.leave(1)  # the other worker finished: the step no longer waits for it
+    values, version = first.wait()
+    assert version == 1 and values[0].tolist() == [-2.0, -2.0]
+
+
+def test_async_applies_each_push_and_scales_or_drops_stale_ones():
+    plain = _store("async", 2)
+    _push(plain, 0, 0, 1.0).wait()
+    values, version = _push(plain, 1, 0, 1.0).wait()  # stale by one update, applied as is
+    assert version == 2 and values[0].tolist() == [-2.0, -2.0]
+
+    scaled = _store("async", 2, staleness_policy="scale")
+    _push(scaled, 0, 0, 1.0).wait()
+    values, _ = _push(scaled, 1, 0, 1.0).wait()  # staleness 1: half the gradient
+    assert values[0].tolist() == [-1.5, -1.5]
+
+    dropping = _store("async", 2, staleness_policy="drop", max_gradient_staleness=0)
+    _push(dropping, 0, 0, 1.0).wait()
+    values, version = _push(dropping, 1, 0, 1.0).wait()
+    assert version == 1 and values[0].tolist() == [-1.0, -1.0] and dropping.stats.dropped == 1
+
+
+def test_bounded_staleness_holds_a_worker_that_is_too_far_ahead():
+    store = _store("async", 2, max_staleness=1)
+    assert _push(store, 0, 0, 1.0).done()  # clocks 1 and 0: within the bound
+    ahead = _push(store, 0, 1, 1.0)  # clocks 2 and 0: worker 0 must wait
+    assert not ahead.done() and store.stats.waits == 1
+    _push(store, 1, 0, 1.0).wait()  # the slow worker catches up to clock 1
+    values, version = ahead.wait()
+    assert version == 3 and values[0].tolist() == [-3.0, -3.0]
+    again = _push(store, 0, 3, 1.0)  # clocks 3 and 1
+    assert not again.done()
+    store.leave(1)  # a worker that finished holds nobody back
+    assert again.wait()[1] == 4
+
+
+# --- bad input, before any process is started ---------------------------------------------
+
+CLUSTER = {"worker": ["localhost:1", "localhost:2", "localhost:3"], "ps": ["localhost:4"]}
+
+
+def _resolver(cluster=CLUSTER):
+    return SimpleClusterResolver(sg.train.ClusterSpec(cluster), task_type="worker", task_id=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({}, ValueError, r"needs ps tasks to hold the parameters; this cluster has 2 workers"),
+        (dict(mode="sync", replicas_to_aggregate=4), ValueError, r"replicas_to_aggregate=4 is "),
+        (dict(max_staleness=-1), ValueError, r"max_staleness must be >= 0; got -1"),
+        (dict(mode="sync", backup_workers=3), ValueError, r"backup_workers=3 leaves no worker"),
+        (dict(mode="eventual"), ValueError, r"mode must be one of \('async', 'sync'\)"),
+        (dict(staleness_policy="drop"), ValueError, r"'drop' needs max_gradient_staleness"),
+        (dict(backup_workers=1), ValueError, r"are for mode='sync'"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_value(kwargs, error, message):
+    cluster = CLUSTER if kwargs else {"worker": CLUSTER["worker"][:2]}
+    with pytest.raises(error, match=message):
+        sg.distribute.ParameterServerStrategy(_resolver(cluster), **kwargs)
+
+
+def test_a_ps_that_never_answers_is_named(tmp_path):
+    worker, ps = (f"localhost:{p}" for p in free_ports(2))
+    cluster = {"worker": [worker], "ps": [ps]}
+    script = (
+        "import stratagem as sg\n"
+        f"resolver = sg.distribute.cluster_resolver.SimpleClusterResolver("
+        f"sg.train.ClusterSpec({cluster!r}), task_type='worker', task_id=0)\n"
+        "sg.distribute.ParameterServerStrategy(resolver)\n"
+    )
+    env = child_env({"STRATAGEM_RENDEZVOUS_TIMEOUT": "2"})
+    result = Process([sys.executable, "-c", script], env, tmp_path, "worker").wait(timeout=60)
+    assert result.returncode != 0
+    assert f"missing: ps 0 ({ps})" in result.stderr, result.stderr
+
+
+# --- real jobs ---------------------------------------------------------------------------
+
+pytest_multiprocess = pytest.mark.multiprocess
+
+
+def _job(tmp_path: Path, workers: int, ps: int, *args: str) -> list[dict]:
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", str(workers), "--ps", str(ps)]
+    argv += [str(WORKERS / "ps_train.py"), str(tmp_path), *args]
+    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=240)
+    assert result.returncode == 0, result.stdout
+    assert "ps 0 exited 0" in result.stdout  # the ps served until the workers were done
+    return [torch.load(tmp_path / f"result-{i}.pt") for i in range(workers)]
+
+
+@pytest_multiprocess
+@pytest.mark.parametrize(
+    "workers, ps, optimizer, shards",
+    [(2, 1, "sgd", 0), (3, 2, "adam", 2)],  # 3 workers: every variable in 2 shards on 2 ps
+)
+def test_sync_mode_equals_one_process_on_the_concatenated_batch(
+    tmp_path, workers, ps, optimizer, shards
+):
+    results = _job(tmp_path, workers, ps, "sync", optimizer, *([str(shards)] if shards else []))
+    expected = reference_training(results[0]["initial"], optimizer, global_batches())
+    for i, r in enumerate(results):
+        for k, v in expected.items():
+            torch.testing.assert_close(r["initial"][k], results[0]["initial"][k], msg=k)
+            torch.testing.assert_close(r["final"][k], v, rtol=1e-5, atol=1e-6, msg=f"{i} {k}")
+    stats = results[0]["stats"]
+    assert len(stats) == ps and all(s["steps"] == len(global_batches()) for s in stats), stats
+    assert all(s["applied"] == workers * len(global_batches()) for s in stats), stats
+
+
+@pytest_multiprocess
+def test_async_mode_applies_every_push_as_it_comes(tmp_path):
+    results = _job(tmp_path, 2, 1, "async", "sgd")
+    ((stats),) = results[0]["stats"]
+    assert stats["applied"] == stats["steps"] == 2 * len(global_batches()), stats
+    assert stats["dropped"] == 0
+    first, last = results[0]["initial"], results[0]["final"]
+    assert max((last[k] - first[k]).abs().max() for k in first) > 0
