@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 import pytest
@@ -46,3 +47,26 @@ def test_fit_overhead_benchmark_smoke_run_reports_both_figures(tmp_path):
     assert results["two_workers_fit_over_ddp_median_of_runs"] > 0, results
     assert all(v > 0 for v in results["one_device_ms_per_step"].values()), results
     assert "| fit overhead vs a hand-written loop" in output, output
+
+
+def test_stragglers_benchmark_smoke_run_drops_the_stragglers_late_gradients(tmp_path):
+    out = tmp_path / "results.json"
+    argv = [sys.executable, str(REPO / "benchmarks" / "stragglers.py"), "--quick"]
+    argv += ["--modes", "backup", "--json", str(out)]
+    result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    backup = json.loads(out.read_text())["results"]["backup"]
+    assert backup["steps_per_s"] > 0 and 0 <= backup["accuracy"] <= 1, backup
+    # Worker 2 is three times slower: sync with a backup worker drops its late gradients.
+    assert backup["dropped"] > 0, backup
+    assert "| backup |" in output, output
+
+
+def test_ps_transport_benchmark_smoke_run_reports_the_ratio(tmp_path):
+    argv = [sys.executable, str(REPO / "benchmarks" / "ps_transport.py"), "--quick"]
+    result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    ((ratio,),) = [re.findall(r"ours / raw rpc, median of 1 runs: ([0-9.]+)", output)]
+    assert float(ratio) > 0, output

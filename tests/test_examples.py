@@ -166,3 +166,18 @@ def test_a_killed_fit_resumes_from_backup_and_ends_as_an_uninterrupted_one(tmp_p
     assert [float(v) for v in resumed_losses.split()] == pytest.approx(expected, abs=1e-5)
     assert abs(float(resumed_accuracy) - float(full_accuracy)) <= 0.01
     assert not (tmp_path / "killed-backup").exists()  # removed once the fit finished
+
+
+def test_parameter_server_example_async_reaches_90_percent(tmp_path):
+    script = str(REPO / "examples" / "parameter_server.py")
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2", "--ps", "1", script]
+    argv += ["--epochs", "3", "--steps-per-epoch", "40"]
+    result, output = _wait(Process(argv, child_env(), tmp_path, "launcher"), timeout=300)
+    assert result.returncode == 0, output
+    # When the chief asks, the ps applied its 120 gradients and some of the other worker's.
+    pattern = r"\[worker 0\] ps applied (\d+) gradients and dropped (\d+)"
+    ((applied, dropped),) = re.findall(pattern, output)
+    assert 120 <= int(applied) <= 240 and dropped == "0", output
+    accuracies = _accuracies(output)
+    assert len(accuracies) == 1 and accuracies[0] >= 0.90, output  # the chief's, pulled
+    assert "[stratagem] ps 0 exited 0" in output, output

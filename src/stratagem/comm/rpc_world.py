@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import socket
+import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -94,9 +95,18 @@ class RpcWorld:
         rpc_store.set_timeout(datetime.timedelta(seconds=rendezvous_timeout))
         # What rpc.init_rpc does after its own rendezvous, on the store we already met on.
         dist_autograd._init(self.rank)
-        rpc._init_rpc_backend(
-            rpc.BackendType.TENSORPIPE, rpc_store, self.name, self.rank, self.world_size, options
-        )
+        with warnings.catch_warnings():
+            # TensorPipe's start exchanges device maps over a gloo group it builds itself and
+            # passes as a ProcessGroup, which torch then warns about in every task; not ours.
+            warnings.filterwarnings("ignore", "You are using a Backend", UserWarning)
+            rpc._init_rpc_backend(
+                rpc.BackendType.TENSORPIPE,
+                rpc_store,
+                self.name,
+                self.rank,
+                self.world_size,
+                options,
+            )
         self._base = base  # the rank-0 store serves the agent until shutdown
         self._running = True
 

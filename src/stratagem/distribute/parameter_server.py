@@ -61,6 +61,9 @@ class Server:
                 f"sg.distribute.Server serves a ps task; this process is {resolver.describe()}"
             )
         timeouts = Timeouts.from_env()
+        # Creating the first torch optimizer imports torch._dynamo (seconds); do it now, while
+        # the workers start, rather than inside the first push they wait on.
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)])
         self.store = ps_server.serve(rpc_name("ps", resolver.task_id or 0))
         self._world = RpcWorld(
             resolver, rendezvous_timeout=timeouts.rendezvous, rpc_timeout=timeouts.operation
