@@ -46,3 +46,14 @@ class CommunicationOptions:
                 "implementation must be a CommunicationImplementation (AUTO, RING, NCCL), got "
                 f"{self.implementation!r}"
             )
+
+
+# The experimental strategies (imported last: they build on the rest of sg.distribute).
+from stratagem.distribute.central_storage import CentralStorageStrategy  # noqa: E402
+
+__all__ = [
+    "CentralStorageStrategy",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "partitioners",
+]

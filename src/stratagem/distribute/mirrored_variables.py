@@ -1,7 +1,9 @@
 """Mirrored variables of one process: a primary tensor and one copy per other local replica.
 
 The primary is the tensor the model holds (replica 0 computes on it; the optimizer updates it).
-Replica i > 0 computes on its copy, seen through ``ReplicaView``. A parameter copy on the same
+Replica i > 0 computes on its copy, seen through ``ReplicaView``. With ``central=True``
+(CentralStorageStrategy) the primary lives on a parameter device of its own and every replica,
+replica 0 included, computes on a copy. A parameter copy on the same
 physical device shares the primary's storage (``detach()``): it is a separate leaf with its own
 ``.grad`` but needs no refresh and no memory. Copies on other devices, and every buffer copy
 (replicas update running statistics in place, concurrently), are real copies, overwritten from
@@ -32,33 +34,46 @@ from stratagem.distribute.devices import LogicalDevice
 @dataclass
 class _Mirror:
     primary: weakref.ref
-    copies: list[torch.Tensor]  # replica 1..n-1
+    copies: list[torch.Tensor]  # one per replica with copies (1..n-1, or all when central)
     shared: list[bool]
 
 
 class MirroredVariables:
     """The mirrored parameters and buffers of one strategy, and their replica copies."""
 
-    def __init__(self, devices: list[LogicalDevice], *, grad_scale: float | None = None) -> None:
+    def __init__(
+        self,
+        devices: list[LogicalDevice],
+        *,
+        grad_scale: float | None = None,
+        primary_device: torch.device | None = None,
+    ) -> None:
         self.devices = devices
         self.grad_scale = grad_scale
         self.scaling = False  # set by the strategy while replicas run
+        # Where primaries live; replicas from ``_first_copy`` on compute on copies.
+        self.primary_device = primary_device or devices[0].torch_device
+        self._first_copy = 1 if primary_device is None else 0
+        self._copy_devices = devices[self._first_copy :]
         self._mirrors: dict[int, _Mirror] = {}
-        # One id → copy map per replica i > 0: what ReplicaView swaps in that replica's thread.
-        self._views: list[dict[int, torch.Tensor]] = [{} for _ in devices[1:]]
+        # One id → copy map per replica with copies: what ReplicaView swaps in its thread.
+        self._views: list[dict[int, torch.Tensor]] = [{} for _ in self._copy_devices]
 
     def __len__(self) -> int:
         return len(self._mirrors)
 
     def view(self, replica: int) -> dict[int, torch.Tensor]:
-        return self._views[replica - 1]
+        """The copies replica ``replica`` computes on (empty: it computes on the primaries)."""
+        if replica < self._first_copy:
+            return {}
+        return self._views[replica - self._first_copy]
 
     def add(self, tensor: torch.Tensor, *, is_parameter: bool) -> None:
         key = id(tensor)
         if key in self._mirrors:
             return
         copies, shared = [], []
-        for d in self.devices[1:]:
+        for d in self._copy_devices:
             same_storage = is_parameter and d.torch_device == tensor.device
             copies.append(self._make_copy(tensor, d.torch_device, same_storage))
             shared.append(same_storage)
@@ -110,7 +125,7 @@ class MirroredVariables:
                         copy.copy_(primary)
 
     def _replace(self, key: int, m: _Mirror, i: int, primary: torch.Tensor, shared: bool) -> None:
-        copy = self._make_copy(primary, self.devices[i + 1].torch_device, shared)
+        copy = self._make_copy(primary, self._copy_devices[i].torch_device, shared)
         self._scale_gradients_of(copy)
         m.copies[i] = copy
         self._views[i][key] = copy
@@ -126,7 +141,7 @@ class MirroredVariables:
         there is nothing to transfer, so packing them for a cross-device op would only copy
         memory. Copies on other devices go through the strategy's cross-device op.
         """
-        if len(self.devices) == 1:
+        if not self._copy_devices:
             return  # the primary's gradient is already the only one
         remote_lists, remote_targets = [], []
         with torch.no_grad():
@@ -155,8 +170,7 @@ class MirroredVariables:
                 for c in m.copies:
                     c.grad = None
             if remote_targets:
-                destination = self.devices[0].torch_device
-                reduced = ops.batch_reduce(ReduceOp.SUM, remote_lists, destination)
+                reduced = ops.batch_reduce(ReduceOp.SUM, remote_lists, self.primary_device)
                 for primary, total in zip(remote_targets, reduced):
                     if primary.grad is None:
                         primary.grad = total.clone()

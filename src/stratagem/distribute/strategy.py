@@ -184,8 +184,10 @@ class Strategy:
             if self._replicas is None:
                 ctx = ReplicaContext(self, first_id, 0, global_batch)
                 previous = context.set_replica(ctx)
+                view = self._replica_view(0)  # empty unless it computes on copies
                 try:
-                    result = fn(*select_replica(args, 0, 1), **select_replica(kwargs, 0, 1))
+                    with ReplicaView(view) if view else contextlib.nullcontext():
+                        result = fn(*select_replica(args, 0, 1), **select_replica(kwargs, 0, 1))
                 finally:
                     context.set_replica(previous)
             else:
@@ -226,8 +228,9 @@ class Strategy:
                         if self._intra_op_threads is not None:
                             stack.callback(torch.set_num_threads, torch.get_num_threads())
                             torch.set_num_threads(self._intra_op_threads)
-                        if i > 0:
-                            stack.enter_context(ReplicaView(self._replica_view(i)))
+                        view = self._replica_view(i)
+                        if view:  # replica 0 of most strategies computes on the primaries
+                            stack.enter_context(ReplicaView(view))
                         return fn(*r_args, **r_kwargs)
                 finally:
                     context.set_replica(previous)
@@ -414,7 +417,7 @@ class Strategy:
             )
 
     def _replica_view(self, replica: int) -> dict[int, torch.Tensor]:
-        """id(primary) → replica's copy, for replica threads other than 0."""
+        """id(primary) → this replica's copy; empty where it computes on the primaries."""
         return {}
 
     def _before_run(self) -> None:
