@@ -65,7 +65,7 @@ SGD = ("torch.optim", "SGD")
 
 
 def _store(mode: str, workers: int, **rule) -> ShardStore:
-    store = ShardStore("ps:0")
+    store = ShardStore("ps:0", workers)
     needed = rule.pop("replicas_to_aggregate", workers)
     store.create(UpdateRule(mode, workers, needed, **rule), {(0, 0): torch.zeros(2)})
     return store
@@ -123,8 +123,12 @@ def test_bounded_staleness_holds_a_worker_that_is_too_far_ahead():
     assert version == 3 and values[0].tolist() == [-3.0, -3.0]
     again = _push(store, 0, 3, 1.0)  # clocks 3 and 1
     assert not again.done()
-    store.leave(1)  # a worker that finished holds nobody back
+    goodbye = store.leave(1, lost=True)  # a worker that is gone holds nobody back
     assert again.wait()[1] == 4
+    # Goodbyes are answered once every worker is done or lost, saying whether one was lost.
+    assert not goodbye.done()
+    last = store.leave(0)
+    assert goodbye.wait() is True and last.wait() is True
 
 
 # --- bad input, before any process is started ---------------------------------------------
@@ -210,3 +214,17 @@ def test_async_mode_applies_every_push_as_it_comes(tmp_path):
     assert stats["dropped"] == 0
     first, last = results[0]["initial"], results[0]["final"]
     assert max((last[k] - first[k]).abs().max() for k in first) > 0
+
+
+@pytest_multiprocess
+def test_async_training_goes_on_without_a_lost_worker(tmp_path):
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "3", "--ps", "1"]
+    argv += ["--tolerate-worker-loss", str(WORKERS / "ps_faults.py"), "lost-worker"]
+    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=240)
+    output = result.stdout
+    assert result.returncode == 0, output
+    assert "worker 2 was lost: killed by signal 9 (SIGKILL); the job goes on" in output, output
+    assert "[ps 0] worker 2 (" in output and "ended without saying it was done (lost)" in output
+    # The survivors were not held back by the staleness bound for ever: the chief finished.
+    assert "[worker 0] chief trained 30 steps" in output, output
+    assert "job finished: 2 workers exited 0 (1 worker lost)" in output, output

@@ -77,6 +77,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default="localhost", help="host name in the tasks' addresses (default localhost)"
     )
+    parser.add_argument(
+        "--tolerate-worker-loss",
+        action="store_true",
+        help="a worker other than the chief that fails is reported and the job goes on without"
+        " it (asynchronous parameter-server training)",
+    )
     # Shown by --help only: split_command takes the command off before argparse sees it.
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module, as python -m")
     parser.add_argument("script", nargs="?", help="the Python script to run")
@@ -118,6 +124,7 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
             max_restarts=args.max_restarts,
             grace_period=args.grace_period,
             host=args.host,
+            tolerate_worker_loss=args.tolerate_worker_loss,
         )
     except launcher.LaunchError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)

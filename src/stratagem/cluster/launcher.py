@@ -316,8 +316,12 @@ class Job:
         console: Console | None = None,
         interrupts: Interrupts | None = None,
         kill_timeout: float = KILL_TIMEOUT_S,
+        tolerate_worker_loss: bool = False,
     ) -> None:
         self.tasks = list(tasks)
+        # Asynchronous parameter-server training goes on without a lost worker (not the chief).
+        self.tolerate_worker_loss = tolerate_worker_loss
+        self._lost: list[_Running] = []
         self.target = list(target)
         self.grace_period = grace_period
         self.python = python
@@ -448,6 +452,12 @@ class Job:
             r.status = status
             if r.stopped:
                 self.console.log(f"{r.task.name} stopped: {describe_status(r.status)}")
+            elif r.status != 0 and self._may_lose(r):
+                self.console.log(
+                    f"{r.task.name} was lost: {describe_status(r.status)}; the job goes on "
+                    "without it (--tolerate-worker-loss)"
+                )
+                self._lost.append(r)
             elif r.status != 0:
                 self.console.log(f"{r.task.name} failed: {describe_status(r.status)}")
                 self._first_failure = self._first_failure or r
@@ -460,10 +470,20 @@ class Job:
             assert failed.status is not None
             reason = f"{failed.task.name} failed: {describe_status(failed.status)}"
             return Outcome(exit_code_of(failed.status), reason)
-        leaders = [r for r in self._running if r.task.type in ("chief", "worker")]
+        leaders = [
+            r for r in self._running if r.task.type in ("chief", "worker") and r not in self._lost
+        ]
         if all(r.status == 0 for r in leaders):
-            return Outcome(0, f"{_count_tasks(r.task for r in leaders)} exited 0")
+            lost = f" ({_plural(len(self._lost), 'worker')} lost)" if self._lost else ""
+            return Outcome(0, f"{_count_tasks(r.task for r in leaders)} exited 0{lost}")
         return None
+
+    def _may_lose(self, r: _Running) -> bool:
+        """Whether a failed task is a worker the job may go on without: never the chief."""
+        if not self.tolerate_worker_loss or r.task.type != "worker" or r.stopped:
+            return False
+        has_chief = any(t.type == "chief" for t in self.tasks)
+        return has_chief or r.task.index != 0
 
     @staticmethod
     def _names(running: Iterable[_Running]) -> str:
@@ -536,8 +556,12 @@ def launch(
     python: str | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    tolerate_worker_loss: bool = False,
 ) -> int:
     """Run ``python *target`` as a local cluster job; return the exit code for the launcher.
+
+    With ``tolerate_worker_loss`` (asynchronous parameter-server training), a worker other than
+    the chief that fails is reported as lost and the job goes on without it.
 
     ``target`` is what follows the interpreter: ``["train.py", *args]`` or
     ``["-m", "package.train", *args]``. Returns 0 when the chief and workers exited 0; the
@@ -582,6 +606,7 @@ def launch(
                 python=python,
                 console=console,
                 interrupts=interrupts,
+                tolerate_worker_loss=tolerate_worker_loss,
             ) as job:
                 try:
                     job.start()

@@ -6,8 +6,13 @@ the all-reduce strategies do: a roll call on our own TCPStore names any task tha
 (a ps address that never answers) instead of TensorPipe's bare store timeout, and TensorPipe's
 agent then starts on that same store. Evaluators run on their own and take no part.
 
-``shutdown()`` is graceful: it returns once every member has called it, so a ps that serves
-until the workers are done simply calls it and waits.
+Every member also runs a liveness server (``comm.liveness``), published at the roll call, so a
+ps can tell a worker that is gone from one that is busy: a refused connection means the process
+has ended. Ending the job rests on that: a worker tells each ps it is done and waits for the
+answer, which each ps gives once every worker is done or found gone. Then every member leaves
+together through TensorPipe's graceful shutdown (a barrier, quiet), or, when a worker was lost
+and would block that barrier forever, each leaves on its own (TensorPipe then logs a warning
+for each connection a peer closes).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import datetime
 import json
 import os
 import socket
+import threading
 import warnings
 from typing import Any
 
@@ -25,6 +31,7 @@ import torch.distributed.rpc as rpc
 
 from stratagem.cluster import ClusterResolver
 from stratagem.cluster.address import parse_address
+from stratagem.comm.liveness import LivenessServer, advertised_host
 from stratagem.comm.rendezvous import Member, open_store, roll_call
 from stratagem.errors import RendezvousError
 
@@ -75,6 +82,7 @@ class RpcWorld:
         )
         store = dist.PrefixStore(f"stratagem-rpc/{resolver.attempt}/", base)
         cluster = json.dumps({j: spec.num_tasks(j) for j in sorted(spec.jobs)}, sort_keys=True)
+        self._liveness = LivenessServer(advertised_host(host))
         member = Member(
             rank=self.rank,
             world_size=self.world_size,
@@ -82,9 +90,10 @@ class RpcWorld:
             cluster=cluster,
             pid=os.getpid(),
             host=socket.gethostname(),
-            liveness="",
+            liveness=self._liveness.address,
         )
-        roll_call(store, member, timeout_s=rendezvous_timeout, peer_name=self.describe)
+        everyone = roll_call(store, member, timeout_s=rendezvous_timeout, peer_name=self.describe)
+        self.liveness = {m.rank: m.liveness for m in everyone}
         options = rpc.TensorPipeRpcBackendOptions(
             rpc_timeout=rpc_timeout,
             # Sync-mode pushes park a thread-free future each, but fetches and reads of every
@@ -108,6 +117,7 @@ class RpcWorld:
                 options,
             )
         self._base = base  # the rank-0 store serves the agent until shutdown
+        self._rendezvous_timeout = rendezvous_timeout
         self._running = True
 
     def describe(self, rank: int) -> str:
@@ -119,8 +129,43 @@ class RpcWorld:
     def names(self, task_type: str) -> list[str]:
         return [rpc_name(t, i) for t, i in self.members if t == task_type]
 
-    def shutdown(self) -> None:
-        """Leave the RPC world once every member has asked to (graceful), then stop."""
+    def ranks(self, task_type: str) -> list[int]:
+        return [r for r, (t, _) in enumerate(self.members) if t == task_type]
+
+    def shutdown(self, graceful: bool) -> None:
+        """Leave the RPC world: with every other member (``graceful``), or alone."""
         if self._running:
             self._running = False
-            rpc.shutdown(graceful=True)
+            try:
+                rpc.shutdown(graceful=graceful, timeout=self._rendezvous_timeout)
+            finally:
+                self._liveness.close("ok")
+
+    def has_ended(self, rank: int) -> bool:
+        """Whether member ``rank``'s process has ended (its liveness server refuses)."""
+        return _ended(self.liveness[rank])
+
+    def wait_for(
+        self, ranks: list[int], done: Any, stop: threading.Event, poll_s: float = 0.25
+    ) -> bool:
+        """Poll ``done(rank)`` for each of ``ranks`` until all are done (True) or ``stop`` is
+        set (False): a watchdog's loop, over peers that may die without a word."""
+        left = set(ranks)
+        while left and not stop.is_set():
+            left = {rank for rank in left if not done(rank)}
+            if left:
+                stop.wait(poll_s)
+        return not left
+
+
+def _ended(address: str) -> bool:
+    """Whether the process behind a liveness address has ended: its port refuses connections.
+    A busy or unreachable process (a timeout) counts as alive."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=2.0):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False

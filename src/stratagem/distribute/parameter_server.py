@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import atexit
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -42,6 +43,7 @@ from stratagem.distribute.devices import LogicalDevice
 from stratagem.distribute.input import DistributedDatasetFromFunction, InputContext, InputOptions
 from stratagem.distribute.partitioners import Partitioner, Shard, plan_shards
 from stratagem.distribute.strategy import Strategy, StrategyExtended
+from stratagem.errors import PeerLostError
 
 MODES = ("async", "sync")
 STALENESS_POLICIES = ("apply", "scale", "drop")
@@ -64,13 +66,34 @@ class Server:
         # Creating the first torch optimizer imports torch._dynamo (seconds); do it now, while
         # the workers start, rather than inside the first push they wait on.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)])
-        self.store = ps_server.serve(rpc_name("ps", resolver.task_id or 0))
+        num_workers = len(collective_members(resolver.cluster_spec()))
+        self.store = ps_server.serve(rpc_name("ps", resolver.task_id or 0), num_workers)
         self._world = RpcWorld(
             resolver, rendezvous_timeout=timeouts.rendezvous, rpc_timeout=timeouts.operation
         )
 
     def join(self) -> None:
-        self._world.shutdown()
+        """Serve until every worker is done or lost, then leave the RPC world."""
+        workers = self._world.ranks("chief") + self._world.ranks("worker")
+        index = {rank: i for i, rank in enumerate(workers)}  # the strategy's worker index
+
+        def done(rank: int) -> bool:
+            if self.store.has_left(index[rank]):
+                return True
+            if not self._world.has_ended(rank):
+                return False
+            print(
+                f"{self._world.describe(rank)} ended without saying it was done (lost); "
+                "training goes on without it",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.store.leave(index[rank], lost=True)
+            return True
+
+        self._world.wait_for(workers, done, threading.Event())
+        # Everyone alive is done: all leave together, unless a lost worker would block that.
+        self._world.shutdown(graceful=not self.store.lost_any)
 
 
 class _IndependentWorker(LocalCommunicator):
@@ -271,13 +294,13 @@ class ParameterServerStrategy(Strategy):
                 rpc.rpc_async(name, ps_server.rpc_create, args=(self._rule, per_ps[i]))
                 for i, name in enumerate(self._ps_names)
             ]
-            torch.futures.wait_all(futures)
+            self._wait(futures, "the creation of the variables")
         else:
             futures = [
                 rpc.rpc_async(name, ps_server.rpc_fetch, args=(list(per_ps[i]),))
                 for i, name in enumerate(self._ps_names)
             ]
-            for i, values in enumerate(torch.futures.wait_all(futures)):
+            for i, values in enumerate(self._wait(futures, "a fetch of the initial values")):
                 self._write(list(per_ps[i]), values)
 
     def _write(self, keys: list[ps_server.ShardKey], values: list[torch.Tensor]) -> None:
@@ -342,6 +365,15 @@ class ParameterServerStrategy(Strategy):
                 if id(p) in self._shards:
                     p.grad = None
 
+    def _wait_pushes(self, requests: list[tuple], futures: list[Any]) -> list[Any]:
+        # Pushes go only to the ps that own some of the optimizer's shards.
+        everyone: list[Any] = [None] * self._num_ps
+        for (ps, *_), future in zip(requests, futures):
+            everyone[ps] = future
+        done = _Done()
+        answers = self._wait([f if f is not None else done for f in everyone], "a push")
+        return [answers[ps] for ps, *_ in requests]
+
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         return t.to(torch.bfloat16) if self._rule.compression == "bf16" else t.contiguous()
@@ -358,24 +390,45 @@ class ParameterServerStrategy(Strategy):
             ]  # fmt: skip
             keys.append(mine)
             futures.append(rpc.rpc_async(name, ps_server.rpc_read, args=(mine,)))
-        for mine, values in zip(keys, torch.futures.wait_all(futures)):
+        for mine, values in zip(keys, self._wait(futures, "a pull of the parameters")):
             self._write(mine, values)
 
     def ps_stats(self) -> list[dict[str, int]]:
         """What each ps applied, dropped and held back so far (for tests and benchmarks)."""
         futures = [rpc.rpc_async(n, ps_server.rpc_stats) for n in self._ps_names]
-        return list(torch.futures.wait_all(futures))
+        return self._wait(futures, "a request for its statistics")
 
     def _finish(self) -> None:
-        """At exit: tell every ps this worker is done, then leave the RPC world (graceful)."""
+        """At exit: tell every ps this worker is done, then leave the RPC world."""
+        graceful = False
         try:
             futures = [
-                rpc.rpc_async(n, ps_server.rpc_leave, args=(self._worker_index,))
+                rpc.rpc_async(
+                    n, ps_server.rpc_leave, args=(self._worker_index,), timeout=0
+                )  # no timeout: the answer comes when the slowest worker is done
                 for n in self._ps_names
             ]
-            torch.futures.wait_all(futures)
+            graceful = not any(self._wait(futures, "this worker's goodbye"))
+        except PeerLostError:
+            pass  # a ps that is gone needs no goodbye; the error that mattered came earlier
         finally:
-            self._world.shutdown()
+            self._world.shutdown(graceful=graceful)
+
+    def _wait(self, futures: list[Any], what: str) -> list[Any]:
+        """Each ps's answer, in order; a ps that is gone is named instead of a bare RPC error."""
+        answers = []
+        for name, future in zip(self._ps_names, futures):
+            try:
+                answers.append(future.wait())
+            except RuntimeError as exc:
+                rank = self._world.members.index(("ps", int(name.split(":")[1])))
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                raise PeerLostError(
+                    f"{self._world.describe(rank)} did not answer {what}: {first}. A ps that "
+                    "ends stops the job; with `stratagem run --max-restarts R` it restarts from "
+                    "the last checkpoint"
+                ) from None
+        return answers
 
     # Input: each worker its own share of the batches --------------------------------------
 
@@ -398,6 +451,13 @@ class ParameterServerStrategy(Strategy):
             num_replicas_in_sync=1,
         )
         return DistributedDatasetFromFunction(self, lambda _: dataset_fn(ctx), options)
+
+
+class _Done:
+    """A finished future with no answer (a ps that was asked nothing)."""
+
+    def wait(self) -> None:
+        return None
 
 
 class _EveryNth:

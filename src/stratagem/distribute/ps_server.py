@@ -71,15 +71,18 @@ class Stats:
 class ShardStore:
     """The shards this ps task holds, and the update rule; one per ps process."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, num_workers: int) -> None:
         self.name = name
+        self.num_workers = num_workers
         self.rule: UpdateRule | None = None
         self.stats = Stats()
         self._shards: dict[ShardKey, torch.Tensor] = {}
         self._groups: dict[tuple[ShardKey, ...], _Group] = {}
         self._lock = threading.Lock()  # the dicts above, and the workers' states
         self._ready: Future = Future()  # set when the chief has created the shards
-        self._left: set[int] = set()
+        self._left: set[int] = set()  # workers that finished or were lost
+        self._lost_any = False
+        self._goodbyes: list[Future] = []  # workers waiting for the others to finish
 
     # --- creation and reads -----------------------------------------------------------
 
@@ -269,15 +272,35 @@ class ShardStore:
 
     # --- workers leaving --------------------------------------------------------------
 
-    def leave(self, worker: int) -> None:
-        """A worker finished (or died): it no longer holds back the others."""
+    def has_left(self, worker: int) -> bool:
+        with self._lock:
+            return worker in self._left
+
+    def leave(self, worker: int, *, lost: bool = False) -> Future:
+        """A worker finished (or was lost): it no longer holds back the others. The future is
+        set, to whether any worker was lost, once every worker has finished or been lost."""
+        goodbye: Future = Future()
         with self._lock:
             self._left.add(worker)
+            self._lost_any = self._lost_any or lost
+            self._goodbyes.append(goodbye)
             groups = list(self._groups.values())
+            everyone = len(self._left) == self.num_workers
+            goodbyes = self._goodbyes if everyone else []
+            if everyone:
+                self._goodbyes = []
         for group in groups:
             with group.lock:
                 self._release(group)
                 self._step_if_complete(group)  # a sync step no longer waits for it
+        for g in goodbyes:
+            g.set_result(self._lost_any)
+        return goodbye
+
+    @property
+    def lost_any(self) -> bool:
+        with self._lock:
+            return self._lost_any
 
 
 def _import(path: tuple[str, str]) -> type:
@@ -299,10 +322,10 @@ def _import(path: tuple[str, str]) -> type:
 _STORE: ShardStore | None = None
 
 
-def serve(name: str) -> ShardStore:
+def serve(name: str, num_workers: int) -> ShardStore:
     """Make this process a ps: the store the RPC functions below use."""
     global _STORE
-    _STORE = ShardStore(name)
+    _STORE = ShardStore(name, num_workers)
     return _STORE
 
 
@@ -338,8 +361,10 @@ def rpc_read(keys: list[ShardKey]) -> list[torch.Tensor]:
     return _store().read(keys)
 
 
-def rpc_leave(worker: int) -> None:
-    _store().leave(worker)
+@torch.distributed.rpc.functions.async_execution
+def rpc_leave(worker: int) -> Future:
+    """A worker is done; answered once every worker is, with whether any was lost."""
+    return _store().leave(worker)
 
 
 def rpc_stats() -> dict[str, int]:
