@@ -247,3 +247,24 @@ def test_laid_out_parameters_train_with_a_plain_optimizer_like_plain_ones(mesh):
     assert copied[0].weight.layout == laid_out[0].weight.layout
     assert copied[0].weight is not laid_out[0].weight
     assert laid_out.state_dict()["0.weight"].layout == torch.strided
+
+
+def test_mesh_metrics_match_a_plain_computation(mesh):
+    logits = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
+    labels = torch.tensor([1, 1, 1, 0])
+    metric = dtensor.metrics.SparseCategoricalAccuracy(mesh=mesh)
+    layout = Layout.batch_sharded(mesh, "batch", rank=2)
+    metric.update_state(
+        y_true=dtensor.copy_to_mesh(labels, Layout.batch_sharded(mesh, "batch", 1)),
+        y_pred=dtensor.copy_to_mesh(logits, layout),
+    )
+    metric.update_state(
+        y_true=dtensor.copy_to_mesh(labels[:2], Layout.batch_sharded(mesh, "batch", 1)),
+        y_pred=dtensor.copy_to_mesh(logits[:2], layout),
+    )
+    assert float(metric.result()) == pytest.approx(4 / 6)
+    metric.reset_state()
+    assert float(metric.result()) == 0.0
+    plain = dtensor.metrics.SparseCategoricalAccuracy()  # plain tensors, no mesh
+    plain.update_state(y_true=labels, y_pred=logits)
+    assert float(plain.result()) == pytest.approx(3 / 4)

@@ -15,6 +15,7 @@ Then train with a plain ``torch.optim`` optimizer: DTensor decides every collect
 process per device: launch with ``stratagem run -n N``, TF_CONFIG, torchrun or SLURM.
 """
 
+from stratagem.dtensor import metrics
 from stratagem.dtensor.errors import LayoutError, MeshError
 from stratagem.dtensor.layout import UNSHARDED, Layout
 from stratagem.dtensor.layout_map import LayoutMap, apply_layout_map, layout_weights
@@ -43,6 +44,7 @@ __all__ = [
     "create_mesh",
     "fetch_layout",
     "layout_weights",
+    "metrics",
     "pack",
     "relayout",
     "unpack",
