@@ -268,3 +268,42 @@ def test_mesh_metrics_match_a_plain_computation(mesh):
     plain = dtensor.metrics.SparseCategoricalAccuracy()  # plain tensors, no mesh
     plain.update_state(y_true=labels, y_pred=logits)
     assert float(plain.result()) == pytest.approx(3 / 4)
+
+
+def test_checkpoint_of_laid_out_weights_is_sharded_and_restores_in_place(mesh, tmp_path):
+    import json
+
+    import stratagem as sg
+
+    model = dtensor.apply_layout_map(torch.nn.Linear(4, 2), seed_layout_map(mesh))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(dtensor.copy_to_mesh(torch.ones(3, 4), Layout.replicated(mesh, 2))).sum().backward()
+    optimizer.step()
+    epoch = torch.tensor(2)
+    checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch)
+    path = checkpoint.save(tmp_path / "ckpt")
+    meta = json.loads((tmp_path / "ckpt-1" / "meta.json").read_text())
+    assert meta["sharded"] is True and (tmp_path / "ckpt-1" / ".metadata").is_file()
+    assert sg.train.latest_checkpoint(tmp_path) == path
+    saved = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    saved_avg = optimizer.state[model.weight]["exp_avg"].full_tensor().clone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    optimizer.state[model.weight]["exp_avg"].zero_()
+    epoch.fill_(0)
+    weight = model.weight
+    checkpoint.restore(path).assert_consumed()
+    assert model.weight is weight and int(epoch) == 2 and int(checkpoint.save_counter) == 1
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), saved[name]), name
+    assert torch.equal(optimizer.state[model.weight]["exp_avg"].full_tensor(), saved_avg)
+
+
+def test_a_sharded_optimizer_needs_its_model_in_the_checkpoint(mesh, tmp_path):
+    import stratagem as sg
+
+    model = dtensor.apply_layout_map(torch.nn.Linear(4, 2), LayoutMap(mesh))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(sg.train.CheckpointError, match="no module tracked by the same Checkpoint"):
+        sg.train.Checkpoint(optimizer=optimizer).save(tmp_path / "ckpt")

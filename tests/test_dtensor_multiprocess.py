@@ -1,4 +1,4 @@
-"""sg.dtensor on real jobs: one 4-process run on a (2,2) mesh, checked against one process.
+"""sg.dtensor on real jobs: a 4-process run ((2,2), (4,) and (4,1) meshes), then a 2-process one.
 
 The worker (workers/dtensor_checks.py) records what each process saw; every check of a world
 size shares one run, because starting 4 torch processes on 2 cores is the expensive part.
@@ -24,8 +24,19 @@ def _run(mode: str, n: int, directory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory) -> list[dict]:
-    return _run("four", 4, tmp_path_factory.mktemp("dtensor4"))
+def directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("dtensor")
+
+
+@pytest.fixture(scope="module")
+def four(directory) -> list[dict]:
+    return _run("four", 4, directory)
+
+
+@pytest.fixture(scope="module")
+def two(four, directory) -> list[dict]:
+    """2 processes on a (1,2) mesh; they restore the checkpoint the 4 processes saved."""
+    return _run("two", 2, directory)
 
 
 def test_four_processes_form_a_2x2_mesh_started_from_tf_config(four):
@@ -76,3 +87,35 @@ def test_tensor_parallel_weights_and_optimizer_state_are_sharded_on_model(four):
     assert r["tp_adam_state"] == ["DTensor", "(Replicate(), Shard(dim=0))"]
     assert r["tp_grad_placements"] == "(Replicate(), Shard(dim=0))"  # reduced over `batch`
     assert r["dp_local_shapes"]["fc1.weight"] == [8, 6]
+
+
+def test_a_checkpoint_saved_by_4_processes_as_4x1_restores_on_2_processes_as_1x2(four, two):
+    """sg.train.Checkpoint over DCP: weights split along `batch` on 4 processes, restored
+    tensor-parallel along `model` on 2, with Adam's state and a counter, values identical."""
+    saved_shapes = four[0]["saved_local_shapes"]
+    assert saved_shapes == {
+        "fc1.weight": [2, 6],
+        "fc1.bias": [2],
+        "fc2.weight": [1, 8],
+        "fc2.bias": [1],
+    }
+    assert {r["saved_path"] for r in four} == {str(two[0]["restored_path"])}
+    for r in two:
+        assert r["mesh"] == "Mesh(|batch=1|model=2|, device_type='cpu')"
+        assert r["restored_keys"] == r["expected_keys"] and len(r["expected_keys"]) == 16
+        assert r["restored_equal"] is True
+        assert r["restored_epoch"] == 3
+        assert r["restored_local_shapes"]["fc1.weight"] == [4, 6]
+        assert r["restored_adam_placements"] == "(Replicate(), Shard(dim=1))"
+
+
+def test_weights_sharded_over_model_2_take_at_most_055_of_the_replicated_memory(two):
+    for r in two:
+        memory = r["memory"]
+        ratio = memory["sharded_parameter_bytes"] / memory["replicated_parameter_bytes"]
+        assert ratio <= 0.55, memory
+        with_adam = (
+            memory["sharded_parameter_and_adam_bytes"]
+            / memory["replicated_parameter_and_adam_bytes"]
+        )
+        assert with_adam <= 0.55, memory

@@ -12,6 +12,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+import stratagem as sg
 from stratagem import dtensor
 
 U = dtensor.UNSHARDED
@@ -79,7 +80,9 @@ def train_compare(mesh, layout_map, data_layout, label_layout, out: dict, key: s
                 diffs["grad"] = max(
                     diffs["grad"], max_diff(p.grad.full_tensor(), ref_params[name].grad)
                 )
-        diffs["loss"] = max(diffs["loss"], abs(float(loss.full_tensor()) - float(ref_loss)))
+        diffs["loss"] = max(
+            diffs["loss"], abs(float(loss.detach().full_tensor()) - float(ref_loss))
+        )
         optimizer.step()
         ref_optimizer.step()
     for name, p in model.named_parameters():
@@ -92,7 +95,7 @@ def train_compare(mesh, layout_map, data_layout, label_layout, out: dict, key: s
     out[key + "_grad_placements"] = str(model.fc1.weight.grad.placements)
 
 
-def four(out: dict) -> None:
+def four(out: dict, directory: str) -> None:
     mesh = dtensor.create_mesh([("batch", 2), ("model", 2)])
     out["mesh"] = repr(mesh)
     out["coords"] = [mesh.coordinate("batch"), mesh.coordinate("model")]
@@ -134,17 +137,86 @@ def four(out: dict) -> None:
         out,
         "dp",
     )
+    save_sharded(directory, out)
 
 
-def two(out: dict) -> None:
+def optimizer_state(model, optimizer) -> dict:
+    """Adam's state by parameter path, as full tensors (a collective on sharded state)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {}
+    for p, s in optimizer.state.items():
+        for key, value in s.items():
+            value = value.full_tensor() if isinstance(value, dtensor.DTensor) else value
+            state[f"{names[id(p)]}/{key}"] = value.detach().clone()
+    return state
+
+
+def save_sharded(directory: str, out: dict) -> None:
+    """Train 2 steps on a (4,1) mesh, weights split along `batch`, and save through DCP."""
+    mesh = dtensor.create_mesh([("batch", 4), ("model", 1)])
+    layout_map = dtensor.LayoutMap(mesh)
+    layout_map["weight"] = dtensor.Layout(["batch", U], mesh)
+    layout_map["bias"] = dtensor.Layout(["batch"], mesh)
+    with layout_map.scope():
+        model = mlp()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    for x, y in batches(steps=2):
+        x = dtensor.copy_to_mesh(x, dtensor.Layout.batch_sharded(mesh, "batch", 2))
+        y = dtensor.copy_to_mesh(y, dtensor.Layout.batch_sharded(mesh, "batch", 1))
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, epoch=torch.tensor(3))
+    out["saved_path"] = checkpoint.save(os.path.join(directory, "ckpt", "ckpt"))
+    out["saved_local_shapes"] = {n: list(p.to_local().shape) for n, p in model.named_parameters()}
+    expected = {n: p.full_tensor() for n, p in model.named_parameters()}
+    expected.update(optimizer_state(model, optimizer))
+    if torch.distributed.get_rank() == 0:
+        torch.save(expected, os.path.join(directory, "expected.pt"))
+
+
+def two(out: dict, directory: str) -> None:
     mesh = dtensor.create_mesh([("batch", 1), ("model", 2)])
     out["mesh"] = repr(mesh)
+    # Restore the checkpoint the 4 processes saved as (4,1), here as (1,2), tensor-parallel.
+    torch.manual_seed(1)
+    with tensor_parallel_map(mesh).scope():
+        model = torch.nn.Sequential(
+            collections.OrderedDict(
+                fc1=torch.nn.Linear(6, 8), act=torch.nn.ReLU(), fc2=torch.nn.Linear(8, 4)
+            )
+        )
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    epoch = torch.tensor(0)
+    checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch)
+    latest = sg.train.latest_checkpoint(os.path.join(directory, "ckpt"))
+    out["restored_path"] = latest
+    checkpoint.restore(latest).assert_consumed()
+    expected = torch.load(os.path.join(directory, "expected.pt"), weights_only=True)
+    restored = {n: p.full_tensor() for n, p in model.named_parameters()}
+    restored.update(optimizer_state(model, optimizer))
+    out["restored_keys"] = sorted(restored)
+    out["expected_keys"] = sorted(expected)
+    out["restored_equal"] = all(torch.equal(restored[k], expected[k]) for k in expected)
+    out["restored_epoch"] = int(epoch)
+    out["restored_local_shapes"] = {
+        n: list(p.to_local().shape) for n, p in model.named_parameters()
+    }
+    out["restored_adam_placements"] = str(optimizer.state[model.fc2.weight]["exp_avg"].placements)
+    out["memory"] = measure_memory(mesh)
+
+
+def measure_memory(mesh) -> dict:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from dtensor_memory import measure
+
+    return measure(mesh, sizes=(64, 256, 10))
 
 
 def main() -> None:
     mode, directory = sys.argv[1], sys.argv[2]
     out: dict = {}
-    {"four": four, "two": two}[mode](out)
+    {"four": four, "two": two}[mode](out, directory)
     rank = torch.distributed.get_rank()
     with open(os.path.join(directory, f"{mode}-rank{rank}.json"), "w") as f:
         json.dump(out, f, indent=1)
