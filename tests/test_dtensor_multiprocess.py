@@ -7,10 +7,11 @@ size shares one run, because starting 4 torch processes on 2 cores is the expens
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from cluster_utils import WORKERS, run_cluster
+from cluster_utils import WORKERS, Process, child_env, run_cluster
 
 WORKER = WORKERS / "dtensor_checks.py"
 TOLERANCE = 1e-5
@@ -35,8 +36,12 @@ def four(directory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two(four, directory) -> list[dict]:
-    """2 processes on a (1,2) mesh; they restore the checkpoint the 4 processes saved."""
-    return _run("two", 2, directory)
+    """2 processes under torchrun on a (1,2) mesh; they restore the 4 processes' checkpoint."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    argv += [str(WORKER), "two", str(directory)]
+    result = Process(argv, child_env(), directory, "torchrun").wait(timeout=240)
+    result.check("torchrun with 2 workers")
+    return [json.loads((directory / f"two-rank{i}.json").read_text()) for i in range(2)]
 
 
 def test_four_processes_form_a_2x2_mesh_started_from_tf_config(four):
