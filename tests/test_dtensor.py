@@ -298,6 +298,12 @@ def test_checkpoint_of_laid_out_weights_is_sharded_and_restores_in_place(mesh, t
     for name, p in model.named_parameters():
         assert torch.equal(p.full_tensor(), saved[name]), name
     assert torch.equal(optimizer.state[model.weight]["exp_avg"].full_tensor(), saved_avg)
+    # CheckpointManager writes sharded checkpoints the same way, and keeps max_to_keep of them.
+    manager = sg.train.CheckpointManager(checkpoint, tmp_path / "managed", max_to_keep=1)
+    manager.save()
+    last = manager.save()
+    assert sorted(p.name for p in (tmp_path / "managed").iterdir()) == ["checkpoint", "ckpt-3"]
+    assert sg.train.latest_checkpoint(tmp_path / "managed") == last
 
 
 def test_a_sharded_optimizer_needs_its_model_in_the_checkpoint(mesh, tmp_path):
