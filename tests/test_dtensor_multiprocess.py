@@ -124,3 +124,31 @@ def test_weights_sharded_over_model_2_take_at_most_055_of_the_replicated_memory(
             / memory["replicated_parameter_and_adam_bytes"]
         )
         assert with_adam <= 0.55, memory
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_sharded_checkpoint_restores_into_a_plain_model_in_one_process(four, directory):
+    """The 4 processes' checkpoint, read here without any process group: full tensors."""
+    import collections
+
+    import torch
+
+    import stratagem as sg
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(
+        collections.OrderedDict(
+            fc1=torch.nn.Linear(6, 8), act=torch.nn.ReLU(), fc2=torch.nn.Linear(8, 4)
+        )
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    epoch = torch.tensor(0)
+    checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch)
+    checkpoint.restore(four[0]["saved_path"]).assert_consumed()
+    expected = torch.load(directory / "expected.pt", weights_only=True)
+    params = dict(model.named_parameters())
+    for key, value in expected.items():
+        name, _, slot = key.partition("/")
+        got = optimizer.state[params[name]][slot] if slot else params[name]
+        assert torch.equal(got.detach(), value), key
+    assert int(epoch) == 3
