@@ -313,3 +313,19 @@ def test_a_sharded_optimizer_needs_its_model_in_the_checkpoint(mesh, tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(sg.train.CheckpointError, match="no module tracked by the same Checkpoint"):
         sg.train.Checkpoint(optimizer=optimizer).save(tmp_path / "ckpt")
+
+
+def test_a_failing_scope_lays_out_nothing_and_leaves_no_hooks(mesh):
+    layout_map = seed_layout_map(mesh)
+    with pytest.raises(RuntimeError, match="boom"), layout_map.scope():
+        inside = SubclassedModel()
+        raise RuntimeError("boom")
+    after = SubclassedModel()
+    assert not any(isinstance(p, DTensor) for p in [*inside.parameters(), *after.parameters()])
+
+
+def test_a_layout_map_takes_layouts_of_its_own_mesh_only(mesh):
+    other = dtensor.create_mesh([("replica", 1)])
+    assert other != mesh
+    with pytest.raises(LayoutError, match=r"is on another mesh than the map's Mesh\(\|batch=1\|"):
+        LayoutMap(mesh)["weight"] = Layout.replicated(other, 2)
