@@ -17,6 +17,7 @@ import torch
 
 from stratagem.comm import current_communicator, distribution_context
 from stratagem.errors import CheckpointError, CheckpointMatchError
+from stratagem.train import sharded
 from stratagem.train.restore import (
     LoadStatus,
     Report,
@@ -169,26 +170,33 @@ class Checkpoint:
         is the checkpoint; other processes would only race it for the same path. They create the
         parent directory (so code that removes a per-worker temporary directory afterwards, as
         TensorFlow's multi-worker tutorial does, works) and return the same path without
-        writing or waiting for anyone: a save is never a synchronisation point.
+        writing or waiting for anyone: a save is never a synchronisation point. The exception is a
+        checkpoint of weights laid out on a mesh (``sg.dtensor``): each process holds different
+        shards, so every process writes its own, collectively (``sharded.py``).
         """
         path = os.fspath(file_path)
         if not os.path.basename(path):
             raise ValueError(f"checkpoint path {path!r} names a directory, expected a file name")
+        if sharded.holds_dtensors(self):
+            # Weights laid out on a mesh (sg.dtensor): every process writes its own shards.
+            return sharded.write(self, path, self._meta())
         if not current_communicator().is_chief:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             return path
         state, described = self._collect()
-        meta = {
+        meta = {**self._meta(), "trackables": described}
+        write_atomically(path, state, meta)
+        return path
+
+    def _meta(self) -> dict[str, Any]:
+        return {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "save_counter": int(self._save_counter),
             "created": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
             "torch_version": torch.__version__,
             "distribution": distribution_context(),
-            "trackables": described,
         }
-        write_atomically(path, state, meta)
-        return path
 
     def _advance_counter(self) -> int:
         self._save_counter.add_(1)
@@ -238,6 +246,8 @@ class Checkpoint:
             return LoadStatus(None)
         path = os.fspath(save_path)
         meta = read_meta(path)
+        if meta.get("sharded"):
+            return sharded.restore(self, path, meta)  # collective, resharding to live layouts
         state = load_state(path)
         apply: list[Callable[[], None]] = []
         report = Report()

@@ -28,6 +28,7 @@ FORMAT = "stratagem.checkpoint"
 FORMAT_VERSION = 1
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a sharded checkpoint
 INDEX_FORMAT = "stratagem.checkpoint_index"
 INDEX_VERSION = 1
 DEFAULT_INDEX_FILENAME = "checkpoint"  # TensorFlow's name for the same file
@@ -70,8 +71,10 @@ def read_meta(path: str) -> dict[str, Any]:
             f"checkpoint {path!r} has format version {version!r}; this stratagem reads "
             f"versions up to {FORMAT_VERSION}"
         )
-    if not os.path.isfile(os.path.join(path, STATE_FILE)):
-        raise CheckpointError(f"checkpoint {path!r} has no {STATE_FILE}; {expected}")
+    # A sharded checkpoint (train/sharded.py) holds DCP's files in place of state.pt.
+    data = DCP_METADATA if meta.get("sharded") else STATE_FILE
+    if not os.path.isfile(os.path.join(path, data)):
+        raise CheckpointError(f"checkpoint {path!r} has no {data}; {expected}")
     return meta
 
 

@@ -1,0 +1,51 @@
+"""``sg.dtensor``: meshes of devices with named dimensions, and layouts for tensors on them.
+
+Port of TensorFlow's DTensor (``tf.experimental.dtensor``) onto ``torch.distributed.tensor``::
+
+    mesh = sg.dtensor.create_mesh([("batch", 2), ("model", 2)])
+    layout = sg.dtensor.Layout.batch_sharded(mesh, "batch", rank=2)
+    x = sg.dtensor.copy_to_mesh(torch.zeros(16, 16), layout)    # a torch DTensor
+
+    layout_map = sg.dtensor.LayoutMap(mesh)
+    layout_map["feature.*weight"] = sg.dtensor.Layout(["model", sg.dtensor.UNSHARDED], mesh)
+    with layout_map.scope():
+        model = build_model()      # its weights are DTensors, each with .layout
+
+Then train with a plain ``torch.optim`` optimizer: DTensor decides every collective. One
+process per device: launch with ``stratagem run -n N``, TF_CONFIG, torchrun or SLURM.
+"""
+
+from stratagem.dtensor import metrics
+from stratagem.dtensor.errors import LayoutError, MeshError
+from stratagem.dtensor.layout import UNSHARDED, Layout
+from stratagem.dtensor.layout_map import LayoutMap, apply_layout_map, layout_weights
+from stratagem.dtensor.mesh import Mesh, create_mesh
+from stratagem.dtensor.translate import (
+    DTensor,
+    LaidOutParameter,
+    copy_to_mesh,
+    fetch_layout,
+    pack,
+    relayout,
+    unpack,
+)
+
+__all__ = [
+    "UNSHARDED",
+    "DTensor",
+    "LaidOutParameter",
+    "Layout",
+    "LayoutError",
+    "LayoutMap",
+    "Mesh",
+    "MeshError",
+    "apply_layout_map",
+    "copy_to_mesh",
+    "create_mesh",
+    "fetch_layout",
+    "layout_weights",
+    "metrics",
+    "pack",
+    "relayout",
+    "unpack",
+]

@@ -1,0 +1,198 @@
+"""``LayoutMap``: layouts for a model's weights by regular expressions on their paths.
+
+A path is what ``module.named_parameters()`` calls a weight: attribute paths such as
+``feature.weight`` for modules that assign their layers to attributes (the seed's subclassed
+model), and the children's names for ``nn.Sequential`` (``nn.Sequential(OrderedDict(feature=
+nn.Linear(...)))`` names its weight ``feature.weight``, as Keras names a layer ``feature``).
+A key matches a path when ``re.search`` finds it there (an exact key wins outright); a path that
+matches no key is replicated; one that matches two keys is an error naming both.
+
+``with layout_map.scope():`` lays out every module built inside it when the block ends (torch
+creates weights in the constructor, where Keras creates them at the first call, so the block's
+end is the first moment the full paths are known); ``apply_layout_map(module, layout_map)`` does
+the same for a module built earlier. Buffers (BatchNorm's statistics) follow the same map.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, MutableMapping
+
+import torch
+from torch.nn.modules import module as module_hooks
+
+from stratagem.dtensor.errors import LayoutError
+from stratagem.dtensor.layout import Layout
+from stratagem.dtensor.mesh import Mesh
+
+
+class LayoutMap(MutableMapping[str, Layout]):
+    """``LayoutMap(mesh)``: dict-like, regex keys → ``Layout``; unmatched weights replicated."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        if not isinstance(mesh, Mesh):
+            raise LayoutError(f"LayoutMap needs a sg.dtensor.Mesh, got {type(mesh).__name__}")
+        self._mesh = mesh
+        self._layouts: dict[str, Layout] = {}
+
+    def get_default_mesh(self) -> Mesh:
+        """The mesh of the replicated layout given to weights that match no key."""
+        return self._mesh
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    # --- the mapping -----------------------------------------------------------------------
+
+    def __getitem__(self, path: str) -> Layout | None:
+        """The layout for ``path``: its exact key, else the one key whose regex it matches.
+
+        None when no key matches (the weight is then replicated); ``LayoutError`` when several
+        do.
+        """
+        if path in self._layouts:
+            return self._layouts[path]
+        matching = [key for key in self._layouts if re.search(key, path)]
+        if len(matching) > 1:
+            raise LayoutError(
+                f"path {path!r} matches several LayoutMap keys: {matching}; each weight may "
+                "match at most one key"
+            )
+        return self._layouts[matching[0]] if matching else None
+
+    def __setitem__(self, key: str, layout: Layout) -> None:
+        if not isinstance(key, str):
+            raise LayoutError(f"LayoutMap keys are regex strings, got {type(key).__name__}")
+        if key in self._layouts:
+            raise LayoutError(f"LayoutMap already has key {key!r}; delete it first to change it")
+        if not isinstance(layout, Layout):
+            raise LayoutError(
+                f"LayoutMap[{key!r}] must be a sg.dtensor.Layout, got {type(layout).__name__}"
+            )
+        if layout.mesh != self._mesh:
+            raise LayoutError(
+                f"LayoutMap[{key!r}] = {layout!r} is on another mesh than the map's {self._mesh}"
+            )
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise LayoutError(f"LayoutMap key {key!r} is not a regular expression: {e}") from e
+        self._layouts[key] = layout
+
+    def __delitem__(self, key: str) -> None:
+        del self._layouts[key]
+
+    def __len__(self) -> int:
+        return len(self._layouts)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layouts)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k!r}: {v.sharding_specs}" for k, v in self._layouts.items())
+        return f"LayoutMap({self._mesh}, {{{inner}}})"
+
+    def layout_for(self, path: str, rank: int) -> Layout:
+        """The layout for a weight at ``path`` of ``rank`` dims; replicated when none matches."""
+        found = self[path]
+        return found if found is not None else Layout.replicated(self._mesh, rank)
+
+    # --- applying it -----------------------------------------------------------------------
+
+    def apply(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Lay out ``module``'s parameters and buffers in place; returns the module."""
+        return apply_layout_map(module, self)
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[LayoutMap]:
+        """Lay out every module built inside the block (its outermost ones) when it ends."""
+        created: dict[int, torch.nn.Module] = {}
+        children: set[int] = set()
+
+        def on_tensor(module: torch.nn.Module, name: str, value: object) -> None:
+            created.setdefault(id(module), module)
+
+        def on_module(module: torch.nn.Module, name: str, child: object) -> None:
+            created.setdefault(id(module), module)
+            if isinstance(child, torch.nn.Module):
+                children.add(id(child))
+
+        handles = [
+            module_hooks.register_module_parameter_registration_hook(on_tensor),
+            module_hooks.register_module_buffer_registration_hook(on_tensor),
+            module_hooks.register_module_module_registration_hook(on_module),
+        ]
+        try:
+            yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+        for key, module in created.items():
+            if key not in children:
+                apply_layout_map(module, self)
+
+
+def apply_layout_map(module: torch.nn.Module, layout_map: LayoutMap) -> torch.nn.Module:
+    """Lay out every parameter and buffer of ``module`` per ``layout_map``, in place.
+
+    Each weight becomes a DTensor on the map's mesh carrying ``.layout``; every layout is
+    checked (rank, even split) before any weight changes, so an error leaves the module as it
+    was. Returns ``module``.
+    """
+    from stratagem.dtensor import translate
+
+    if not isinstance(layout_map, LayoutMap):
+        raise LayoutError(f"apply_layout_map needs a LayoutMap, got {type(layout_map).__name__}")
+    plan = []
+    for kind, named in (
+        ("parameter", module.named_parameters()),
+        ("buffer", module.named_buffers()),
+    ):
+        for path, tensor in named:
+            layout = layout_map.layout_for(path, tensor.dim())
+            layout.check_shape(tensor.shape, f"{kind} {path!r}")
+            plan.append((kind, path, layout))
+    for kind, path, layout in plan:
+        owner_path, _, name = path.rpartition(".")
+        owner = module.get_submodule(owner_path)
+        current = getattr(owner, name)
+        if getattr(current, "_sg_layout", None) == layout:
+            continue
+        what = f"{kind} {path!r}"
+        if kind == "parameter":
+            owner._parameters[name] = translate.layout_parameter(current, layout, what)
+        else:
+            owner._buffers[name] = translate.layout_parameter(
+                current, layout, what, parameter=False
+            )
+    return module
+
+
+def layout_weights(
+    module: torch.nn.Module, mesh: Mesh | None = None, **layouts: Layout
+) -> torch.nn.Module:
+    """Lay out one layer's own weights by name: the seed's ``kernel_layout=``/``bias_layout=``.
+
+    ``layout_weights(nn.Linear(784, 128), weight=Layout.replicated(mesh, 2), bias=...)``; weights
+    not named are replicated on the mesh of the given layouts (or ``mesh``). Returns the module.
+    """
+    meshes = {layout.mesh for layout in layouts.values() if isinstance(layout, Layout)}
+    if mesh is not None:
+        meshes.add(mesh)
+    if len(meshes) != 1:
+        raise LayoutError(
+            f"layout_weights needs layouts on one mesh (or mesh=); got {len(meshes)} meshes"
+        )
+    known = dict(module.named_parameters()) | dict(module.named_buffers())
+    unknown = sorted(set(layouts) - set(known))
+    if unknown:
+        raise LayoutError(
+            f"layout_weights: {type(module).__name__} has no weights {unknown}; it has "
+            f"{sorted(known)}"
+        )
+    layout_map = LayoutMap(meshes.pop())
+    for name, layout in layouts.items():
+        layout_map[name] = layout  # an exact key wins over every regex
+    return apply_layout_map(module, layout_map)

@@ -1,0 +1,212 @@
+"""Sharded checkpoints: ``Checkpoint`` state that holds DTensors goes through DCP.
+
+When any tracked module, optimizer or tensor holds a ``torch.distributed.tensor.DTensor`` (a
+weight laid out by ``sg.dtensor``), ``Checkpoint.write`` hands the whole state to
+``torch.distributed.checkpoint``: every process writes only its own shards, and DCP records each
+tensor's global shape, so ``restore`` on another mesh — another number of processes, other
+layouts — reads exactly the slices each new shard needs. Modules and optimizers go through
+DCP's ``get_/set_model_state_dict`` and ``get_/set_optimizer_state_dict`` (optimizer state keyed
+by parameter path, so it follows its parameter to any layout); an optimizer is therefore saved
+with a module of the same checkpoint that owns its parameters.
+
+On disk a sharded checkpoint is the same kind of directory as any other: ``meta.json``
+(``"sharded": true``) beside DCP's ``.metadata`` and ``__<rank>_0.distcp`` files instead of
+``state.pt``. It is written into a hidden sibling that process 0 renames into place once every
+process has written its part. Saving and restoring are collective: every process calls them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stratagem.errors import CheckpointError
+from stratagem.train.restore import LoadStatus, copy_into
+from stratagem.train.storage import fsync_dir, hidden_sibling, is_checkpoint, write_file
+
+
+def _is_dtensor(value: object) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _trackables(checkpoint: Any) -> Iterator[tuple[str, Any]]:
+    """Every trackable, nested checkpoints flattened, with dotted names."""
+    from stratagem.train.checkpoint import Checkpoint
+
+    for name, obj in checkpoint._trackables.items():
+        if isinstance(obj, Checkpoint):
+            for inner, value in _trackables(obj):
+                yield f"{name}.{inner}", value
+        else:
+            yield name, obj
+
+
+def holds_dtensors(checkpoint: Any) -> bool:
+    """Whether any trackable holds a DTensor, which makes the checkpoint a sharded one."""
+    for _, obj in _trackables(checkpoint):
+        if isinstance(obj, torch.nn.Module):
+            tensors = [*obj.parameters(), *obj.buffers()]
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors = [p for g in obj.param_groups for p in g["params"]]
+        elif isinstance(obj, torch.Tensor):
+            tensors = [obj]
+        else:
+            continue
+        if any(_is_dtensor(t) for t in tensors):
+            return True
+    return False
+
+
+def _owner(optimizer: torch.optim.Optimizer, checkpoint: Any, name: str) -> torch.nn.Module:
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for _, obj in _trackables(checkpoint):
+        if isinstance(obj, torch.nn.Module) and params <= {id(p) for p in obj.parameters()}:
+            return obj
+    raise CheckpointError(
+        f"cannot checkpoint optimizer {name!r} with sharded parameters: no module tracked by the "
+        "same Checkpoint owns all its parameters; track the model too (Checkpoint(model=..., "
+        "optimizer=...)) so that its state is saved by parameter path"
+    )
+
+
+def _state(checkpoint: Any, root: Any) -> dict[str, Any]:
+    """The DCP state dict of ``checkpoint``: tensors (shards included) where the values live."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from stratagem.train.checkpoint import Checkpoint
+
+    state: dict[str, Any] = {}
+    for name, obj in checkpoint._trackables.items():
+        if isinstance(obj, Checkpoint):
+            state[name] = _state(obj, root)
+        elif isinstance(obj, torch.nn.Module):
+            state[name] = get_model_state_dict(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            state[name] = get_optimizer_state_dict(_owner(obj, root, name), obj)
+        elif isinstance(obj, torch.Tensor):
+            state[name] = obj
+        else:
+            state[name] = obj.state_dict()
+    state["save_counter"] = checkpoint._save_counter
+    return state
+
+
+def _load(checkpoint: Any, root: Any, state: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Put the values DCP loaded into ``state`` back into the trackables."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from stratagem.train.checkpoint import Checkpoint
+
+    for name, obj in checkpoint._trackables.items():
+        if name not in saved:
+            continue
+        value = state[name]
+        if isinstance(obj, Checkpoint):
+            _load(obj, root, value, saved[name].get("trackables", {}))
+        elif isinstance(obj, torch.nn.Module):
+            set_model_state_dict(obj, value)
+        elif isinstance(obj, torch.optim.Optimizer):
+            set_optimizer_state_dict(_owner(obj, root, name), obj, value)
+        elif isinstance(obj, torch.Tensor):
+            if value is not obj:
+                copy_into(obj, value)
+        else:
+            obj.load_state_dict(value)
+
+
+def _describe(checkpoint: Any) -> dict[str, Any]:
+    from stratagem.train.checkpoint import Checkpoint, _kind
+
+    described: dict[str, Any] = {}
+    for name, obj in checkpoint._trackables.items():
+        info: dict[str, Any] = {"kind": _kind(obj), "type": type(obj).__name__}
+        if isinstance(obj, Checkpoint):
+            info["trackables"] = _describe(obj)
+        elif isinstance(obj, torch.Tensor):
+            info["shape"] = list(obj.shape)
+        described[name] = info
+    return described
+
+
+def _from_process_0(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def write(checkpoint: Any, path: str, meta: dict[str, Any]) -> str:
+    """Every process writes its shards; process 0 adds ``meta.json`` and renames into place."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    if not dist.is_initialized():
+        raise CheckpointError(f"cannot write sharded checkpoint {path!r}: no process group runs")
+    path = os.path.normpath(path)
+    rank = dist.get_rank()
+    problem = None
+    occupied = os.path.lexists(path) and not is_checkpoint(path)
+    if rank == 0 and occupied and not (os.path.isdir(path) and not os.listdir(path)):
+        problem = (
+            f"refusing to overwrite {path!r}: it exists and is not a stratagem checkpoint; "
+            "expected a free path, an empty directory or an earlier checkpoint"
+        )
+    tmp = _from_process_0((problem, hidden_sibling(path, "tmp") if rank == 0 else None))
+    if tmp[0]:
+        raise CheckpointError(tmp[0])
+    tmp = tmp[1]
+    state = _state(checkpoint, checkpoint)
+    dcp.save(state, checkpoint_id=tmp)  # collective: returns once every process has written
+    problem = None
+    if rank == 0:
+        try:
+            meta = {**meta, "sharded": True, "trackables": _describe(checkpoint)}
+            text = json.dumps(meta, indent=2, default=str) + "\n"
+            write_file(os.path.join(tmp, "meta.json"), text)
+            fsync_dir(tmp)
+            old = hidden_sibling(path, "old") if os.path.lexists(path) else None
+            if old:
+                os.rename(path, old)
+            os.rename(tmp, path)
+            fsync_dir(os.path.dirname(path) or ".")
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            problem = f"cannot write sharded checkpoint {path!r}: {e}"
+    problem = _from_process_0(problem)  # everyone returns once the checkpoint is in place
+    if problem:
+        raise CheckpointError(problem)
+    return path
+
+
+def restore(checkpoint: Any, path: str, meta: dict[str, Any]) -> LoadStatus:
+    """Load every trackable the checkpoint holds, resharded to the live layouts."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = meta.get("trackables", {})
+    state = _state(checkpoint, checkpoint)
+    wanted = {
+        name: value for name, value in state.items() if name in saved or name == "save_counter"
+    }
+    try:
+        dcp.load(wanted, checkpoint_id=path)
+    except Exception as e:
+        raise CheckpointError(f"cannot restore sharded checkpoint {path!r}: {e}") from e
+    _load(checkpoint, checkpoint, state, saved)
+    unrestored = [name for name in checkpoint._trackables if name not in saved]
+    unused = [name for name in saved if name not in checkpoint._trackables]
+    return LoadStatus(path, unused, unrestored, len(saved) - len(unused))
