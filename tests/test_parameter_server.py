@@ -226,5 +226,30 @@ def test_async_training_goes_on_without_a_lost_worker(tmp_path):
     assert "worker 2 was lost: killed by signal 9 (SIGKILL); the job goes on" in output, output
     assert "[ps 0] worker 2 (" in output and "ended without saying it was done (lost)" in output
     # The survivors were not held back by the staleness bound for ever: the chief finished.
-    assert "[worker 0] chief trained 30 steps" in output, output
+    assert "[worker 0] chief trained to step 30" in output, output
     assert "job finished: 2 workers exited 0 (1 worker lost)" in output, output
+
+
+@pytest_multiprocess
+def test_a_lost_ps_is_named_and_the_restarted_job_resumes_from_the_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2", "--ps", "1"]
+    argv += ["--max-restarts", "1", str(WORKERS / "ps_faults.py"), "lost-ps", str(ckpt)]
+    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=300)
+    output = result.stdout
+    assert result.returncode == 0, output
+    first, _, second = output.partition("restarting the job")
+    assert "ps 0 (localhost:" in first and "did not answer a push" in first, output
+    assert "PeerLostError" in first, output
+    assert "[worker 0] restored ckpt-1 at step 10" in second, output
+    assert "[worker 0] chief trained to step 30" in second, output
+    # What the new ps was sent on restore is what it gives back: values and momentum.
+    saved = torch.load(ckpt / "ckpt-1" / "state.pt")
+    back = torch.load(ckpt / "roundtrip" / "state.pt")
+    for k, v in saved["model"].items():
+        torch.testing.assert_close(back["model"][k], v, rtol=0, atol=0, msg=k)
+    momenta = [s["momentum_buffer"] for s in saved["optimizer"]["state"].values()]
+    returned = [s["momentum_buffer"] for s in back["optimizer"]["state"].values()]
+    assert len(momenta) == 6 and all(m.abs().sum() > 0 for m in momenta)
+    for a, b in zip(returned, momenta):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,8 +1,14 @@
 """Faults in a parameter-server job (launched by the test through ``stratagem run``).
 
-argv: mode fault. ``lost-worker``: async with bounded staleness (so the survivors would wait
-for the lost worker if the ps did not notice it is gone); the last worker SIGKILLs itself after
-3 steps, the others train 30 steps and the chief prints what the ps applied.
+argv: fault [checkpoint_dir].
+
+- ``lost-worker``: async with bounded staleness (so the survivors would wait for the lost
+  worker if the ps did not notice it is gone); the last worker SIGKILLs itself after 3 steps,
+  the others train 30 steps and the chief prints what the ps applied.
+- ``lost-ps``: async; the chief checkpoints after step 10 and, in the launcher's first attempt,
+  then kills the ps (its pid asked over RPC). The next push fails naming the ps; the restarted
+  job restores step 10 (values and momentum sent back to the new ps), writes the checkpoint
+  again as the ps now holds it (``roundtrip``), and trains to step 30.
 """
 
 import os
@@ -10,24 +16,46 @@ import signal
 import sys
 
 import torch
+import torch.distributed.rpc as rpc
 
 import stratagem as sg
 from workers.common import build_model
 
 fault = sys.argv[1]
-strategy = sg.distribute.ParameterServerStrategy(mode="async", max_staleness=1)
+bound = 1 if fault == "lost-worker" else None
+strategy = sg.distribute.ParameterServerStrategy(mode="async", max_staleness=bound)
 resolver = strategy.cluster_resolver
+chief = strategy.extended.should_checkpoint
 last = resolver.cluster_spec().num_tasks("worker") - 1
 with strategy.scope():
     model = build_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-g = torch.Generator().manual_seed(resolver.task_id)
-for step in range(30):
-    if fault == "lost-worker" and resolver.task_id == last and step == 3:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+step = torch.tensor(0)
+if fault == "lost-ps":
+    directory = sys.argv[2]
+    checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+    manager = sg.train.CheckpointManager(checkpoint, directory, max_to_keep=1)
+    latest = sg.train.latest_checkpoint(directory)
+    if latest:
+        checkpoint.restore(latest)
+        print(f"restored {os.path.basename(latest)} at step {int(step)}", flush=True)
+        if chief:
+            sg.train.Checkpoint(model=model, optimizer=optimizer).write(
+                os.path.join(directory, "roundtrip")
+            )
+g = torch.Generator().manual_seed(resolver.task_id * 1000 + int(step))
+first_attempt = os.environ.get("STRATAGEM_RESTART_COUNT") == "0"
+while int(step) < 30:
+    if fault == "lost-worker" and resolver.task_id == last and int(step) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     x, y = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
     optimizer.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     optimizer.step()
-if strategy.extended.should_checkpoint:
-    print(f"chief trained 30 steps; ps stats {strategy.ps_stats()}", flush=True)
+    step += 1
+    if fault == "lost-ps" and int(step) == 10:
+        manager.save()
+        if chief and first_attempt:
+            os.kill(rpc.rpc_sync("ps:0", os.getpid), signal.SIGKILL)
+if chief:
+    print(f"chief trained to step {int(step)}; ps stats {strategy.ps_stats()}", flush=True)

@@ -2,12 +2,14 @@
 
 One process belongs to at most one job, so the communicator is process-wide. Layers that must
 not import the strategies (checkpoints, for one) learn from here whether this process is the
-chief and which distribution it is part of.
+chief, which distribution it is part of, and how to reach state held by other processes.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from stratagem.comm.communicator import Communicator, LocalCommunicator
@@ -45,3 +47,29 @@ def distribution_context() -> dict[str, Any]:
     info["rank"] = comm.rank
     info["world_size"] = comm.world_size
     return info
+
+
+@dataclass(frozen=True)
+class RemoteStateHooks:
+    """How checkpoints reach state that lives in other processes (a parameter server's).
+
+    ``before_write(objects)`` runs on the writing process before a checkpoint collects the
+    modules and optimizers in ``objects``, to bring their remote state home;
+    ``after_restore(objects)`` runs on every process after a restore, to send it back.
+    """
+
+    before_write: Callable[[list[object]], None]
+    after_restore: Callable[[list[object]], None]
+
+
+_remote_state: list[RemoteStateHooks] = []
+
+
+def add_remote_state_hooks(hooks: RemoteStateHooks) -> None:
+    with _lock:
+        _remote_state.append(hooks)
+
+
+def remote_state_hooks() -> list[RemoteStateHooks]:
+    with _lock:
+        return list(_remote_state)

@@ -38,6 +38,7 @@ from stratagem.cluster.roles import describe_jobs
 from stratagem.comm import LocalCommunicator, set_current_communicator
 from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import RpcWorld, rpc_name
+from stratagem.comm.runtime import RemoteStateHooks, add_remote_state_hooks
 from stratagem.distribute import ps_server
 from stratagem.distribute.devices import LogicalDevice
 from stratagem.distribute.input import DistributedDatasetFromFunction, InputContext, InputOptions
@@ -246,6 +247,9 @@ class ParameterServerStrategy(Strategy):
         self._ps_names = self._world.names("ps")
         comm = _IndependentWorker(resolver.is_chief, self._world.describe(self._world.rank))
         set_current_communicator(comm)
+        add_remote_state_hooks(
+            RemoteStateHooks(self._before_checkpoint_write, self._after_checkpoint_restore)
+        )
         super().__init__(
             [LogicalDevice("cpu:0", torch.device("cpu"))],
             comm=comm,
@@ -356,7 +360,8 @@ class ParameterServerStrategy(Strategy):
             )
             for ps, keys, groups, grads in requests
         ]
-        for (ps, keys, _, _), (values, version) in zip(requests, torch.futures.wait_all(futures)):
+        answers = self._wait_pushes(requests, futures)
+        for (ps, keys, _, _), (values, version) in zip(requests, answers):
             self._versions[(ps, keys)] = version
             self._write(list(keys), values)
         # The update happened on the ps: the local step must find nothing to do.
@@ -392,6 +397,66 @@ class ParameterServerStrategy(Strategy):
             futures.append(rpc.rpc_async(name, ps_server.rpc_read, args=(mine,)))
         for mine, values in zip(keys, self._wait(futures, "a pull of the parameters")):
             self._write(mine, values)
+
+    # Checkpoints: the chief's own write brings the ps's values and optimizer state home -----
+
+    def _ours(self, objects: list[object]) -> tuple[bool, list[torch.optim.Optimizer]]:
+        """Whether a module of ours is among ``objects``, and which optimizers of ours are."""
+        modules = any(
+            isinstance(o, torch.nn.Module) and any(id(p) in self._shards for p in o.parameters())
+            for o in objects
+        )
+        optimizers = [
+            o
+            for o in objects
+            if isinstance(o, torch.optim.Optimizer)
+            and any(id(p) in self._shards for g in o.param_groups for p in g["params"])
+        ]
+        return modules, optimizers
+
+    def _before_checkpoint_write(self, objects: list[object]) -> None:
+        modules, optimizers = self._ours(objects)
+        if modules or optimizers:
+            self.pull()
+        for optimizer in optimizers:
+            keys = [[] for _ in self._ps_names]
+            for p in _params(optimizer):
+                for s in self._shards.get(id(p), ()):
+                    keys[s.ps].append((s.variable, s.index))
+            futures = [
+                rpc.rpc_async(name, ps_server.rpc_optimizer_state, args=(keys[i],))
+                for i, name in enumerate(self._ps_names)
+            ]
+            held: dict = {}
+            for answer in self._wait(futures, "a request for its optimizer state"):
+                held.update(answer)
+            for p in _params(optimizer):
+                shards = self._shards.get(id(p), [])
+                states = [held.get((s.variable, s.index)) for s in shards]
+                if shards and all(states):
+                    optimizer.state[p] = _join_state(p, shards, states)
+
+    def _after_checkpoint_restore(self, objects: list[object]) -> None:
+        if not self._comm.is_chief:
+            return  # every worker restored the same values; the chief tells the ps
+        modules, optimizers = self._ours(objects)
+        values: list[dict] = [{} for _ in self._ps_names]
+        states: list[dict] = [{} for _ in self._ps_names]
+        if modules:
+            for p in self._variables:
+                for s in self._shards[id(p)]:
+                    values[s.ps][(s.variable, s.index)] = _rows(p, s).detach().clone()
+        for optimizer in optimizers:
+            for p in _params(optimizer):
+                state = optimizer.state.get(p)
+                for s in self._shards.get(id(p), ()) if state else ():
+                    states[s.ps][(s.variable, s.index)] = _split_state(p, s, state)
+        if modules or optimizers:
+            futures = [
+                rpc.rpc_async(name, ps_server.rpc_load, args=(values[i], states[i]))
+                for i, name in enumerate(self._ps_names)
+            ]
+            self._wait(futures, "the restored values")
 
     def ps_stats(self) -> list[dict[str, int]]:
         """What each ps applied, dropped and held back so far (for tests and benchmarks)."""
@@ -477,6 +542,43 @@ class _EveryNth:
 
 def _rows(t: torch.Tensor, s: Shard) -> torch.Tensor:
     return t if t.dim() == 0 else t.narrow(0, s.start, s.rows)
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _per_row(value: Any, p: torch.Tensor) -> bool:
+    """Whether a piece of optimizer state has one row per row of its parameter (cut with it)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and p.dim() > 0
+        and value.shape[0] == p.shape[0]
+    )
+
+
+def _split_state(p: torch.Tensor, s: Shard, state: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's optimizer state as its shard ``s`` holds it (scalars such as ``step``
+    whole, per-row tensors such as momentum cut like the parameter)."""
+    return {n: _rows(v, s).clone() if _per_row(v, p) else v for n, v in state.items()}
+
+
+def _join_state(p: torch.Tensor, shards: list[Shard], states: list[dict]) -> dict[str, Any]:
+    """The inverse of ``_split_state``: the shards' states as the whole parameter's."""
+    joined = {}
+    for name, first in states[0].items():
+        pieces = [st[name] for st in states]
+        if (
+            isinstance(first, torch.Tensor)
+            and p.dim() > 0
+            and first.dim() > 0
+            and ([t.shape[0] for t in pieces] == [s.rows for s in shards])
+        ):
+            joined[name] = torch.cat(pieces)
+        else:
+            joined[name] = first
+    return joined
 
 
 __all__ = ["ParameterServerStrategy", "Server"]

@@ -21,6 +21,7 @@ next update must not change it on the way out.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 from collections.abc import Sequence
@@ -83,6 +84,7 @@ class ShardStore:
         self._left: set[int] = set()  # workers that finished or were lost
         self._lost_any = False
         self._goodbyes: list[Future] = []  # workers waiting for the others to finish
+        self._pending_state: dict[ShardKey, dict[str, Any]] = {}  # restored, no optimizer yet
 
     # --- creation and reads -----------------------------------------------------------
 
@@ -152,6 +154,9 @@ class ShardStore:
                     {"params": [self._shards[k] for k in ks], **hyper} for hyper, ks in groups if ks
                 ]
                 group = _Group(keys, cls(param_groups))
+                for k in keys:  # state restored from a checkpoint before the first push
+                    if k in self._pending_state:
+                        group.optimizer.state[self._shards[k]] = self._pending_state.pop(k)
                 self._groups[keys] = group
             return group
 
@@ -270,6 +275,43 @@ class ShardStore:
                 reply.set_result(self._values(group))
         group.parked = still
 
+    # --- checkpoints (the chief's) -----------------------------------------------------
+
+    def optimizer_state(self, keys: Sequence[ShardKey]) -> dict[ShardKey, dict[str, Any]]:
+        """The optimizer state of these shards (copies), for a checkpoint."""
+        wanted = set(keys)
+        out: dict[ShardKey, dict[str, Any]] = {}
+        with self._lock:
+            groups = list(self._groups.values())
+            out.update({k: dict(v) for k, v in self._pending_state.items() if k in wanted})
+        for group in groups:
+            with group.lock:
+                for k in group.keys:
+                    state = group.optimizer.state.get(self._shards[k])
+                    if k in wanted and state:
+                        out[k] = {n: _copy(v) for n, v in state.items()}
+        return out
+
+    def load(
+        self, values: dict[ShardKey, torch.Tensor], states: dict[ShardKey, dict[str, Any]]
+    ) -> None:
+        """Overwrite shards and their optimizer state with a restored checkpoint's."""
+        self._check_keys(list(values) + list(states))
+        with self._lock:
+            groups = {k: g for g in self._groups.values() for k in g.keys}
+            for k, state in states.items():
+                if k not in groups:
+                    self._pending_state[k] = {n: _copy(v) for n, v in state.items()}
+        for k in set(values) | set(states):
+            group = groups.get(k)
+            with group.lock if group is not None else contextlib.nullcontext(), torch.no_grad():
+                if k in values:
+                    self._shards[k].copy_(values[k])
+                if group is not None and k in states:
+                    group.optimizer.state[self._shards[k]] = {
+                        n: _copy(v) for n, v in states[k].items()
+                    }
+
     # --- workers leaving --------------------------------------------------------------
 
     def has_left(self, worker: int) -> bool:
@@ -301,6 +343,10 @@ class ShardStore:
     def lost_any(self) -> bool:
         with self._lock:
             return self._lost_any
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
 def _import(path: tuple[str, str]) -> type:
@@ -359,6 +405,14 @@ def rpc_push(
 
 def rpc_read(keys: list[ShardKey]) -> list[torch.Tensor]:
     return _store().read(keys)
+
+
+def rpc_optimizer_state(keys: list[ShardKey]) -> dict[ShardKey, dict[str, Any]]:
+    return _store().optimizer_state(keys)
+
+
+def rpc_load(values: dict[ShardKey, torch.Tensor], states: dict[ShardKey, dict[str, Any]]) -> None:
+    _store().load(values, states)
 
 
 @torch.distributed.rpc.functions.async_execution

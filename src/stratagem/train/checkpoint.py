@@ -16,6 +16,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 import torch
 
 from stratagem.comm import current_communicator, distribution_context
+from stratagem.comm.runtime import remote_state_hooks
 from stratagem.errors import CheckpointError, CheckpointMatchError
 from stratagem.train import sharded
 from stratagem.train.restore import (
@@ -183,6 +184,8 @@ class Checkpoint:
         if not current_communicator().is_chief:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             return path
+        for hooks in remote_state_hooks():  # parameter servers: their values and state, home
+            hooks.before_write(self._objects())
         state, described = self._collect()
         meta = {**self._meta(), "trackables": described}
         write_atomically(path, state, meta)
@@ -254,7 +257,16 @@ class Checkpoint:
         self._plan(state, meta.get("trackables", {}), path, "", apply, report)
         for step in apply:
             step()
+        for hooks in remote_state_hooks():  # parameter servers: the restored state, back
+            hooks.after_restore(self._objects())
         return LoadStatus(path, report.unused, report.unrestored, report.matched)
+
+    def _objects(self) -> list[object]:
+        """Every trackable, nested checkpoints' included."""
+        found: list[object] = []
+        for obj in self._trackables.values():
+            found.extend(obj._objects() if isinstance(obj, Checkpoint) else [obj])
+        return found
 
     def read(self, save_path: PathLike | None) -> LoadStatus:
         """The counterpart of ``write``: the same as ``restore``."""
