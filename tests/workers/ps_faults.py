@@ -14,12 +14,22 @@ argv: fault [checkpoint_dir].
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed.rpc as rpc
 
 import stratagem as sg
 from workers.common import build_model
+
+
+def wait_for(path, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+
 
 fault = sys.argv[1]
 bound = 1 if fault == "lost-worker" else None
@@ -43,6 +53,8 @@ if fault == "lost-ps":
             sg.train.Checkpoint(model=model, optimizer=optimizer).write(
                 os.path.join(directory, "roundtrip")
             )
+        else:  # let the chief read back what the ps holds before anyone trains on
+            wait_for(os.path.join(directory, "roundtrip"))
 g = torch.Generator().manual_seed(resolver.task_id * 1000 + int(step))
 first_attempt = os.environ.get("STRATAGEM_RESTART_COUNT") == "0"
 while int(step) < 30:

@@ -258,6 +258,7 @@ class ParameterServerStrategy(Strategy):
         self._variables: list[torch.Tensor] = []  # in creation order: the variable ids
         self._shards: dict[int, list[Shard]] = {}  # id(param) -> its shards
         self._versions: dict[tuple[int, tuple], int] = {}  # (ps, group keys) -> version pulled
+        self._restores = 0  # checkpoints of ours restored: every worker restores the same
         self._lock = threading.Lock()
 
     @property
@@ -437,9 +438,20 @@ class ParameterServerStrategy(Strategy):
                     optimizer.state[p] = _join_state(p, shards, states)
 
     def _after_checkpoint_restore(self, objects: list[object]) -> None:
-        if not self._comm.is_chief:
-            return  # every worker restored the same values; the chief tells the ps
         modules, optimizers = self._ours(objects)
+        if not (modules or optimizers):
+            return
+        self._restores += 1
+        if not self._comm.is_chief:
+            # Every worker restored the same file; the chief sends it to the ps. Wait for that,
+            # so that no gradient of the restored values lands on the ps's older ones.
+            futures = [
+                rpc.rpc_async(n, ps_server.rpc_loaded, args=(self._restores,), timeout=0)
+                for n in self._ps_names
+            ]
+            self._wait(futures, "the chief's restored values")
+            self.pull()
+            return
         values: list[dict] = [{} for _ in self._ps_names]
         states: list[dict] = [{} for _ in self._ps_names]
         if modules:
@@ -451,12 +463,11 @@ class ParameterServerStrategy(Strategy):
                 state = optimizer.state.get(p)
                 for s in self._shards.get(id(p), ()) if state else ():
                     states[s.ps][(s.variable, s.index)] = _split_state(p, s, state)
-        if modules or optimizers:
-            futures = [
-                rpc.rpc_async(name, ps_server.rpc_load, args=(values[i], states[i]))
-                for i, name in enumerate(self._ps_names)
-            ]
-            self._wait(futures, "the restored values")
+        futures = [
+            rpc.rpc_async(name, ps_server.rpc_load, args=(values[i], states[i]))
+            for i, name in enumerate(self._ps_names)
+        ]
+        self._wait(futures, "the restored values")
 
     def ps_stats(self) -> list[dict[str, int]]:
         """What each ps applied, dropped and held back so far (for tests and benchmarks)."""

@@ -85,6 +85,8 @@ class ShardStore:
         self._lost_any = False
         self._goodbyes: list[Future] = []  # workers waiting for the others to finish
         self._pending_state: dict[ShardKey, dict[str, Any]] = {}  # restored, no optimizer yet
+        self._loads = 0  # restores the chief has sent
+        self._load_waiters: list[tuple[int, Future]] = []
 
     # --- creation and reads -----------------------------------------------------------
 
@@ -292,10 +294,31 @@ class ShardStore:
                         out[k] = {n: _copy(v) for n, v in state.items()}
         return out
 
+    def loaded(self, count: int) -> Future:
+        """Set once ``count`` restores have been loaded (other workers wait for the chief's)."""
+        done: Future = Future()
+        with self._lock:
+            if self._loads >= count:
+                done.set_result(None)
+            else:
+                self._load_waiters.append((count, done))
+        return done
+
     def load(
         self, values: dict[ShardKey, torch.Tensor], states: dict[ShardKey, dict[str, Any]]
     ) -> None:
         """Overwrite shards and their optimizer state with a restored checkpoint's."""
+        self._load(values, states)
+        with self._lock:
+            self._loads += 1
+            ready = [f for n, f in self._load_waiters if n <= self._loads]
+            self._load_waiters = [(n, f) for n, f in self._load_waiters if n > self._loads]
+        for f in ready:
+            f.set_result(None)
+
+    def _load(
+        self, values: dict[ShardKey, torch.Tensor], states: dict[ShardKey, dict[str, Any]]
+    ) -> None:
         self._check_keys(list(values) + list(states))
         with self._lock:
             groups = {k: g for g in self._groups.values() for k in g.keys}
@@ -425,3 +448,9 @@ def rpc_stats() -> dict[str, int]:
     stats = _store().stats
     return {"applied": stats.applied, "dropped": stats.dropped, "steps": stats.steps,
             "waits": stats.waits}  # fmt: skip
+
+
+@torch.distributed.rpc.functions.async_execution
+def rpc_loaded(count: int) -> Future:
+    """Answered once the chief has sent ``count`` restores (the other workers wait here)."""
+    return _store().loaded(count)
