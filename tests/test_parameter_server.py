@@ -210,7 +210,10 @@ def test_sync_mode_equals_one_process_on_the_concatenated_batch(
 def test_async_mode_applies_every_push_as_it_comes(tmp_path):
     results = _job(tmp_path, 2, 1, "async", "sgd")
     ((stats),) = results[0]["stats"]
-    assert stats["applied"] == stats["steps"] == 2 * len(global_batches()), stats
+    # Each push is one update. When the chief asks, its own pushes are all in; the other
+    # worker, on its own schedule, may still be pushing.
+    steps = len(global_batches())
+    assert stats["applied"] == stats["steps"] and steps <= stats["steps"] <= 2 * steps, stats
     assert stats["dropped"] == 0
     first, last = results[0]["initial"], results[0]["final"]
     assert max((last[k] - first[k]).abs().max() for k in first) > 0
