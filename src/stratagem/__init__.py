@@ -13,7 +13,19 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("cluster", "comm", "config", "data", "distribute", "errors", "keras", "nn", "train")
+_SUBPACKAGES = (
+    "cluster",
+    "comm",
+    "config",
+    "data",
+    "distribute",
+    "errors",
+    "jobs",
+    "keras",
+    "nn",
+    "train",
+    "tune",
+)
 __all__ = [*_SUBPACKAGES, "Model", "__version__"]
 
 
