@@ -217,6 +217,79 @@ def _job(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     return 0
 
 
+# --- stratagem tune ----------------------------------------------------------------------------
+
+TUNE_USAGE = "stratagem tune [options] study.json"
+TUNE_DESCRIPTION = """\
+Run a hyperparameter tuning study (sg.tune.HyperparameterTuningJob) from a JSON study file:
+trials of the script with the parameters as --name value arguments, Bayesian search (TPE),
+parallel trials, median stopping. Prints a row as each trial starts and ends and the best so far,
+then draws study.png (objective by trial, parameter importance) in the study folder. The study
+is stored in SQLite there: run the same command again to resume an interrupted study.
+"""
+
+
+def _add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", metavar="study.json", help="the study file")
+    parser.add_argument(
+        "--base-output-dir",
+        default=None,
+        metavar="DIR",
+        help="where the study folder goes (default: the file's base_output_dir, else"
+        " stratagem_jobs beside the file)",
+    )
+    parser.add_argument("--no-plot", action="store_true", help="do not draw study.png")
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _tune(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    import signal
+
+    from stratagem.tune.spec_file import load_tuning_job
+    from stratagem.tune.table import TrialTable
+
+    args = parser.parse_args(argv)
+    try:
+        job = load_tuning_job(args.spec, args.base_output_dir)
+    except ValueError as exc:  # every bad-input error of the file, the specs and the job
+        parser.error(str(exc))
+    from stratagem.tune import TuningError
+
+    table = TrialTable(job.metric_id, job.goal, job.parameter_spec)
+    done = len(job.trials)
+    print(
+        f"[stratagem] study {job.display_name!r} in {job.study_dir}: "
+        f"{job.max_trial_count} trials, {job.parallel_trial_count} in parallel"
+        + (f" (resuming after {done} trials)" if done else ""),
+        file=sys.stderr,
+    )
+    # SIGTERM, as Ctrl-C: stop the trials in flight and record them, rather than orphan them.
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        job.run(progress=table)
+    except TuningError as exc:
+        print(f"[stratagem] study failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("[stratagem] study interrupted; run the same command to resume", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    best = job.best_trial
+    if best is None:
+        print("[stratagem] no trial succeeded", file=sys.stderr)
+    else:
+        value = best.final_measurement.get(job.metric_id)
+        params = ", ".join(f"{k}={v!r}" for k, v in best.parameters.items())
+        print(f"best trial {best.id}: {job.metric_id}={value!r} with {params}")
+    if not args.no_plot:
+        print(f"[stratagem] plot: {job.plot()}", file=sys.stderr)
+    return 0 if best is not None else 1
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command(
         help="run a script as a local cluster job (workers, ps, evaluator)",
@@ -231,6 +304,13 @@ COMMANDS: dict[str, Command] = {
         usage=JOB_USAGE,
         add_arguments=_add_job_arguments,
         run=_job,
+    ),
+    "tune": Command(
+        help="run or resume a hyperparameter tuning study from a JSON study file",
+        description=TUNE_DESCRIPTION,
+        usage=TUNE_USAGE,
+        add_arguments=_add_tune_arguments,
+        run=_tune,
     ),
 }
 

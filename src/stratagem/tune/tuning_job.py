@@ -559,3 +559,18 @@ class HyperparameterTuningJob:
                 ],
             },
         )
+
+
+def _plot(job: HyperparameterTuningJob, path: str | os.PathLike[str] | None = None) -> Path:
+    """Draw the study (objective by trial, best so far, parameter importance) to a PNG."""
+    from stratagem.tune.plot import plot_study
+
+    study = job._load_existing()
+    if study is None:
+        raise TuningError(f"study {job.display_name!r} has no trials yet in {job.study_dir}")
+    target = Path(path) if path is not None else job.study_dir / "study.png"
+    title = f"{job.display_name}: {len(job.trials)} trials"
+    return plot_study(job.trials, study, job.metric_id, job.goal, target, title)
+
+
+HyperparameterTuningJob.plot = _plot  # type: ignore[attr-defined]
