@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -428,3 +429,21 @@ def test_cli_refuses_a_bad_study_file(tmp_path, capsys):
     assert err.count("\n") == 1
     assert cli.main(["tune", str(tmp_path / "nope.json")]) == 2
     assert "study file" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_the_seed_search_example_smoke_run(tmp_path):
+    # The seed's search space on digits, cut to 2 trials of 1 epoch (the full run: README).
+    argv = [sys.executable, str(REPO / "examples" / "tune.py"), "--max-trial-count", "2"]
+    argv += ["--epochs", "1", "--output-dir", str(tmp_path / "out")]
+    result = Process(argv, child_env(), tmp_path, "example", merge_output=True).wait(timeout=300)
+    assert result.returncode == 0, result.stdout
+    best_id = re.search(r"best_trial.id = '(\d+)'", result.stdout).group(1)
+    study_dir = tmp_path / "out" / "my_hp_search_job"
+    assert (study_dir / "trials" / best_id / "model" / "digits_mlp").is_dir()
+    assert (study_dir / "study.png").is_file()
+    summary = json.loads((study_dir / "study.json").read_text())
+    assert [t["state"] for t in summary["trials"]] == ["SUCCEEDED", "SUCCEEDED"]
+    for trial in summary["trials"]:
+        assert set(trial["parameters"]) == {"learning_rate", "n_neurons", "n_hidden", "optimizer"}
+        assert 0 <= trial["final_measurement"]["accuracy"] <= 1

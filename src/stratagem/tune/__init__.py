@@ -29,6 +29,7 @@ _LAZY = {
     "HyperparameterTuningJob": "stratagem.tune.tuning_job",
     "TuningConfigError": "stratagem.tune.tuning_job",
     "TuningError": "stratagem.tune.tuning_job",
+    "TrialTable": "stratagem.tune.table",
 }
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "ReportError",
     "Trial",
     "TrialState",
+    "TrialTable",
     "TuningConfigError",
     "TuningError",
     "hyperparameter_tuning",
