@@ -315,6 +315,27 @@ def test_setup_errors_stop_the_study_with_a_clear_error(tmp_path, args, space, m
     assert str(job.state) == "JOB_STATE_FAILED"
 
 
+@pytest.mark.e2e
+def test_one_tuner_per_study_and_a_resumed_study_keeps_its_space(tmp_path):
+    import fcntl
+
+    job = make_job(tmp_path, "locked", max_trial_count=1)
+    job.study_dir.mkdir(parents=True)
+    with open(job.study_dir / "tuner.lock", "a+") as lock:
+        lock.write("12345")
+        lock.flush()
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running tuner holds it
+        with pytest.raises(TuningError, match=r"is being run by another tuner \(pid 12345\)"):
+            job.run()
+    job.run()  # the lock is free again
+    assert [str(t.state) for t in job.trials] == ["SUCCEEDED"]
+    other_space = {**SPACE, "y": hpt.IntegerParameterSpec(min=1, max=9)}
+    with pytest.raises(TuningError, match="was created with"):
+        make_job(tmp_path, "locked", space=other_space, max_trial_count=2).run()
+    with pytest.raises(TuningError, match="has no trials yet"):
+        make_job(tmp_path, "never_ran").plot()
+
+
 # --- the CLI, and a tuner killed mid-study -----------------------------------------------------
 
 

@@ -203,6 +203,21 @@ class HyperparameterTuningJob:
         key = lambda t: t.final_measurement.get(self.metric_id)  # noqa: E731
         return max(done, key=key) if self.goal == "maximize" else min(done, key=key)
 
+    def plot(self, path: str | os.PathLike[str] | None = None) -> Path:
+        """Draw the study (objective by trial, best so far, parameter importance) to a PNG.
+
+        Default path: ``study.png`` in the study folder. Returns the path written.
+        """
+        from stratagem.tune.plot import plot_study
+
+        study = self._load_existing()
+        if study is None:
+            raise TuningError(f"study {self.display_name!r} has no trials yet in {self.study_dir}")
+        trials = self.trials
+        target = Path(path) if path is not None else self.study_dir / "study.png"
+        title = f"{self.display_name}: {len(trials)} trials"
+        return plot_study(trials, study, self.metric_id, self.goal, target, title)
+
     # --- running the study -------------------------------------------------------------------
 
     def run(self, progress: Callable[[str, Trial], None] | None = None) -> HyperparameterTuningJob:
@@ -559,18 +574,3 @@ class HyperparameterTuningJob:
                 ],
             },
         )
-
-
-def _plot(job: HyperparameterTuningJob, path: str | os.PathLike[str] | None = None) -> Path:
-    """Draw the study (objective by trial, best so far, parameter importance) to a PNG."""
-    from stratagem.tune.plot import plot_study
-
-    study = job._load_existing()
-    if study is None:
-        raise TuningError(f"study {job.display_name!r} has no trials yet in {job.study_dir}")
-    target = Path(path) if path is not None else job.study_dir / "study.png"
-    title = f"{job.display_name}: {len(job.trials)} trials"
-    return plot_study(job.trials, study, job.metric_id, job.goal, target, title)
-
-
-HyperparameterTuningJob.plot = _plot  # type: ignore[attr-defined]
