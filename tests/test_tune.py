@@ -267,6 +267,15 @@ def test_crashing_trials_are_recorded_failed_and_the_study_goes_on(tmp_path):
 
 
 @pytest.mark.e2e
+def test_max_failed_trial_count_stops_the_study(tmp_path):
+    args = ["--mode", "crash", "--crash_above", "-1"]  # every trial crashes
+    job = make_job(tmp_path, "failing", args=args, parallel_trial_count=1, max_failed_trial_count=2)
+    with pytest.raises(TuningError, match=r"2 trials failed \(max_failed_trial_count=2\)"):
+        job.run()
+    assert [str(t.state) for t in job.trials] == ["FAILED", "FAILED"]
+
+
+@pytest.mark.e2e
 def test_median_rule_stops_bad_trials(tmp_path):
     job = make_job(
         tmp_path,
