@@ -21,9 +21,11 @@ _SUBPACKAGES = (
     "distribute",
     "dtensor",
     "errors",
+    "jobs",
     "keras",
     "nn",
     "train",
+    "tune",
 )
 __all__ = [*_SUBPACKAGES, "Model", "__version__"]
 

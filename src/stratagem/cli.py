@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import stratagem
@@ -89,7 +90,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("args", nargs="*", help="arguments for the script, passed unchanged")
 
 
-def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+def split_command(
+    argv: Sequence[str], options_with_value: Sequence[str] = RUN_OPTIONS_WITH_VALUE
+) -> tuple[list[str], list[str]]:
     """Split ``stratagem run``'s arguments into the launcher's options and the command.
 
     The command starts at the first argument that is neither an option nor an option's value,
@@ -107,7 +110,7 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             return list(argv[:i]), ["-m", *module, *argv[i + 1 :]]
         if arg == "-" or not arg.startswith("-"):
             return list(argv[:i]), list(argv[i:])
-        i += 2 if arg in RUN_OPTIONS_WITH_VALUE else 1
+        i += 2 if arg in options_with_value else 1
     return list(argv), []
 
 
@@ -131,6 +134,169 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         return 2
 
 
+# --- stratagem job run -------------------------------------------------------------------------
+
+JOB_USAGE = "stratagem job run [options] script.py [args ...]"
+JOB_DESCRIPTION = """\
+Run a script as a training job (sg.jobs.CustomJob): one chief and replica-count - 1 workers
+(plus ps tasks if asked) through the launcher, in a fresh job directory under --base-output-dir.
+Every task finds the job's model, checkpoint and TensorBoard folders in STRATAGEM_MODEL_DIR,
+STRATAGEM_CHECKPOINT_DIR and STRATAGEM_TENSORBOARD_LOG_DIR (and AIP_MODEL_DIR,
+AIP_CHECKPOINT_DIR, AIP_TENSORBOARD_LOG_DIR, as on Vertex AI); each task's output goes to
+logs/<task>.log and job.json records the state, the exit reason and the model folder.
+Everything after the script goes to the script unchanged.
+"""
+JOB_OPTIONS_WITH_VALUE = (
+    "--display-name",
+    "--replica-count",
+    "--ps-replica-count",
+    "--env",
+    "--base-output-dir",
+    "--max-restarts",
+    "--grace-period",
+)
+
+
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["run"], help="what to do with the job")
+    parser.add_argument("--display-name", default=None, help="job name (default: the script's)")
+    parser.add_argument(
+        "--replica-count", type=int, default=1, metavar="N", help="chief + workers (default 1)"
+    )
+    parser.add_argument(
+        "--ps-replica-count", type=int, default=0, metavar="K", help="ps tasks (default 0)"
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for every task (repeatable)",
+    )
+    parser.add_argument(
+        "--base-output-dir",
+        default=None,
+        metavar="DIR",
+        help="where job directories are made (default ./stratagem_jobs)",
+    )
+    parser.add_argument("--max-restarts", type=int, default=0, metavar="R")
+    parser.add_argument("--grace-period", type=float, default=5.0, metavar="S")
+    parser.add_argument("--quiet", action="store_true", help="task output to the log files only")
+    parser.add_argument("script", nargs="?", help="the Python script to run")
+    parser.add_argument("args", nargs="*", help="arguments for the script, passed unchanged")
+
+
+def _job(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    from stratagem import jobs
+
+    options, target = split_command(argv[1:], JOB_OPTIONS_WITH_VALUE)
+    args = parser.parse_args(argv[:1] + options)
+    if not target:
+        parser.error("no script given; expected a script path, then its arguments")
+    env = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--env expects KEY=VALUE, got {item!r}")
+        env[key] = value
+    script, script_args = target[0], target[1:]
+    try:
+        job = jobs.CustomJob(
+            args.display_name or Path(script).stem,
+            script,
+            args=script_args,
+            replica_count=args.replica_count,
+            ps_replica_count=args.ps_replica_count,
+            environment_variables=env,
+            base_output_dir=args.base_output_dir,
+            max_restarts=args.max_restarts,
+            grace_period=args.grace_period,
+        )
+    except jobs.JobConfigError as exc:
+        parser.error(str(exc))
+    try:
+        job.run(stream_logs=not args.quiet)
+    except jobs.JobFailedError as exc:
+        print(f"[stratagem] {exc}", file=sys.stderr)
+        return job.exit_code or 1
+    print(f"[stratagem] job {job.display_name!r} {job.state}: {job.job_dir}", file=sys.stderr)
+    print(f"[stratagem] model directory: {job.model_dir}", file=sys.stderr)
+    return 0
+
+
+# --- stratagem tune ----------------------------------------------------------------------------
+
+TUNE_USAGE = "stratagem tune [options] study.json"
+TUNE_DESCRIPTION = """\
+Run a hyperparameter tuning study (sg.tune.HyperparameterTuningJob) from a JSON study file:
+trials of the script with the parameters as --name value arguments, Bayesian search (TPE),
+parallel trials, median stopping. Prints a row as each trial starts and ends and the best so far,
+then draws study.png (objective by trial, parameter importance) in the study folder. The study
+is stored in SQLite there: run the same command again to resume an interrupted study.
+"""
+
+
+def _add_tune_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", metavar="study.json", help="the study file")
+    parser.add_argument(
+        "--base-output-dir",
+        default=None,
+        metavar="DIR",
+        help="where the study folder goes (default: the file's base_output_dir, else"
+        " stratagem_jobs beside the file)",
+    )
+    parser.add_argument("--no-plot", action="store_true", help="do not draw study.png")
+
+
+def _raise_keyboard_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _tune(parser: argparse.ArgumentParser, argv: list[str]) -> int:
+    import signal
+
+    from stratagem.tune.spec_file import load_tuning_job
+    from stratagem.tune.table import TrialTable
+
+    args = parser.parse_args(argv)
+    try:
+        job = load_tuning_job(args.spec, args.base_output_dir)
+    except ValueError as exc:  # every bad-input error of the file, the specs and the job
+        parser.error(str(exc))
+    from stratagem.tune import TuningError
+
+    table = TrialTable(job.metric_id, job.goal, job.parameter_spec)
+    done = len(job.trials)
+    print(
+        f"[stratagem] study {job.display_name!r} in {job.study_dir}: "
+        f"{job.max_trial_count} trials, {job.parallel_trial_count} in parallel"
+        + (f" (resuming after {done} trials)" if done else ""),
+        file=sys.stderr,
+    )
+    # SIGTERM, as Ctrl-C: stop the trials in flight and record them, rather than orphan them.
+    previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        job.run(progress=table)
+    except TuningError as exc:
+        print(f"[stratagem] study failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("[stratagem] study interrupted; run the same command to resume", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    best = job.best_trial
+    if best is None:
+        print("[stratagem] no trial succeeded", file=sys.stderr)
+    else:
+        value = best.final_measurement.get(job.metric_id)
+        params = ", ".join(f"{k}={v!r}" for k, v in best.parameters.items())
+        print(f"best trial {best.id}: {job.metric_id}={value!r} with {params}")
+    if not args.no_plot:
+        print(f"[stratagem] plot: {job.plot()}", file=sys.stderr)
+    return 0 if best is not None else 1
+
+
 COMMANDS: dict[str, Command] = {
     "run": Command(
         help="run a script as a local cluster job (workers, ps, evaluator)",
@@ -138,6 +304,20 @@ COMMANDS: dict[str, Command] = {
         usage=RUN_USAGE,
         add_arguments=_add_run_arguments,
         run=_run,
+    ),
+    "job": Command(
+        help="run a script as a training job with model, checkpoint and log directories",
+        description=JOB_DESCRIPTION,
+        usage=JOB_USAGE,
+        add_arguments=_add_job_arguments,
+        run=_job,
+    ),
+    "tune": Command(
+        help="run or resume a hyperparameter tuning study from a JSON study file",
+        description=TUNE_DESCRIPTION,
+        usage=TUNE_USAGE,
+        add_arguments=_add_tune_arguments,
+        run=_tune,
     ),
 }
 

@@ -514,9 +514,15 @@ def check_arguments(
     max_restarts: int,
     grace_period: float,
     host: str,
+    chief: bool = False,
 ) -> None:
-    """Raise ``LaunchError`` for arguments ``launch`` cannot run; it starts nothing before this."""
-    if workers < 1:
+    """Raise ``LaunchError`` for arguments ``launch`` cannot run; it starts nothing before this.
+
+    A job with a chief may have no workers (a chief alone is a job of one, as on Vertex AI).
+    """
+    if workers < (0 if chief else 1):
+        if chief:
+            raise LaunchError(f"the number of workers must be 0 or more, got {workers}")
         raise LaunchError(f"the number of workers must be at least 1, got {workers}")
     if ps < 0:
         raise LaunchError(f"the number of ps tasks must be 0 or more, got {ps}")
@@ -569,6 +575,46 @@ def launch(
     the launcher was interrupted. Raises ``LaunchError`` for bad arguments, before starting
     anything.
     """
+    return run_job(
+        target,
+        workers=workers,
+        ps=ps,
+        evaluator=evaluator,
+        chief=chief,
+        max_restarts=max_restarts,
+        grace_period=grace_period,
+        host=host,
+        python=python,
+        console=Console(out or sys.stdout, err or sys.stderr),
+        tolerate_worker_loss=tolerate_worker_loss,
+    ).exit_code
+
+
+def run_job(
+    target: Sequence[str],
+    *,
+    workers: int = 1,
+    ps: int = 0,
+    evaluator: bool = False,
+    chief: bool = False,
+    max_restarts: int = 0,
+    grace_period: float = 5.0,
+    host: str = "localhost",
+    python: str | None = None,
+    console: Console | None = None,
+    base_env: Mapping[str, str] | None = None,
+    omp_threads: int | None = None,
+    interrupts: Interrupts | None = None,
+    tolerate_worker_loss: bool = False,
+) -> Outcome:
+    """``launch``, returning the job's ``Outcome`` (exit code and reason) instead of the code.
+
+    For callers that run jobs themselves (``sg.jobs.CustomJob``, tuning trials): ``base_env``
+    replaces ``os.environ`` as the tasks' environment; ``omp_threads`` sets OMP_NUM_THREADS in
+    every task (default: the usable CPUs divided by the tasks, unless ``base_env`` sets it);
+    ``interrupts`` stops the job when called (``interrupts(signal.SIGTERM, None)``) from another
+    thread, as a signal to the launcher would.
+    """
     check_arguments(
         target,
         workers=workers,
@@ -576,13 +622,15 @@ def launch(
         max_restarts=max_restarts,
         grace_period=grace_period,
         host=host,
+        chief=chief,
     )
     counts = {"chief": int(chief), "worker": workers, "ps": ps, "evaluator": int(evaluator)}
     num_tasks = sum(counts.values())
-    base_env = dict(os.environ)
-    omp_threads = None if "OMP_NUM_THREADS" in base_env else max(1, _usable_cpus() // num_tasks)
+    base_env = dict(os.environ if base_env is None else base_env)
+    if omp_threads is None and "OMP_NUM_THREADS" not in base_env:
+        omp_threads = max(1, _usable_cpus() // num_tasks)
     python = python or sys.executable
-    console = Console(out or sys.stdout, err or sys.stderr)
+    console = console or Console(sys.stdout, sys.stderr)
     command = shlex.join([os.path.basename(python), *target])
 
     # Said once, in the first start message: the one setting the launcher makes for the user.
@@ -593,7 +641,7 @@ def launch(
         f" {_plural(num_tasks, 'task')}, to avoid oversubscription; set it to override)"
     )
 
-    with Interrupts().installed() as interrupts:
+    with (interrupts or Interrupts()).installed() as interrupts:
         attempt = 0
         while True:
             tasks = make_tasks(
@@ -612,21 +660,22 @@ def launch(
                     job.start()
                 except OSError as exc:
                     console.log(f"could not start {command}: {exc}")
-                    return 1
+                    return Outcome(1, f"could not start {command}: {exc}")
                 attempts = f" (attempt {attempt + 1} of {max_restarts + 1})" if max_restarts else ""
                 console.log(f"started {_count_tasks(tasks)}: {command}{attempts}{omp_note}")
                 omp_note = ""
                 outcome = job.wait()
             if interrupts.signum is not None:  # the user's stop wins over any outcome
-                console.log(f"job stopped: received {signal.Signals(interrupts.signum).name}")
-                return 128 + interrupts.signum
+                name = signal.Signals(interrupts.signum).name
+                console.log(f"job stopped: received {name}")
+                return Outcome(128 + interrupts.signum, f"stopped: received {name}")
             assert outcome is not None
             if outcome.exit_code == 0:
                 console.log(f"job finished: {outcome.reason}")
-                return 0
+                return outcome
             if attempt == max_restarts:
                 restarts = _plural(max_restarts, "restart")
                 console.log(f"job failed: {outcome.reason} (after {restarts})")
-                return outcome.exit_code
+                return Outcome(outcome.exit_code, f"{outcome.reason} (after {restarts})")
             attempt += 1
             console.log(f"restarting the job (restart {attempt} of {max_restarts})")

@@ -1,0 +1,101 @@
+"""A study's trials as the seed reads them: ``trial.id``, ``trial.parameters``, ``trial.state``,
+``trial.final_measurement.metrics`` (each with ``.metric_id`` and ``.value``).
+
+Vertex AI returns protobuf messages; these are plain frozen dataclasses built from Optuna's
+stored trials, so they read the same and print readably. ``parameters`` is a dict name -> value
+(Vertex AI's is a list of ``parameter_id``/``value`` pairs; the README's porting table says so).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from optuna.trial import FrozenTrial
+
+
+class TrialState(str, enum.Enum):
+    """Vertex AI's trial states; ``STOPPED`` is a trial the median rule ended early, ``FAILED``
+    one whose script failed or never reported (Vertex AI's ``INFEASIBLE``)."""
+
+    REQUESTED = "REQUESTED"
+    ACTIVE = "ACTIVE"
+    SUCCEEDED = "SUCCEEDED"
+    STOPPED = "STOPPED"
+    FAILED = "FAILED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Metric:
+    metric_id: str
+    value: float
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """The metrics of one step; an empty ``metrics`` for a trial that measured nothing."""
+
+    step_count: int | None = None
+    metrics: tuple[Metric, ...] = ()
+
+    def get(self, metric_id: str) -> float | None:
+        return next((m.value for m in self.metrics if m.metric_id == metric_id), None)
+
+
+@dataclass(frozen=True)
+class Trial:
+    id: str
+    parameters: Mapping[str, Any]
+    state: TrialState
+    final_measurement: Measurement
+    measurements: tuple[Measurement, ...] = ()  # the intermediate reports of the objective
+    job_dir: Path | None = None  # the trial's job directory: logs/, model/, job.json
+    error: str | None = None  # why a trial failed or was stopped
+    number: int = field(default=0, repr=False)  # Optuna's trial number (id - 1)
+
+
+def trial_id(number: int) -> str:
+    """Vertex AI numbers trials from 1, Optuna from 0."""
+    return str(number + 1)
+
+
+def trial_from_optuna(frozen: FrozenTrial, metric_id: str, notes: Mapping[str, str]) -> Trial:
+    """The seed-shaped view of a stored trial; ``notes`` are reasons kept at the study level."""
+    from optuna.trial import TrialState as OptunaState
+
+    state = {
+        OptunaState.WAITING: TrialState.REQUESTED,
+        OptunaState.RUNNING: TrialState.ACTIVE,
+        OptunaState.COMPLETE: TrialState.SUCCEEDED,
+        OptunaState.PRUNED: TrialState.STOPPED,
+        OptunaState.FAIL: TrialState.FAILED,
+    }[frozen.state]
+    attrs = frozen.user_attrs
+    final = attrs.get("final_measurement")
+    if final is not None:
+        metrics = tuple(Metric(k, float(v)) for k, v in sorted(final["metrics"].items()))
+        final_measurement = Measurement(final["step_count"], metrics)
+    else:
+        final_measurement = Measurement()
+    measurements = tuple(
+        Measurement(step, (Metric(metric_id, value),))
+        for step, value in sorted(frozen.intermediate_values.items())
+    )
+    job_dir = attrs.get("job_dir")
+    return Trial(
+        id=trial_id(frozen.number),
+        parameters=dict(frozen.params),
+        state=state,
+        final_measurement=final_measurement,
+        measurements=measurements,
+        job_dir=Path(job_dir) if job_dir else None,
+        error=attrs.get("error") or notes.get(str(frozen.number)),
+        number=frozen.number,
+    )
