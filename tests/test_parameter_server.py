@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -256,3 +258,17 @@ def test_a_lost_ps_is_named_and_the_restarted_job_resumes_from_the_checkpoint(tm
     assert len(momenta) == 6 and all(m.abs().sum() > 0 for m in momenta)
     for a, b in zip(returned, momenta):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest_multiprocess
+def test_model_fit_under_sync_parameter_servers(tmp_path):
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2", "--ps", "1"]
+    argv += [str(WORKERS / "ps_fit.py")]
+    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=240)
+    assert result.returncode == 0, result.stdout
+    found = re.findall(r"\[worker (\d)\] RESULT (\{.*\})", result.stdout)
+    results = {int(w): json.loads(r) for w, r in found}
+    assert sorted(results) == [0, 1], result.stdout
+    assert all(r["epochs"] == [0, 1, 2] for r in results.values())
+    # Both workers hold the ps's parameters and evaluate all of the test data: the same figure.
+    assert results[0]["accuracy"] == results[1]["accuracy"] >= 0.85, results

@@ -17,9 +17,11 @@
    policy), ``sync`` (the mean of ``replicas_to_aggregate`` pushes per step), and sync with
    ``backup_workers`` (n + b workers, the first n pushes of a step win, late ones are dropped).
 4. Each worker trains on its own batches at its own pace: ``num_replicas_in_sync`` is 1 per
-   worker, ``strategy.reduce`` and metrics are this worker's, ``experimental_distribute_dataset``
-   gives worker i every W-th global batch from the i-th, and ``distribute_datasets_from_function``
-   gets an ``InputContext`` with the worker's index among the W workers.
+   worker, and ``strategy.reduce`` and metrics are this worker's.
+   ``experimental_distribute_dataset`` gives every worker all of the dataset (each its own pass
+   and shuffle, so that ``evaluate`` on any worker sees all of its data);
+   ``distribute_datasets_from_function`` gets an ``InputContext`` with the worker's index among
+   the W workers, to shard by it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import atexit
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -506,15 +508,7 @@ class ParameterServerStrategy(Strategy):
                 ) from None
         return answers
 
-    # Input: each worker its own share of the batches --------------------------------------
-
-    def experimental_distribute_dataset(
-        self, dataset: Iterable[Any], options: InputOptions | None = None
-    ) -> Any:
-        """Worker i trains on global batches i, i + W, i + 2W... of ``dataset``."""
-        return super().experimental_distribute_dataset(
-            _EveryNth(dataset, self._num_workers, self._worker_index), options
-        )
+    # Input: each worker its own pipeline --------------------------------------------------
 
     def distribute_datasets_from_function(
         self,
@@ -534,21 +528,6 @@ class _Done:
 
     def wait(self) -> None:
         return None
-
-
-class _EveryNth:
-    """Every ``n``-th element of a re-iterable, from the ``i``-th: one worker's share."""
-
-    def __init__(self, source: Iterable[Any], n: int, i: int) -> None:
-        self.source, self.n, self.i = source, n, i
-
-    def __iter__(self) -> Iterator[Any]:
-        for k, item in enumerate(self.source):
-            if k % self.n == self.i:
-                yield item
-
-    def __len__(self) -> int:
-        return len(range(self.i, len(self.source), self.n))  # type: ignore[arg-type]
 
 
 def _rows(t: torch.Tensor, s: Shard) -> torch.Tensor:
