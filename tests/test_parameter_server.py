@@ -272,3 +272,16 @@ def test_model_fit_under_sync_parameter_servers(tmp_path):
     assert all(r["epochs"] == [0, 1, 2] for r in results.values())
     # Both workers hold the ps's parameters and evaluate all of the test data: the same figure.
     assert results[0]["accuracy"] == results[1]["accuracy"] >= 0.85, results
+
+
+@pytest_multiprocess
+def test_an_evaluator_reads_the_parameters_while_the_workers_train(tmp_path):
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2", "--ps", "1", "--evaluator"]
+    argv += [str(WORKERS / "ps_faults.py"), "evaluator", str(tmp_path)]
+    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=240)
+    assert result.returncode == 0, result.stdout
+    pattern = r"\[evaluator\] evaluator: (\d+) evaluations, first ([0-9.]+) last ([0-9.]+)"
+    ((count, first, last),) = re.findall(pattern, result.stdout)
+    # It saw the initial values and, once the workers were done, the trained ones.
+    assert int(count) >= 2 and float(first) != float(last), result.stdout
+    assert "[stratagem] evaluator exited 0" in result.stdout, result.stdout

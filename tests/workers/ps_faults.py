@@ -9,6 +9,8 @@ argv: fault [checkpoint_dir].
   then kills the ps (its pid asked over RPC). The next push fails naming the ps; the restarted
   job restores step 10 (values and momentum sent back to the new ps), writes the checkpoint
   again as the ps now holds it (``roundtrip``), and trains to step 30.
+- ``evaluator``: an evaluator task pulls the parameters and evaluates while the workers train
+  (they start once it has pulled the initial values: a file it writes), until they are done.
 """
 
 import os
@@ -55,6 +57,23 @@ if fault == "lost-ps":
             )
         else:  # let the chief read back what the ps holds before anyone trains on
             wait_for(os.path.join(directory, "roundtrip"))
+if fault == "evaluator":
+    ready = os.path.join(sys.argv[2], "evaluator-ready")
+    if resolver.task_type == "evaluator":
+        x, y = torch.randn(64, 5), torch.randint(0, 3, (64,))
+        losses = []
+        while True:
+            finished = strategy.training_finished()  # before the pull: that pull is the last
+            strategy.pull()
+            with torch.no_grad():
+                losses.append(float(torch.nn.functional.cross_entropy(model(x), y)))
+            if len(losses) == 1:
+                open(ready, "w").close()
+            if finished:
+                break
+        print(f"evaluator: {len(losses)} evaluations, first {losses[0]:.6f} last {losses[-1]:.6f}")
+        sys.exit(0)
+    wait_for(ready)
 g = torch.Generator().manual_seed(resolver.task_id * 1000 + int(step))
 first_attempt = os.environ.get("STRATAGEM_RESTART_COUNT") == "0"
 while int(step) < 30:

@@ -1,10 +1,10 @@
 """The RPC world of a parameter-server job: every task joins ``torch.distributed.rpc``.
 
-Members are the chief, the workers and the ps tasks (TF's order: chief, workers by index, then
-ps by index), named ``"worker:0"``, ``"ps:1"``... They meet at the first member's address, as
-the all-reduce strategies do: a roll call on our own TCPStore names any task that never arrives
-(a ps address that never answers) instead of TensorPipe's bare store timeout, and TensorPipe's
-agent then starts on that same store. Evaluators run on their own and take no part.
+Members are the chief, the workers, the ps tasks and an evaluator (TF's order: chief, workers by
+index, ps by index, evaluator), named ``"worker:0"``, ``"ps:1"``... They meet at the first
+member's address, as the all-reduce strategies do: a roll call on our own TCPStore names any
+task that never arrives (a ps address that never answers) instead of TensorPipe's bare store
+timeout, and TensorPipe's agent then starts on that same store.
 
 Every member also runs a liveness server (``comm.liveness``), published at the roll call, so a
 ps can tell a worker that is gone from one that is busy: a refused connection means the process
@@ -35,7 +35,7 @@ from stratagem.comm.liveness import LivenessServer, advertised_host
 from stratagem.comm.rendezvous import Member, open_store, roll_call
 from stratagem.errors import RendezvousError
 
-RPC_TASK_TYPES = ("chief", "worker", "ps")
+RPC_TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 
 
 def rpc_members(spec: Any) -> list[tuple[str, int]]:

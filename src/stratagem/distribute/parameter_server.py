@@ -234,17 +234,15 @@ class ParameterServerStrategy(Strategy):
         if resolver.task_type == "ps":
             Server(resolver).join()
             raise SystemExit(0)  # the job is done: the rest of the script is the workers'
-        if resolver.task_type == "evaluator":
-            raise ValueError(
-                "an evaluator task does not join a ParameterServerStrategy; it evaluates the "
-                "checkpoints the chief writes (see sg.train.latest_checkpoint)"
-            )
         timeouts = Timeouts.from_env()
         self._world = RpcWorld(
             resolver, rendezvous_timeout=timeouts.rendezvous, rpc_timeout=timeouts.operation
         )
         atexit.register(self._finish)
-        self._worker_index = workers.index((resolver.task_type, resolver.task_id))  # type: ignore[arg-type]
+        # An evaluator reads the parameters while the workers train; it pushes nothing.
+        self._evaluator = resolver.task_type == "evaluator"
+        me = (resolver.task_type, resolver.task_id)
+        self._worker_index = -1 if self._evaluator else workers.index(me)  # type: ignore[arg-type]
         self._num_workers = len(workers)
         self._ps_names = self._world.names("ps")
         comm = _IndependentWorker(resolver.is_chief, self._world.describe(self._world.rank))
@@ -330,6 +328,11 @@ class ParameterServerStrategy(Strategy):
     # optimizer.step(): push gradients, pull values ------------------------------------
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._evaluator:
+            raise RuntimeError(
+                "an evaluator task reads the parameters (strategy.pull()) and evaluates; it "
+                "does not train: optimizer.step() is for the chief and the workers"
+            )
         cls = type(optimizer)
         optimizer_class = (cls.__module__, cls.__qualname__)
         requests: list[tuple[int, tuple, list[tuple[dict, list]], list[torch.Tensor]]] = []
@@ -470,6 +473,11 @@ class ParameterServerStrategy(Strategy):
             for i, name in enumerate(self._ps_names)
         ]
         self._wait(futures, "the restored values")
+
+    def training_finished(self) -> bool:
+        """Whether every worker is done (or lost): an evaluator's loop ends on it."""
+        futures = [rpc.rpc_async(n, ps_server.rpc_workers_done) for n in self._ps_names]
+        return all(self._wait(futures, "whether the workers are done"))
 
     def ps_stats(self) -> list[dict[str, int]]:
         """What each ps applied, dropped and held back so far (for tests and benchmarks)."""

@@ -341,12 +341,18 @@ class ShardStore:
         with self._lock:
             return worker in self._left
 
+    def workers_done(self) -> bool:
+        with self._lock:
+            return len(self._left) == self.num_workers
+
     def leave(self, worker: int, *, lost: bool = False) -> Future:
         """A worker finished (or was lost): it no longer holds back the others. The future is
-        set, to whether any worker was lost, once every worker has finished or been lost."""
+        set, to whether any worker was lost, once every worker has finished or been lost.
+        ``worker`` -1 is an evaluator: it only waits for the workers."""
         goodbye: Future = Future()
         with self._lock:
-            self._left.add(worker)
+            if worker >= 0:
+                self._left.add(worker)
             self._lost_any = self._lost_any or lost
             self._goodbyes.append(goodbye)
             groups = list(self._groups.values())
@@ -454,3 +460,7 @@ def rpc_stats() -> dict[str, int]:
 def rpc_loaded(count: int) -> Future:
     """Answered once the chief has sent ``count`` restores (the other workers wait here)."""
     return _store().loaded(count)
+
+
+def rpc_workers_done() -> bool:
+    return _store().workers_done()
