@@ -285,3 +285,14 @@ def test_an_evaluator_reads_the_parameters_while_the_workers_train(tmp_path):
     # It saw the initial values and, once the workers were done, the trained ones.
     assert int(count) >= 2 and float(first) != float(last), result.stdout
     assert "[stratagem] evaluator exited 0" in result.stdout, result.stdout
+
+
+def test_bf16_transfer_sends_and_returns_half_the_bytes_and_keeps_float32_on_the_ps():
+    store = _store("sync", 1, compression="bf16")
+    groups = [({"lr": 1.0}, [(0, 0)])]
+    grad = torch.tensor([1.0 / 3.0, 2.0 / 3.0]).to(torch.bfloat16)
+    values, version = store.push(0, SGD, groups, 0, [grad]).wait()
+    assert values[0].dtype == torch.bfloat16 and version == 1
+    held = store._shards[(0, 0)]
+    assert held.dtype == torch.float32  # the ps keeps (and updates) float32
+    torch.testing.assert_close(held.detach(), -grad.float())
