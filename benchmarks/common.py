@@ -3,7 +3,9 @@ in fresh processes (each in its own process group, killed whatever happens)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -75,3 +77,27 @@ def run_processes(argvs: list[list[str]], env: dict[str, str], timeout: float = 
         if p.returncode != 0:
             raise RuntimeError(f"{' '.join(argv[1:])} exited {p.returncode}: {out}")
     return [out.strip().splitlines()[-1] for out in outs]
+
+
+def run_launcher_job(launcher_args: list[str], timeout: float = 600) -> dict:
+    """``stratagem run <launcher_args>`` in its own process group; the JSON its chief printed
+    after ``RESULT `` (the launcher prefixes it with ``[worker 0]``). Fails if the job fails."""
+    argv = [sys.executable, "-m", "stratagem.cli", "run", *launcher_args]
+    proc = subprocess.Popen(
+        argv,
+        env=clean_env({}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    found = re.search(r"RESULT (\{.*\})", out)
+    if proc.returncode != 0 or found is None:
+        raise RuntimeError(f"{' '.join(launcher_args)} exited {proc.returncode}:\n{out}")
+    return json.loads(found.group(1))

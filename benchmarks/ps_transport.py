@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_launcher_job
 
 MB = 1 << 20
 ELEMENTS = MB  # float32: 4 MB
@@ -63,16 +64,8 @@ def task(blocks: int, steps: int, bf16: bool) -> None:
 
 
 def run(blocks: int, steps: int, bf16: bool) -> dict[str, list[float]]:
-    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "1", "--ps", "1", __file__]
-    argv += ["--task", str(blocks), str(steps)] + (["--bf16"] if bf16 else [])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
-    found = re.search(r"RESULT (\{.*\})", proc.stdout)
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"job failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
-    return json.loads(found.group(1))
+    task = ["--task", str(blocks), str(steps)] + (["--bf16"] if bf16 else [])
+    return run_launcher_job(["-n", "1", "--ps", "1", __file__, *task])
 
 
 def main() -> None:

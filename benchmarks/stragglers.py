@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import run_launcher_job
 
 MODES = {
     "sync": ["--mode", "sync"],
@@ -109,18 +109,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_job(mode: str, seconds: float, delay: float) -> dict:
-    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "3", "--ps", "1", __file__]
-    argv += ["--task", *MODES[mode], "--seconds", str(seconds), "--delay", str(delay)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    for name in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run(
-        argv, env=env, capture_output=True, text=True, timeout=seconds + 180, check=False
-    )
-    found = re.search(r"RESULT (\{.*\})", proc.stdout)
-    if proc.returncode != 0 or not found:
-        raise RuntimeError(f"{mode} job failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
-    return json.loads(found.group(1))
+    task = ["--task", *MODES[mode], "--seconds", str(seconds), "--delay", str(delay)]
+    return run_launcher_job(["-n", "3", "--ps", "1", __file__, *task], timeout=seconds + 180)
 
 
 def main() -> None:
