@@ -3,7 +3,8 @@
 1. One device: per-step time of ``Model.fit`` vs a hand-written loop (zero_grad, forward,
    cross-entropy, backward, step) with the same CNN, batches and RMSprop. Both models live in
    one process and train in alternating blocks (an epoch of ``fit``, then the same steps by
-   hand), so both see the same machine state. Overhead = median fit step / median hand step - 1.
+   hand), so both see the same machine state; every step is timed (start to next start).
+   Overhead = median fit step / median hand step - 1, per run; the median of the runs.
 2. Two workers: ``Model.fit`` under MultiWorkerMirroredStrategy vs raw DistributedDataParallel,
    global batch 128, interleaved the same way inside the same two processes (DDP uses the
    process group the strategy started). Ratio of median samples/s.
@@ -15,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -47,25 +49,45 @@ def _model(sg):
 
 
 def one_device(blocks: int, steps: int, batch: int) -> dict[str, list[float]]:
-    """Seconds per step of fit and of the hand-written loop, one value per block."""
+    """Seconds of every step of fit and of the hand-written loop: the intervals between the
+    starts of consecutive steps (a fit step thus includes fetching its batch and its
+    callbacks). Per-step medians shrug off the bursts another job on the machine causes, which
+    whole-block times do not."""
     import stratagem as sg
+
+    class StepClock(sg.keras.callbacks.Callback):
+        needs_batch_logs = False  # a clock, it reads no logs
+
+        def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+            starts.append(time.perf_counter())
 
     torch.manual_seed(0)
     model = _model(sg)
-    raw = hand_written_loop(seed_cnn())
+    hand_module = seed_cnn()
+    hand_optimizer = torch.optim.RMSprop(hand_module.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
     pairs = batches(steps, batch, seed=0)
     x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
+
+    def hand() -> None:  # common.hand_written_loop, with the same clock
+        for xb, yb in pairs:
+            starts.append(time.perf_counter())
+            hand_optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(hand_module(xb), yb).backward()
+            hand_optimizer.step()
+
+    clock = StepClock()
     per_step: dict[str, list[float]] = {"fit": [], "hand": []}
     for block in range(blocks + 1):  # block 0 warms both up
         sides = [
-            ("fit", lambda: model.fit(x, y, batch_size=batch, shuffle=False, verbose=0)),
-            ("hand", lambda: raw(pairs)),
-        ]
+            ("fit", lambda: model.fit(x, y, batch_size=batch, shuffle=False, verbose=0,
+                                      callbacks=[clock])),
+            ("hand", hand),
+        ]  # fmt: skip
         for name, fn in sides if block % 2 else sides[::-1]:
-            start = time.perf_counter()
+            starts: list[float] = []
             fn()
             if block:
-                per_step[name].append((time.perf_counter() - start) / steps)
+                per_step[name] += [b - a for a, b in itertools.pairwise(starts)]
     return per_step
 
 
