@@ -1,4 +1,4 @@
-"""``sg.distribute.experimental``: collective options (and, later, more experimental strategies)."""
+"""``sg.distribute.experimental``: collective options and the experimental strategies."""
 
 from __future__ import annotations
 
@@ -42,3 +42,9 @@ class CommunicationOptions:
                 "implementation must be a CommunicationImplementation (AUTO, RING, NCCL), got "
                 f"{self.implementation!r}"
             )
+
+
+# At the end: the pipeline strategy's module imports nothing from this one.
+from stratagem.distribute.pipeline import PipelineStrategy  # noqa: E402
+
+__all__ = ["CommunicationImplementation", "CommunicationOptions", "PipelineStrategy"]
