@@ -83,6 +83,12 @@ class PipelineStrategy:
             num_stages = world // num_replicas
         layout = PipelineLayout(num_stages, num_replicas, stages_per_rank)
         layout.check_world(world)
+        if schedule in ("1F1B", "Interleaved1F1B") and num_microbatches < num_stages:
+            raise ValueError(
+                f"schedule={schedule!r} needs num_microbatches >= num_stages, got "
+                f"num_microbatches={num_microbatches} for {num_stages} stages (use 'GPipe', or "
+                "more micro-batches)"
+            )
         self._layout = layout
         self._schedule = schedule
         self._num_microbatches = num_microbatches

@@ -188,11 +188,14 @@ class PipelineModel:
             busy = self._engine.busy_seconds - busy0
         else:
             losses, busy = self._accumulate_locally(x, y), None
-        wall = time.perf_counter() - start
-        self.stats = StepStats(wall, busy if busy is not None else wall)
         if self.layout.num_replicas > 1:
             self._average_gradients_over_replicas()
-        return self._mean_loss(losses)
+        loss = self._mean_loss(losses)
+        # The wall time ends after the loss's all-reduce, where every stage meets: so each
+        # stage's step spans the same period, its idle tail included.
+        wall = time.perf_counter() - start
+        self.stats = StepStats(wall, busy if busy is not None else wall)
+        return loss
 
     def train_step(
         self, x: torch.Tensor | None, y: torch.Tensor | None, optimizer: torch.optim.Optimizer
@@ -219,9 +222,10 @@ class PipelineModel:
         else:
             losses = self._pipedream_locally(x, y, optimizer)
             busy = None
-        wall = time.perf_counter() - start
+        loss = self._mean_loss(losses)
+        wall = time.perf_counter() - start  # after the stages meet, as in compute_gradients
         self.stats = StepStats(wall, busy if busy is not None else wall)
-        return self._mean_loss(losses)
+        return loss
 
     def _accumulate_locally(self, x: torch.Tensor | None, y: torch.Tensor | None) -> list[float]:
         """One stage in this process: every micro-batch through all chunks, gradients summed."""
