@@ -4,6 +4,7 @@ example end to end through the launcher."""
 
 from __future__ import annotations
 
+import copy
 import re
 import sys
 
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from cluster_utils import REPO, WORKERS, Process, child_env, run_cluster
+from stratagem.pipeline import one_f_one_b_order
 from workers.common import build_model, global_batches
 
 pytestmark = pytest.mark.multiprocess
@@ -23,6 +25,7 @@ TWO_STAGE_CHECKS = [
     "stash-on",
     "stash-off",
     "checkpoint",
+    "pipedream-train",
 ]
 
 
@@ -108,6 +111,79 @@ def test_without_stashing_the_same_check_detects_newer_weights(two_stages):
     assert stale_last == 0
 
 
+def simulate_pipedream(num_replicas: int, steps: int = 2, m: int = 4, lr: float = 0.1):
+    """PipeDream on 2 stages, computed in this process pass by pass: stage 0 in its 1F1B order
+    with a weight copy per forward (the stash), stage 1 one micro-batch after another, each
+    update after one micro-batch's gradients averaged over the replicas."""
+    torch.manual_seed(0)
+    model = build_model()
+    s0, s1 = model[:2], model[2:]
+    opt0 = torch.optim.SGD(s0.parameters(), lr=lr)
+    opt1 = torch.optim.SGD(s1.parameters(), lr=lr)
+    r_ = range(num_replicas)
+
+    def update(module, opt, grads):
+        for p, *per_replica in zip(module.parameters(), *grads):
+            p.grad = sum(per_replica) / num_replicas
+        opt.step()
+        opt.zero_grad()
+
+    for x, y in global_batches(steps):
+        xs = [xr.chunk(m) for xr in x.chunk(num_replicas)]
+        ys = [yr.chunk(m) for yr in y.chunk(num_replicas)]
+        forwards, input_grads, done = {}, {}, 0
+        for kind, i in one_f_one_b_order(0, 2, m):
+            if kind == "F":
+                stash = copy.deepcopy(s0)
+                forwards[i] = (stash, [stash(xs[r][i]) for r in r_])
+                continue
+            while done <= i:  # stage 1 runs micro-batches in order as their inputs arrive
+                h = [forwards[done][1][r].detach().requires_grad_() for r in r_]
+                g = [
+                    torch.autograd.grad(
+                        F.cross_entropy(s1(h[r]), ys[r][done]), [h[r], *s1.parameters()]
+                    )
+                    for r in r_
+                ]
+                input_grads[done] = [gr[0] for gr in g]
+                update(s1, opt1, [gr[1:] for gr in g])
+                done += 1
+            stash, outs = forwards.pop(i)
+            update(
+                s0,
+                opt0,
+                [
+                    torch.autograd.grad(outs[r], list(stash.parameters()), input_grads[i][r])
+                    for r in r_
+                ],
+            )
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _assert_weights(saved_per_rank, expected):
+    got: dict[str, torch.Tensor] = {}
+    for s in saved_per_rank:
+        got.update(s["weights"])
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_pipedream_training_matches_its_pass_by_pass_simulation(two_stages):
+    saved = two_stages["pipedream-train"]
+    _assert_weights(saved, simulate_pipedream(num_replicas=1))
+    # ...and not the synchronous result: the updates really were per micro-batch and stale.
+    torch.manual_seed(0)
+    sync = build_model()
+    opt = torch.optim.SGD(sync.parameters(), lr=0.1)
+    for x, y in global_batches(2):
+        opt.zero_grad()
+        F.cross_entropy(sync(x), y).backward()
+        opt.step()
+    first = next(iter(saved[0]["weights"]))
+    assert not torch.allclose(saved[0]["weights"][first], sync.state_dict()[first], atol=1e-3)
+
+
 def test_checkpoint_saves_and_restores_every_stage(two_stages):
     for rank, saved in enumerate(two_stages["checkpoint"]):
         assert saved["epoch"] == 2, rank
@@ -117,7 +193,14 @@ def test_checkpoint_saves_and_restores_every_stage(two_stages):
 
 
 def test_two_stages_by_two_replicas(tmp_path_factory):
-    saved = _run_checks(tmp_path_factory, 4, ["dp-grads"])["dp-grads"]
+    results = _run_checks(tmp_path_factory, 4, ["dp-grads", "dp-pipedream-train"])
+    # PipeDream with replicas: every micro-batch's gradients averaged over its stage's replicas.
+    pipedream = results["dp-pipedream-train"]
+    _assert_weights(pipedream[:2], simulate_pipedream(num_replicas=2))
+    for a, b in ((0, 2), (1, 3)):  # the replicas of a stage end identical
+        for name, value in pipedream[a]["weights"].items():
+            torch.testing.assert_close(pipedream[b]["weights"][name], value, atol=0, rtol=0)
+    saved = results["dp-grads"]
     ref_loss, ref = _reference_gradients()
     for rank, s in enumerate(saved):
         assert s["loss"] == pytest.approx(ref_loss, abs=1e-5), rank

@@ -3,7 +3,8 @@
 Usage: pipeline_checks.py OUT_DIR CHECK [CHECK ...]; every rank writes OUT_DIR/CHECK-rankR.pt.
 CHECKs: grads-GPipe, grads-1F1B, grads-Interleaved1F1B (one step's gradients),
 stash-on / stash-off (PipeDream passes watched by a recorder), checkpoint (save, train on,
-restore, retrain: the same weights), dp-grads (needs 4 processes: 2 stages x 2 replicas).
+restore, retrain: the same weights), pipedream-train (weights after 2 PipeDream steps), and with
+4 processes (2 stages x 2 replicas) dp-grads and dp-pipedream-train.
 """
 
 import sys
@@ -91,6 +92,18 @@ def stash(on: bool) -> None:
     )
 
 
+def pipedream_train(num_replicas: int) -> None:
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule="PipeDream", num_microbatches=4, split_points=[2], num_replicas=num_replicas
+    )
+    pipe = strategy.pipeline(model_with_seed(), F.cross_entropy)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses = [pipe.train_step(x, y, opt) for x, y in global_batches(2)]
+    weights = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    name = "pipedream-train" if num_replicas == 1 else "dp-pipedream-train"
+    save(name, strategy.rank, {"losses": losses, "weights": weights})
+
+
 def checkpoint() -> None:
     strategy = sg.distribute.experimental.PipelineStrategy(
         schedule="1F1B", num_microbatches=2, split_points=[2]
@@ -135,6 +148,10 @@ def main() -> None:
             grads("1F1B", num_replicas=2, name="dp-grads")
         elif check in ("stash-on", "stash-off"):
             stash(check == "stash-on")
+        elif check == "pipedream-train":
+            pipedream_train(1)
+        elif check == "dp-pipedream-train":
+            pipedream_train(2)
         elif check == "checkpoint":
             checkpoint()
         else:
