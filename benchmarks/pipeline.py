@@ -1,0 +1,208 @@
+"""Pipeline parallelism on 2 stage processes: bubble fraction, activation memory, PipeDream.
+
+    python benchmarks/pipeline.py [--quick] [--json results.json]
+
+Starts 2 stage processes (gloo, one intra-op thread each) that measure, on an MLP of equal
+stages whose compute dominates its transfers (4 x Linear(1024, 1024) + ReLU, 2 per stage;
+micro-batches of a fixed 64 rows, so the work per micro-batch does not depend on M):
+
+1. Bubble fraction for M = 1, 2, 4, 8 micro-batches, GPipe and 1F1B: on each stage,
+   1 - (seconds inside forward/backward computations) / (wall seconds of the step), averaged
+   over the 2 stages and the median over steps, against the theory (K - 1) / (M + K - 1).
+2. Peak activation memory per stage, GPipe vs 1F1B: the largest number of bytes held at once by
+   autograd's saved tensors other than the weights (``saved_tensors_hooks``; a tensor saved
+   twice counts once), during a step.
+3. Throughput, PipeDream (asynchronous 1F1B, weight stashing) vs 1F1B, M = 4 and 8: samples/s
+   of the whole pipeline, median over steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+K = 2
+
+
+def build(width: int, layers: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*mods)
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+class ActivationMeter:
+    """Bytes of autograd's saved tensors alive at once (weights excluded), and their peak."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.weights = {p.data_ptr() for p in params}
+        self.refs: dict[int, int] = {}
+        self.live = 0
+        self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> object:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.weights:
+            return t
+        if self.refs.get(ptr, 0) == 0:
+            self.live += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[ptr] = self.refs.get(ptr, 0) + 1
+        return _Held(t, ptr, self)
+
+    @staticmethod
+    def unpack(held: object) -> torch.Tensor:
+        return held.tensor if isinstance(held, _Held) else held  # type: ignore[return-value]
+
+
+class _Held:
+    def __init__(self, tensor: torch.Tensor, ptr: int, meter: ActivationMeter) -> None:
+        self.tensor, self.ptr, self.meter = tensor, ptr, meter
+        self.nbytes = tensor.untyped_storage().nbytes()
+
+    def __del__(self) -> None:
+        m = self.meter
+        m.refs[self.ptr] -= 1
+        if m.refs[self.ptr] == 0:
+            del m.refs[self.ptr]
+            m.live -= self.nbytes
+
+
+def measure(strategy_cls, schedule: str, m: int, args) -> dict:
+    strategy = strategy_cls(schedule=schedule, num_microbatches=m, split_points=[args.layers])
+    pipe = strategy.pipeline(build(args.width, args.layers), loss_fn)
+    opt = torch.optim.SGD(pipe.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(m)
+    batch = args.microbatch * m
+    x = torch.randn(batch, args.width, generator=g)
+    y = torch.randn(batch, args.width, generator=g)
+    meter = ActivationMeter(list(pipe.parameters()))
+    bubbles, rates = [], []
+    for step in range(args.warmup + args.steps):
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            start = time.perf_counter()
+            pipe.train_step(x, y, opt)
+            seconds = time.perf_counter() - start
+        if step >= args.warmup:
+            bubbles.append(pipe.stats.bubble_fraction)
+            rates.append(batch / seconds)
+    return {
+        "schedule": schedule,
+        "m": m,
+        "bubble": statistics.median(bubbles),
+        "samples_per_s": statistics.median(rates),
+        "peak_activation_bytes": meter.peak,
+    }
+
+
+def worker(args) -> None:
+    import stratagem as sg
+
+    sg.config.threading.set_intra_op_parallelism_threads(1)
+    strategy_cls = sg.distribute.experimental.PipelineStrategy
+    results = []
+    for m in (1, 2, 4, 8):
+        for schedule in ("GPipe", "1F1B") if m >= K else ("GPipe",):  # 1F1B needs M >= K
+            results.append(measure(strategy_cls, schedule, m, args))
+    for m in (4, 8):
+        results.append(measure(strategy_cls, "PipeDream", m, args))
+    print(json.dumps(results))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--microbatch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    if args.quick:
+        args.width, args.steps, args.warmup = 64, 2, 1
+    if args.worker:
+        worker(args)
+        return
+
+    from common import clean_env, free_port
+
+    ports = [free_port(), free_port()]
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    argv = [sys.executable, __file__, "--worker", *sys.argv[1:]]
+    procs = []
+    for rank in range(K):
+        env = clean_env({"OMP_NUM_THREADS": "1"})
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": rank}}
+        )
+        procs.append(
+            subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+            )
+        )
+    lines = []
+    try:
+        for p in procs:
+            out = p.communicate(timeout=900)[0]
+            if p.returncode != 0:
+                raise SystemExit(f"a stage process exited {p.returncode}:\n{out}")
+            lines.append(out.strip().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    per_stage = [json.loads(line) for line in lines]
+    rows = []
+    for i, first in enumerate(per_stage[0]):
+        stages = [s[i] for s in per_stage]
+        m = first["m"]
+        rows.append(
+            {
+                "schedule": first["schedule"],
+                "m": m,
+                "bubble_measured": sum(s["bubble"] for s in stages) / K,
+                "bubble_theory": (K - 1) / (m + K - 1),
+                "peak_activation_mib": [s["peak_activation_bytes"] / 2**20 for s in stages],
+                # Every stage sees each sample once: the pipeline's rate is the slowest stage's.
+                "samples_per_s": min(s["samples_per_s"] for s in stages),
+            }
+        )
+    print(f"2 stages, micro-batch {args.microbatch}, width {args.width}, {args.steps} steps")
+    print(
+        "| schedule | M | bubble measured | theory (K-1)/(M+K-1) | difference "
+        "| peak activations per stage (MiB) | samples/s |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        mib = " / ".join(f"{v:.1f}" for v in r["peak_activation_mib"])
+        measured, theory = r["bubble_measured"], r["bubble_theory"]
+        print(
+            f"| {r['schedule']} | {r['m']} | {measured:.3f} | {theory:.3f} | "
+            f"{measured - theory:+.3f} | {mib} | {r['samples_per_s']:.0f} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
