@@ -8,24 +8,29 @@ order. Every receive waits at most ``timeout`` seconds and then names the peer a
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
-from stratagem.errors import CollectiveTimeoutError
+from stratagem.errors import CollectiveTimeoutError, PeerLostError
 
 _MAX_DIMS = 8
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
 
 
 def _wait(work: dist.Work, what: str, peer: int, timeout: float) -> None:
-    import datetime
-
     try:
         work.wait(datetime.timedelta(seconds=timeout))
     except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+        if "closed" in first.lower() or "reset" in first.lower():
+            raise PeerLostError(
+                f"rank {peer} was lost during the pipeline transfer of {what}: {first}"
+            ) from e
         raise CollectiveTimeoutError(
-            f"pipeline transfer of {what} with rank {peer} failed or timed out after "
-            f"{timeout:g}s: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
+            f"pipeline transfer of {what} with rank {peer} did not complete within "
+            f"{timeout:g}s (STRATAGEM_OP_TIMEOUT): {first}"
         ) from e
 
 

@@ -23,6 +23,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from stratagem.errors import PeerLostError
+
 SYNCHRONOUS = ("GPipe", "1F1B", "Interleaved1F1B")
 
 
@@ -48,6 +50,7 @@ class TorchSchedule:
             PipelineStage(module, index, num_chunks, device, group=group)
             for index, module in chunks
         ]
+        self.name = name
         self.busy_seconds = 0.0
         for stage in self.stages:
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk)  # type: ignore[method-assign]
@@ -77,5 +80,14 @@ class TorchSchedule:
         losses: list[torch.Tensor] = []
         args = (x,) if self.is_first else ()
         target = y if self.is_last else None
-        self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
+        try:
+            self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            if "closed" in first.lower() or "reset" in first.lower():
+                raise PeerLostError(
+                    f"a stage process of this pipeline was lost during a {self.name} step "
+                    f"(stages {[s.stage_index for s in self.stages]} run here): {first}"
+                ) from e
+            raise
         return [float(loss.detach()) for loss in losses]
