@@ -46,3 +46,27 @@ def test_fit_overhead_benchmark_smoke_run_reports_both_figures(tmp_path):
     assert results["two_workers_fit_over_ddp_median_of_runs"] > 0, results
     assert all(v > 0 for v in results["one_device_ms_per_step"].values()), results
     assert "| fit overhead vs a hand-written loop" in output, output
+
+
+def test_pipeline_benchmark_smoke_run_reports_every_row(tmp_path):
+    out = tmp_path / "results.json"
+    argv = [sys.executable, str(REPO / "benchmarks" / "pipeline.py"), "--quick"]
+    argv += ["--json", str(out)]
+    result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    rows = json.loads(out.read_text())["rows"]
+    # GPipe at M = 1, 2, 4, 8; 1F1B at M = 2, 4, 8 (it needs M >= K); PipeDream at M = 4, 8.
+    assert [(r["schedule"], r["m"]) for r in rows] == [
+        ("GPipe", 1), ("GPipe", 2), ("1F1B", 2), ("GPipe", 4), ("1F1B", 4),
+        ("GPipe", 8), ("1F1B", 8), ("PipeDream", 4), ("PipeDream", 8),
+    ]  # fmt: skip
+    for row in rows:
+        assert 0 <= row["bubble_measured"] < 1 and row["samples_per_s"] > 0, row
+        assert row["bubble_theory"] == pytest.approx(1 / (row["m"] + 1)), row
+        assert all(mib > 0 for mib in row["peak_activation_mib"]), row
+    # GPipe holds every micro-batch's activations at once, 1F1B at most K of them.
+    gpipe8, f1b8 = rows[5], rows[6]
+    assert gpipe8["peak_activation_mib"][0] > f1b8["peak_activation_mib"][0], rows
+    table = [line for line in output.splitlines() if line.startswith("| ")]
+    assert len(table) == 2 + len(rows), output
