@@ -247,6 +247,8 @@ class PipelineModel:
             optimizer.zero_grad(set_to_none=True)
             loss = self.loss_fn(self.module(xm), ym)
             loss.backward()
+            if self.layout.num_replicas > 1:  # one stage, several replicas: data parallelism
+                self._average_gradients_over_replicas()
             optimizer.step()
             losses.append(float(loss.detach()))
         return losses
