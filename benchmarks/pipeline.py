@@ -3,15 +3,16 @@
     python benchmarks/pipeline.py [--quick] [--json results.json]
 
 Starts 2 stage processes (gloo, one intra-op thread each) that measure, on an MLP of equal
-stages whose compute dominates its transfers (4 x Linear(1024, 1024) + ReLU, 2 per stage;
-micro-batches of a fixed 64 rows, so the work per micro-batch does not depend on M):
+stages whose compute dominates its transfers (6 x Linear(2048, 2048) + ReLU, 3 per stage, MSE loss;
+micro-batches of a fixed 32 rows, so the work per micro-batch does not depend on M; a
+transfer is 256 KiB against about 2.4 GFLOP of compute per micro-batch and stage):
 
 1. Bubble fraction for M = 1, 2, 4, 8 micro-batches, GPipe and 1F1B: on each stage,
    1 - (seconds inside forward/backward computations) / (wall seconds of the step), averaged
    over the 2 stages and the median over steps, against the theory (K - 1) / (M + K - 1).
 2. Peak activation memory per stage, GPipe vs 1F1B: the largest number of bytes held at once by
    autograd's saved tensors other than the weights (``saved_tensors_hooks``; a tensor saved
-   twice counts once), during a step.
+   twice counts once), during a step; for PipeDream also the stashed weight versions.
 3. Throughput, PipeDream (asynchronous 1F1B, weight stashing) vs 1F1B, M = 4 and 8: samples/s
    of the whole pipeline, median over steps.
 """
@@ -48,24 +49,32 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-class ActivationMeter:
-    """Bytes of autograd's saved tensors alive at once (weights excluded), and their peak."""
+class SavedTensorMeter:
+    """Bytes held at once by autograd's saved tensors, and their peaks, in two kinds.
+
+    ``activations``: everything but weights. ``stashed``: weight-shaped leaf copies that are
+    not the live parameters, i.e. PipeDream's stashed weight versions. The live parameters
+    are not counted. A storage saved twice counts once.
+    """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
-        self.weights = {p.data_ptr() for p in params}
+        self.live_weights = {p.untyped_storage().data_ptr() for p in params}
+        self.weight_shapes = {tuple(p.shape) for p in params}
         self.refs: dict[int, int] = {}
-        self.live = 0
-        self.peak = 0
+        self.live = {"activations": 0, "stashed": 0}
+        self.peak = {"activations": 0, "stashed": 0}
 
     def pack(self, t: torch.Tensor) -> object:
         ptr = t.untyped_storage().data_ptr()
-        if ptr in self.weights:
+        if ptr in self.live_weights:
             return t
+        stashed = t.is_leaf and t.requires_grad and tuple(t.shape) in self.weight_shapes
+        kind = "stashed" if stashed else "activations"
         if self.refs.get(ptr, 0) == 0:
-            self.live += t.untyped_storage().nbytes()
-            self.peak = max(self.peak, self.live)
+            self.live[kind] += t.untyped_storage().nbytes()
+            self.peak[kind] = max(self.peak[kind], self.live[kind])
         self.refs[ptr] = self.refs.get(ptr, 0) + 1
-        return _Held(t, ptr, self)
+        return _Held(t, ptr, kind, self)
 
     @staticmethod
     def unpack(held: object) -> torch.Tensor:
@@ -73,8 +82,8 @@ class ActivationMeter:
 
 
 class _Held:
-    def __init__(self, tensor: torch.Tensor, ptr: int, meter: ActivationMeter) -> None:
-        self.tensor, self.ptr, self.meter = tensor, ptr, meter
+    def __init__(self, tensor: torch.Tensor, ptr: int, kind: str, meter: SavedTensorMeter) -> None:
+        self.tensor, self.ptr, self.kind, self.meter = tensor, ptr, kind, meter
         self.nbytes = tensor.untyped_storage().nbytes()
 
     def __del__(self) -> None:
@@ -82,7 +91,7 @@ class _Held:
         m.refs[self.ptr] -= 1
         if m.refs[self.ptr] == 0:
             del m.refs[self.ptr]
-            m.live -= self.nbytes
+            m.live[self.kind] -= self.nbytes
 
 
 def measure(strategy_cls, schedule: str, m: int, args) -> dict:
@@ -93,7 +102,7 @@ def measure(strategy_cls, schedule: str, m: int, args) -> dict:
     batch = args.microbatch * m
     x = torch.randn(batch, args.width, generator=g)
     y = torch.randn(batch, args.width, generator=g)
-    meter = ActivationMeter(list(pipe.parameters()))
+    meter = SavedTensorMeter(list(pipe.parameters()))
     bubbles, rates = [], []
     for step in range(args.warmup + args.steps):
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -108,7 +117,8 @@ def measure(strategy_cls, schedule: str, m: int, args) -> dict:
         "m": m,
         "bubble": statistics.median(bubbles),
         "samples_per_s": statistics.median(rates),
-        "peak_activation_bytes": meter.peak,
+        "peak_activation_bytes": meter.peak["activations"],
+        "peak_stashed_bytes": meter.peak["stashed"],
     }
 
 
@@ -131,14 +141,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--microbatch", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--microbatch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     if args.quick:
-        args.width, args.steps, args.warmup = 64, 2, 1
+        args.width, args.layers, args.steps, args.warmup = 64, 4, 2, 1
     if args.worker:
         worker(args)
         return
@@ -183,6 +193,7 @@ def main() -> None:
                 "bubble_measured": sum(s["bubble"] for s in stages) / K,
                 "bubble_theory": (K - 1) / (m + K - 1),
                 "peak_activation_mib": [s["peak_activation_bytes"] / 2**20 for s in stages],
+                "peak_stashed_weights_mib": [s["peak_stashed_bytes"] / 2**20 for s in stages],
                 # Every stage sees each sample once: the pipeline's rate is the slowest stage's.
                 "samples_per_s": min(s["samples_per_s"] for s in stages),
             }
@@ -190,15 +201,16 @@ def main() -> None:
     print(f"2 stages, micro-batch {args.microbatch}, width {args.width}, {args.steps} steps")
     print(
         "| schedule | M | bubble measured | theory (K-1)/(M+K-1) | difference "
-        "| peak activations per stage (MiB) | samples/s |"
+        "| peak activations per stage (MiB) | stashed weights (MiB) | samples/s |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         mib = " / ".join(f"{v:.1f}" for v in r["peak_activation_mib"])
+        stash = " / ".join(f"{v:.0f}" for v in r["peak_stashed_weights_mib"])
         measured, theory = r["bubble_measured"], r["bubble_theory"]
         print(
             f"| {r['schedule']} | {r['m']} | {measured:.3f} | {theory:.3f} | "
-            f"{measured - theory:+.3f} | {mib} | {r['samples_per_s']:.0f} |"
+            f"{measured - theory:+.3f} | {mib} | {stash} | {r['samples_per_s']:.0f} |"
         )
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
