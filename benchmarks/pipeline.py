@@ -52,9 +52,9 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class SavedTensorMeter:
     """Bytes held at once by autograd's saved tensors, and their peaks, in two kinds.
 
-    ``activations``: everything but weights. ``stashed``: weight-shaped leaf copies that are
-    not the live parameters, i.e. PipeDream's stashed weight versions. The live parameters
-    are not counted. A storage saved twice counts once.
+    ``activations``: everything but weights. ``stashed``: weight-shaped tensors that are not
+    the live parameters, i.e. PipeDream's stashed weight versions. The live parameters are not
+    counted. A storage saved twice counts once.
     """
 
     def __init__(self, params: list[torch.Tensor]) -> None:
@@ -68,7 +68,10 @@ class SavedTensorMeter:
         ptr = t.untyped_storage().data_ptr()
         if ptr in self.live_weights:
             return t
-        stashed = t.is_leaf and t.requires_grad and tuple(t.shape) in self.weight_shapes
+        # Autograd may save a weight as a view (linear saves weight.t()): tell by shape; no
+        # activation here is weight-shaped (they are [micro-batch, width]).
+        shape = tuple(t.shape)
+        stashed = shape in self.weight_shapes or shape[::-1] in self.weight_shapes
         kind = "stashed" if stashed else "activations"
         if self.refs.get(ptr, 0) == 0:
             self.live[kind] += t.untyped_storage().nbytes()
@@ -206,7 +209,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         mib = " / ".join(f"{v:.1f}" for v in r["peak_activation_mib"])
-        stash = " / ".join(f"{v:.0f}" for v in r["peak_stashed_weights_mib"])
+        stash = " / ".join(f"{v:.1f}" for v in r["peak_stashed_weights_mib"])
         measured, theory = r["bubble_measured"], r["bubble_theory"]
         print(
             f"| {r['schedule']} | {r['m']} | {measured:.3f} | {theory:.3f} | "

@@ -65,6 +65,10 @@ def test_pipeline_benchmark_smoke_run_reports_every_row(tmp_path):
         assert 0 <= row["bubble_measured"] < 1 and row["samples_per_s"] > 0, row
         assert row["bubble_theory"] == pytest.approx(1 / (row["m"] + 1)), row
         assert all(mib > 0 for mib in row["peak_activation_mib"]), row
+    # Only PipeDream keeps weight copies (its stash); the synchronous schedules keep none.
+    for row in rows:
+        stashed = row["peak_stashed_weights_mib"]
+        assert (min(stashed) > 0) if row["schedule"] == "PipeDream" else (max(stashed) == 0), row
     # GPipe holds every micro-batch's activations at once, 1F1B at most K of them.
     gpipe8, f1b8 = rows[5], rows[6]
     assert gpipe8["peak_activation_mib"][0] > f1b8["peak_activation_mib"][0], rows
