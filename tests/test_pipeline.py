@@ -67,6 +67,8 @@ def test_schedules_give_the_unsplit_models_gradients(two_stages, schedule):
     assert got.keys() == ref.keys()
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-5, msg=name)
+    for saved in two_stages[f"grads-{schedule}"]:  # on every stage, before any transfer
+        assert "got a batch of 16 after batches of 24" in saved["refused"], saved["refused"]
 
 
 def _stale_backwards(records) -> tuple[int, int]:

@@ -182,9 +182,11 @@ class PipelineModel:
         self.module.zero_grad(set_to_none=True)
         if isinstance(self._engine, TorchSchedule):
             busy0 = self._engine.busy_seconds
-            losses = self._engine.run(
-                x if self.is_first_stage else None, y if self.is_last_stage else None
-            )
+            if self.is_first_stage and x is None:
+                raise ValueError(f"stage {self.stage} is the first: it needs the inputs x")
+            if self.is_last_stage and y is None:
+                raise ValueError(f"stage {self.stage} is the last: it needs the targets y")
+            losses = self._engine.run(x, y)
             busy = self._engine.busy_seconds - busy0
         else:
             losses, busy = self._accumulate_locally(x, y), None

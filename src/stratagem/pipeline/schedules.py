@@ -52,6 +52,7 @@ class TorchSchedule:
         ]
         self.name = name
         self.busy_seconds = 0.0
+        self._batch_size: int | None = None  # per replica, fixed by the first step
         for stage in self.stages:
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk)  # type: ignore[method-assign]
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)  # type: ignore[method-assign]
@@ -77,6 +78,17 @@ class TorchSchedule:
 
     def run(self, x: torch.Tensor | None, y: torch.Tensor | None) -> list[float]:
         """One step over the batch; the last stage's per-micro-batch losses (else empty)."""
+        batch = x if x is not None else y
+        if batch is not None:
+            if self._batch_size is None:
+                self._batch_size = batch.shape[0]
+            elif batch.shape[0] != self._batch_size:
+                raise ValueError(
+                    f"schedule {self.name!r} got a batch of {batch.shape[0]} after batches of "
+                    f"{self._batch_size}: torch.distributed.pipelining fixes the micro-batch "
+                    "shapes at the first step. Keep the batch size constant (drop a last "
+                    "partial batch), or use schedule='PipeDream', which sends shapes along"
+                )
         losses: list[torch.Tensor] = []
         args = (x,) if self.is_first else ()
         target = y if self.is_last else None
