@@ -103,7 +103,9 @@ def measure(strategy_cls, schedule: str, m: int, args) -> dict:
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(m)
     batch = args.microbatch * m
-    x = torch.randn(batch, args.width, generator=g)
+    # The input needs a gradient, as a middle stage's would: else stage 0 skips one of its 9
+    # matrix products per micro-batch and the stages are unequal (the theory assumes equal).
+    x = torch.randn(batch, args.width, generator=g).requires_grad_()
     y = torch.randn(batch, args.width, generator=g)
     meter = SavedTensorMeter(list(pipe.parameters()))
     bubbles, rates = [], []
