@@ -212,6 +212,30 @@ def test_two_stages_by_two_replicas(tmp_path_factory):
     assert saved[0]["grads"].keys() == saved[2]["grads"].keys()
 
 
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        ("PipeDream", "PeerLostError: rank 1 was lost during the pipeline transfer of "),
+        ("1F1B", "PeerLostError: a stage process of this pipeline was lost during a 1F1B step"),
+    ],
+    ids=["PipeDream", "1F1B"],
+)
+def test_a_lost_stage_is_named_not_a_hang(tmp_path, schedule, message):
+    check = f"lost-{schedule}"
+    results = run_cluster(
+        WORKERS / "pipeline_checks.py",
+        2,
+        tmp_path,
+        args=[str(tmp_path), check],
+        env={"STRATAGEM_OP_TIMEOUT": "20"},
+    )
+    for i, r in enumerate(results):
+        r.check(f"stage process {i}")
+    saved = torch.load(tmp_path / f"{check}-rank0.pt")
+    assert saved["error"].startswith(message), saved
+    assert saved["seconds"] < 20, saved  # at once, not after the operation timeout
+
+
 @pytest.mark.e2e
 def test_example_pipedream_on_two_stages_reaches_90_percent(tmp_path):
     output = _run_example(tmp_path, 2, ["--schedule", "PipeDream"])

@@ -4,7 +4,8 @@ Usage: pipeline_checks.py OUT_DIR CHECK [CHECK ...]; every rank writes OUT_DIR/C
 CHECKs: grads-GPipe, grads-1F1B, grads-Interleaved1F1B (one step's gradients),
 stash-on / stash-off (PipeDream passes watched by a recorder), checkpoint (save, train on,
 restore, retrain: the same weights), pipedream-train (weights after 2 PipeDream steps), and with
-4 processes (2 stages x 2 replicas) dp-grads and dp-pipedream-train.
+4 processes (2 stages x 2 replicas) dp-grads and dp-pipedream-train; lost-SCHEDULE (last:
+stage 1 exits, stage 0 records the error of its next step).
 """
 
 import sys
@@ -113,6 +114,30 @@ def pipedream_train(num_replicas: int) -> None:
     save(name, strategy.rank, {"losses": losses, "weights": weights})
 
 
+def lost_stage(schedule: str) -> None:
+    """Stage 1 dies after one step; stage 0 must fail with a named error, not hang."""
+    import os
+    import time
+
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule=schedule, num_microbatches=4, split_points=[2]
+    )
+    pipe = strategy.pipeline(model_with_seed(), F.cross_entropy)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    x, y = global_batches(1)[0]
+    pipe.train_step(x, y, opt)
+    if strategy.rank == 1:
+        os._exit(0)  # no goodbye: as if killed
+    start = time.monotonic()
+    try:
+        pipe.train_step(x, y, opt)
+        error = ""
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    save(f"lost-{schedule}", 0, {"error": error, "seconds": time.monotonic() - start})
+    os._exit(0)  # the group's peer is gone: skip the exit handshake
+
+
 def checkpoint() -> None:
     strategy = sg.distribute.experimental.PipelineStrategy(
         schedule="1F1B", num_microbatches=2, split_points=[2]
@@ -161,6 +186,8 @@ def main() -> None:
             pipedream_train(1)
         elif check == "dp-pipedream-train":
             pipedream_train(2)
+        elif check.startswith("lost-"):
+            lost_stage(check.removeprefix("lost-"))
         elif check == "checkpoint":
             checkpoint()
         else:
