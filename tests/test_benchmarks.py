@@ -70,3 +70,31 @@ def test_ps_transport_benchmark_smoke_run_reports_the_ratio(tmp_path):
     assert result.returncode == 0, output
     ((ratio,),) = [re.findall(r"ours / raw rpc, median of 1 runs: ([0-9.]+)", output)]
     assert float(ratio) > 0, output
+
+
+def test_pipeline_benchmark_smoke_run_reports_every_row(tmp_path):
+    out = tmp_path / "results.json"
+    argv = [sys.executable, str(REPO / "benchmarks" / "pipeline.py"), "--quick"]
+    argv += ["--json", str(out)]
+    result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    rows = json.loads(out.read_text())["rows"]
+    # GPipe at M = 1, 2, 4, 8; 1F1B at M = 2, 4, 8 (it needs M >= K); PipeDream at M = 4, 8.
+    assert [(r["schedule"], r["m"]) for r in rows] == [
+        ("GPipe", 1), ("GPipe", 2), ("1F1B", 2), ("GPipe", 4), ("1F1B", 4),
+        ("GPipe", 8), ("1F1B", 8), ("PipeDream", 4), ("PipeDream", 8),
+    ]  # fmt: skip
+    for row in rows:
+        assert 0 <= row["bubble_measured"] < 1 and row["samples_per_s"] > 0, row
+        assert row["bubble_theory"] == pytest.approx(1 / (row["m"] + 1)), row
+        assert all(mib > 0 for mib in row["peak_activation_mib"]), row
+    # Only PipeDream keeps weight copies (its stash); the synchronous schedules keep none.
+    for row in rows:
+        stashed = row["peak_stashed_weights_mib"]
+        assert (min(stashed) > 0) if row["schedule"] == "PipeDream" else (max(stashed) == 0), row
+    # GPipe holds every micro-batch's activations at once, 1F1B at most K of them.
+    gpipe8, f1b8 = rows[5], rows[6]
+    assert gpipe8["peak_activation_mib"][0] > f1b8["peak_activation_mib"][0], rows
+    table = [line for line in output.splitlines() if line.startswith("| ")]
+    assert len(table) == 2 + len(rows), output

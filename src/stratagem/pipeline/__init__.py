@@ -1,0 +1,27 @@
+"""Pipeline parallelism: splitting a model into stages, the schedules, PipeDream's weight stashing.
+
+The strategy that uses these is ``sg.distribute.experimental.PipelineStrategy``.
+"""
+
+from stratagem.pipeline.layout import PipelineLayout
+from stratagem.pipeline.model import PipelineModel, StepStats
+from stratagem.pipeline.pipedream import PipeDreamStage, Recorder, one_f_one_b_order
+from stratagem.pipeline.split import (
+    balanced_split_points,
+    check_split_points,
+    resolve_split_points,
+    split_sequential,
+)
+
+__all__ = [
+    "PipeDreamStage",
+    "PipelineLayout",
+    "PipelineModel",
+    "Recorder",
+    "StepStats",
+    "balanced_split_points",
+    "check_split_points",
+    "one_f_one_b_order",
+    "resolve_split_points",
+    "split_sequential",
+]

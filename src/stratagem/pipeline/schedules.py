@@ -1,0 +1,105 @@
+"""The synchronous schedules (GPipe, 1F1B, interleaved 1F1B) through torch.distributed.pipelining.
+
+Each local model chunk becomes a ``PipelineStage`` (shapes inferred on the first step); the
+schedule splits the batch into micro-batches, runs them, and leaves the summed gradients,
+divided by the number of micro-batches (``scale_grads``), in the chunk's own parameters — so
+with a mean loss they equal the unsplit model's gradients on the whole batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from stratagem.errors import PeerLostError
+
+SYNCHRONOUS = ("GPipe", "1F1B", "Interleaved1F1B")
+
+
+class TorchSchedule:
+    """This rank's stages and schedule; counts the seconds spent computing (``busy_seconds``)."""
+
+    def __init__(
+        self,
+        name: str,
+        chunks: list[tuple[int, nn.Module]],
+        num_chunks: int,
+        num_microbatches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        device = torch.device("cpu")
+        for _, module in chunks:
+            p = next(module.parameters(), None)
+            if p is not None:
+                device = p.device
+                break
+        self.stages = [
+            PipelineStage(module, index, num_chunks, device, group=group)
+            for index, module in chunks
+        ]
+        self.name = name
+        self.busy_seconds = 0.0
+        self._batch_size: int | None = None  # per replica, fixed by the first step
+        for stage in self.stages:
+            stage.forward_one_chunk = self._timed(stage.forward_one_chunk)  # type: ignore[method-assign]
+            stage.backward_one_chunk = self._timed(stage.backward_one_chunk)  # type: ignore[method-assign]
+        self.schedule: Any
+        if name == "Interleaved1F1B":
+            self.schedule = ScheduleInterleaved1F1B(self.stages, num_microbatches, loss_fn=loss_fn)
+        else:
+            cls = ScheduleGPipe if name == "GPipe" else Schedule1F1B
+            self.schedule = cls(self.stages[0], num_microbatches, loss_fn=loss_fn)
+        self.is_first = any(s.is_first for s in self.stages)
+        self.is_last = any(s.is_last for s in self.stages)
+
+    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.busy_seconds += time.perf_counter() - start
+
+        return timed
+
+    def run(self, x: torch.Tensor | None, y: torch.Tensor | None) -> list[float]:
+        """One step over the batch; the last stage's per-micro-batch losses (else empty)."""
+        batch = x if x is not None else y
+        if batch is not None:
+            if self._batch_size is None:
+                self._batch_size = batch.shape[0]
+            elif batch.shape[0] != self._batch_size:
+                raise ValueError(
+                    f"schedule {self.name!r} got a batch of {batch.shape[0]} after batches of "
+                    f"{self._batch_size}: torch.distributed.pipelining fixes the micro-batch "
+                    "shapes at the first step. Keep the batch size constant (drop a last "
+                    "partial batch), or use schedule='PipeDream', which sends shapes along"
+                )
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.is_first else ()
+        target = y if self.is_last else None
+        try:
+            self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
+            if "closed" in first.lower() or "reset" in first.lower():
+                raise PeerLostError(
+                    f"a stage process of this pipeline was lost during a {self.name} step "
+                    f"(stages {[s.stage_index for s in self.stages]} run here): {first}"
+                ) from e
+            raise
+        return [float(loss.detach()) for loss in losses]

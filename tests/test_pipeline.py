@@ -1,0 +1,265 @@
+"""Pipeline parallelism on real stage processes (gloo): schedules against the unsplit model,
+PipeDream's weight stashing (and its absence detected), checkpoints, stages x replicas, and the
+example end to end through the launcher."""
+
+from __future__ import annotations
+
+import copy
+import re
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cluster_utils import REPO, WORKERS, Process, child_env, run_cluster
+from stratagem.pipeline import one_f_one_b_order
+from workers.common import build_model, global_batches
+
+pytestmark = pytest.mark.multiprocess
+
+TWO_STAGE_CHECKS = [
+    "grads-GPipe",
+    "grads-1F1B",
+    "grads-Interleaved1F1B",
+    "stash-on",
+    "stash-off",
+    "checkpoint",
+    "pipedream-train",
+]
+
+
+def _run_checks(tmp_path_factory, n: int, checks: list[str]):
+    out = tmp_path_factory.mktemp(f"pipeline{n}")
+    results = run_cluster(
+        WORKERS / "pipeline_checks.py", n, out, args=[str(out), *checks], timeout=180
+    )
+    for i, r in enumerate(results):
+        r.check(f"stage process {i}")
+    return {
+        check: [torch.load(out / f"{check}-rank{r}.pt", weights_only=False) for r in range(n)]
+        for check in checks
+    }
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory):
+    return _run_checks(tmp_path_factory, 2, TWO_STAGE_CHECKS)
+
+
+def _reference_gradients():
+    torch.manual_seed(0)
+    model = build_model()
+    x, y = global_batches(1)[0]
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
+def test_schedules_give_the_unsplit_models_gradients(two_stages, schedule):
+    ref_loss, ref = _reference_gradients()
+    got: dict[str, torch.Tensor] = {}
+    for rank, saved in enumerate(two_stages[f"grads-{schedule}"]):
+        assert saved["loss"] == pytest.approx(ref_loss, abs=1e-5), rank
+        assert not set(got) & set(saved["grads"])  # each layer lives on one stage only
+        got.update(saved["grads"])
+    assert got.keys() == ref.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-5, msg=name)
+    for saved in two_stages[f"grads-{schedule}"]:  # on every stage, before any transfer
+        assert "got a batch of 16 after batches of 24" in saved["refused"], saved["refused"]
+
+
+def _stale_backwards(records) -> tuple[int, int]:
+    """(micro-batches whose applied gradient is not that of their forward's weights, total).
+
+    Recomputes each recorded micro-batch's vector-Jacobian product here, with the weights the
+    stage had when that micro-batch's forward ran, and compares it with what the stage applied.
+    """
+    stale = total = 0
+    for rec in records:
+        layers = rec["layers"]
+        stage = build_model()[int(layers[0]) : int(layers[-1]) + 1]
+        for key, (grad_output, applied) in rec["backward"].items():
+            stage.load_state_dict(rec["forward_weights"][key])
+            out = stage(rec["inputs"][key])
+            if grad_output is None:  # the last stage: the loss
+                out = F.cross_entropy(out, rec["targets"][key])
+            names = [n for n, _ in stage.named_parameters()]
+            expected = torch.autograd.grad(out, list(stage.parameters()), grad_output)
+            total += 1
+            if not all(torch.allclose(e, applied[n], atol=1e-6) for n, e in zip(names, expected)):
+                stale += 1
+    return stale, total
+
+
+def test_pipedream_backward_uses_the_weights_of_its_forward(two_stages):
+    records = two_stages["stash-on"]
+    stale, total = _stale_backwards(records)
+    assert total == 2 * 2 * 4  # 2 stages x 2 steps x 4 micro-batches
+    assert stale == 0
+    # Stage 0 really had two weight versions in flight at once (else nothing was tested).
+    assert records[0]["max_versions_in_flight"] == 2
+
+
+def test_without_stashing_the_same_check_detects_newer_weights(two_stages):
+    records = two_stages["stash-off"]
+    stale_first, _ = _stale_backwards(records[:1])
+    stale_last, _ = _stale_backwards(records[1:])
+    # On stage 0 every micro-batch but the first of each step ran backward after an update
+    # (1F1B: F0 F1 B0 F2 B1 ...); the last stage's backward follows its forward at once.
+    assert stale_first == 6
+    assert stale_last == 0
+
+
+def simulate_pipedream(num_replicas: int, steps: int = 2, m: int = 4, lr: float = 0.1):
+    """PipeDream on 2 stages, computed in this process pass by pass: stage 0 in its 1F1B order
+    with a weight copy per forward (the stash), stage 1 one micro-batch after another, each
+    update after one micro-batch's gradients averaged over the replicas."""
+    torch.manual_seed(0)
+    model = build_model()
+    s0, s1 = model[:2], model[2:]
+    opt0 = torch.optim.SGD(s0.parameters(), lr=lr)
+    opt1 = torch.optim.SGD(s1.parameters(), lr=lr)
+    r_ = range(num_replicas)
+
+    def update(module, opt, grads):
+        for p, *per_replica in zip(module.parameters(), *grads):
+            p.grad = sum(per_replica) / num_replicas
+        opt.step()
+        opt.zero_grad()
+
+    for x, y in global_batches(steps):
+        xs = [xr.chunk(m) for xr in x.chunk(num_replicas)]
+        ys = [yr.chunk(m) for yr in y.chunk(num_replicas)]
+        forwards, input_grads, done = {}, {}, 0
+        for kind, i in one_f_one_b_order(0, 2, m):
+            if kind == "F":
+                stash = copy.deepcopy(s0)
+                forwards[i] = (stash, [stash(xs[r][i]) for r in r_])
+                continue
+            while done <= i:  # stage 1 runs micro-batches in order as their inputs arrive
+                h = [forwards[done][1][r].detach().requires_grad_() for r in r_]
+                g = [
+                    torch.autograd.grad(
+                        F.cross_entropy(s1(h[r]), ys[r][done]), [h[r], *s1.parameters()]
+                    )
+                    for r in r_
+                ]
+                input_grads[done] = [gr[0] for gr in g]
+                update(s1, opt1, [gr[1:] for gr in g])
+                done += 1
+            stash, outs = forwards.pop(i)
+            update(
+                s0,
+                opt0,
+                [
+                    torch.autograd.grad(outs[r], list(stash.parameters()), input_grads[i][r])
+                    for r in r_
+                ],
+            )
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _assert_weights(saved_per_rank, expected):
+    got: dict[str, torch.Tensor] = {}
+    for s in saved_per_rank:
+        got.update(s["weights"])
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_pipedream_training_matches_its_pass_by_pass_simulation(two_stages):
+    saved = two_stages["pipedream-train"]
+    _assert_weights(saved, simulate_pipedream(num_replicas=1))
+    # ...and not the synchronous result: the updates really were per micro-batch and stale.
+    torch.manual_seed(0)
+    sync = build_model()
+    opt = torch.optim.SGD(sync.parameters(), lr=0.1)
+    for x, y in global_batches(2):
+        opt.zero_grad()
+        F.cross_entropy(sync(x), y).backward()
+        opt.step()
+    first = next(iter(saved[0]["weights"]))
+    assert not torch.allclose(saved[0]["weights"][first], sync.state_dict()[first], atol=1e-3)
+
+
+def test_checkpoint_saves_and_restores_every_stage(two_stages):
+    for rank, saved in enumerate(two_stages["checkpoint"]):
+        assert saved["epoch"] == 2, rank
+        assert saved["resumed"] == saved["continued"], rank
+        for name, value in saved["after"].items():
+            torch.testing.assert_close(saved["again"][name], value, atol=0, rtol=0, msg=name)
+
+
+def test_two_stages_by_two_replicas(tmp_path_factory):
+    results = _run_checks(tmp_path_factory, 4, ["dp-grads", "dp-pipedream-train"])
+    # PipeDream with replicas: every micro-batch's gradients averaged over its stage's replicas.
+    pipedream = results["dp-pipedream-train"]
+    _assert_weights(pipedream[:2], simulate_pipedream(num_replicas=2))
+    for a, b in ((0, 2), (1, 3)):  # the replicas of a stage end identical
+        for name, value in pipedream[a]["weights"].items():
+            torch.testing.assert_close(pipedream[b]["weights"][name], value, atol=0, rtol=0)
+    saved = results["dp-grads"]
+    ref_loss, ref = _reference_gradients()
+    for rank, s in enumerate(saved):
+        assert s["loss"] == pytest.approx(ref_loss, abs=1e-5), rank
+        for name, g in s["grads"].items():  # replicas of a stage hold the averaged gradient
+            torch.testing.assert_close(g, ref[name], atol=1e-6, rtol=1e-5, msg=f"{rank} {name}")
+    assert set(saved[0]["grads"]) | set(saved[1]["grads"]) == set(ref)
+    assert saved[0]["grads"].keys() == saved[2]["grads"].keys()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        ("PipeDream", "PeerLostError: rank 1 was lost during the pipeline transfer of "),
+        ("1F1B", "PeerLostError: a stage process of this pipeline was lost during a 1F1B step"),
+    ],
+    ids=["PipeDream", "1F1B"],
+)
+def test_a_lost_stage_is_named_not_a_hang(tmp_path, schedule, message):
+    check = f"lost-{schedule}"
+    results = run_cluster(
+        WORKERS / "pipeline_checks.py",
+        2,
+        tmp_path,
+        args=[str(tmp_path), check],
+        env={"STRATAGEM_OP_TIMEOUT": "20"},
+    )
+    for i, r in enumerate(results):
+        r.check(f"stage process {i}")
+    saved = torch.load(tmp_path / f"{check}-rank0.pt")
+    assert saved["error"].startswith(message), saved
+    assert saved["seconds"] < 20, saved  # at once, not after the operation timeout
+
+
+@pytest.mark.e2e
+def test_example_pipedream_on_two_stages_reaches_90_percent(tmp_path):
+    output = _run_example(tmp_path, 2, ["--schedule", "PipeDream"])
+    accuracies = [float(a) for a in re.findall(r"Test accuracy: ([0-9.]+)", output)]
+    assert len(accuracies) == 2 and min(accuracies) >= 0.90, output
+
+
+@pytest.mark.e2e
+def test_example_on_four_stages_writes_every_stage(tmp_path):
+    # One epoch only (4 processes on a 2-core machine); the full run's accuracy is in the README.
+    ckpt = tmp_path / "ckpt"
+    output = _run_example(tmp_path, 4, ["--epochs", "1", "--checkpoint-dir", str(ckpt)])
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"stage-{s}.pt" for s in range(4)]
+    for s in range(4):
+        assert f"PipelineModel(stage={s}/4" in output, output
+    accuracies = re.findall(r"Test accuracy: ([0-9.]+)", output)
+    assert len(accuracies) == 4 and len(set(accuracies)) == 1, output  # the same predictions
+    assert float(accuracies[0]) > 0.5, output  # one epoch learns (chance is 0.1)
+
+
+def _run_example(tmp_path, n: int, args: list[str]) -> str:
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", str(n)]
+    argv += [str(REPO / "examples" / "pipeline.py"), *args]
+    result = Process(argv, child_env(), tmp_path, f"launcher{len(args)}").wait(timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    return output

@@ -1,0 +1,199 @@
+"""Pipeline parallelism without processes: splitting, balancing, layouts, schedules' order,
+clear errors, and the single-process null version of PipelineStrategy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import stratagem as sg
+from stratagem.cluster import SimpleClusterResolver
+from stratagem.pipeline import (
+    PipelineLayout,
+    balanced_split_points,
+    check_split_points,
+    one_f_one_b_order,
+    resolve_split_points,
+    split_sequential,
+)
+
+PipelineStrategy = sg.distribute.experimental.PipelineStrategy
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
+
+
+def test_stages_are_slices_that_keep_the_unsplit_names():
+    model = mlp()
+    stages = split_sequential(model, [2, 4])
+    assert [list(s._modules) for s in stages] == [["0", "1"], ["2", "3"], ["4"]]
+    merged = {k: v for s in stages for k, v in s.state_dict().items()}
+    assert merged.keys() == model.state_dict().keys()
+    x = torch.randn(3, 6)
+    h = x
+    for s in stages:
+        h = s(h)
+    torch.testing.assert_close(h, model(x))
+
+
+def test_split_points_by_name_and_index_agree():
+    model = nn.Sequential()
+    for name in ("embed", "act", "hidden", "out"):
+        model.add_module(name, nn.Identity())
+    assert check_split_points(model, ["hidden"], 2) == [2]
+    assert check_split_points(model, [2], 2) == [2]
+
+
+@pytest.mark.parametrize(
+    ("points", "stages", "message"),
+    [
+        ([0], 2, r"split point 0 is out of range: .* in 1\.\.4 for an nn.Sequential of 5"),
+        ([5], 2, r"split point 5 is out of range"),
+        ([-1], 2, r"split point -1 is out of range"),
+        ([3, 2], 3, r"must be strictly increasing"),
+        ([2, 2], 3, r"must be strictly increasing"),
+        ([2], 3, r"cut the model into 2 stages, but the pipeline has 3; give 2 split points"),
+        (["9"], 2, r"split point '9' names no layer .* \['0', '1', '2', '3', '4'\]"),
+        (["2.weight"], 2, r"a cut inside a layer is not possible"),
+    ],
+)
+def test_bad_split_points_are_named(points, stages, message):
+    with pytest.raises(ValueError, match=message):
+        check_split_points(mlp(), points, stages)
+
+
+def test_a_module_that_is_not_sequential_cannot_be_split():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.a(x)
+
+    with pytest.raises(TypeError, match=r"cannot split Net into 2 stages: only an nn.Sequential"):
+        check_split_points(Net(), [1], 2)
+    with pytest.raises(ValueError, match=r"of 2 layers into 3 stages"):
+        resolve_split_points(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), 3, "parameters")
+
+
+def test_balancing_minimises_the_largest_stage():
+    assert balanced_split_points([1, 1, 1, 1], 2) == [2]
+    assert balanced_split_points([1, 1, 1, 1], 4) == [1, 2, 3]
+    assert balanced_split_points([8, 1, 1, 1, 1, 1, 1, 1, 1], 2) == [1]
+    assert balanced_split_points([1, 2, 3, 4, 5], 2) == [3]  # 6 | 9 beats 10 | 5
+    # Ties on the largest stage go to the evener cut: no stage of a lone ReLU (cost 1).
+    assert balanced_split_points([8320, 1, 16512, 1, 8256, 1, 650], 4) == [2, 3, 5]
+    with pytest.raises(ValueError, match=r"cannot balance 2 layers over 3 stages"):
+        balanced_split_points([1, 1], 3)
+
+
+def test_balancing_by_parameters_and_by_time():
+    # Linear(6,32)=224, Linear(32,32)=1056, Linear(32,4)=132 parameters (ReLU counts 1).
+    assert resolve_split_points(mlp(), 2, "parameters") == [2]
+    assert resolve_split_points(mlp(), 2, None) == [2]
+    points = resolve_split_points(mlp(), 2, "time", torch.randn(8, 6))
+    assert len(points) == 1 and 1 <= points[0] <= 4
+    with pytest.raises(ValueError, match=r"pass sample_input="):
+        resolve_split_points(mlp(), 2, "time")
+    with pytest.raises(ValueError, match=r"split_points='flops'"):
+        resolve_split_points(mlp(), 2, "flops")
+
+
+def test_layout_is_stages_by_replicas():
+    layout = PipelineLayout(num_stages=2, num_replicas=2)
+    assert [layout.stage_of(r) for r in range(4)] == [0, 1, 0, 1]
+    assert [layout.replica_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert layout.pipeline_ranks(1) == [2, 3]
+    assert layout.replica_ranks(1) == [1, 3]
+    interleaved = PipelineLayout(num_stages=2, stages_per_rank=2)
+    assert interleaved.chunks_of(0) == [0, 2] and interleaved.chunks_of(1) == [1, 3]
+    with pytest.raises(ValueError, match=r"needs 4 processes, but the job has 3"):
+        layout.check_world(3)
+
+
+def test_one_f_one_b_order():
+    assert one_f_one_b_order(0, 2, 3) == [
+        ("F", 0),
+        ("F", 1),
+        ("B", 0),
+        ("F", 2),
+        ("B", 1),
+        ("B", 2),
+    ]
+    assert one_f_one_b_order(1, 2, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+    order = one_f_one_b_order(0, 4, 8)
+    assert order[:3] == [("F", 0), ("F", 1), ("F", 2)]
+    assert sorted(order) == sorted([("F", i) for i in range(8)] + [("B", i) for i in range(8)])
+
+
+def test_a_stage_count_that_differs_from_the_processes():
+    with pytest.raises(
+        ValueError, match=r"num_stages=2 x num_replicas=1 needs 2 processes, but the job has 1"
+    ):
+        PipelineStrategy(num_stages=2)
+    two = SimpleClusterResolver(
+        {"worker": ["localhost:1", "localhost:2"]}, task_type="worker", task_id=0
+    )
+    with pytest.raises(ValueError, match=r"needs 4 processes, but the job has 2"):
+        PipelineStrategy(num_stages=4, cluster_resolver=two)
+    with pytest.raises(ValueError, match=r"num_replicas=3 does not divide the job's 2 processes"):
+        PipelineStrategy(num_replicas=3, cluster_resolver=two)
+
+
+def test_bad_strategy_options():
+    with pytest.raises(ValueError, match=r"schedule='Zero': expected one of"):
+        PipelineStrategy(schedule="Zero")
+    with pytest.raises(ValueError, match=r"num_microbatches must be an int >= 1, got 0"):
+        PipelineStrategy(num_microbatches=0)
+    with pytest.raises(ValueError, match=r"stages_per_rank=2 needs schedule='Interleaved1F1B'"):
+        PipelineStrategy(schedule="GPipe", stages_per_rank=2)
+
+
+def test_null_version_gives_the_full_batch_gradients():
+    strategy = PipelineStrategy(schedule="GPipe", num_microbatches=4)
+    assert strategy.num_stages == 1 and strategy.num_replicas_in_sync == 1
+    model = mlp()
+    pipe = strategy.pipeline(model, F.cross_entropy)
+    reference = mlp()
+    x, y = torch.randn(16, 6), torch.randint(0, 4, (16,))
+    loss = pipe.compute_gradients(x, y)
+    ref_loss = F.cross_entropy(reference(x), y)
+    ref_loss.backward()
+    assert loss == pytest.approx(float(ref_loss.detach()), abs=1e-6)
+    for (n, p), (_, q) in zip(pipe.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=n)
+    torch.testing.assert_close(pipe.predict(x), reference(x))
+
+
+def test_micro_batches_that_do_not_divide_the_batch():
+    pipe = PipelineStrategy(num_microbatches=4).pipeline(mlp(), F.cross_entropy)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    with pytest.raises(
+        ValueError, match=r"the input batch of 10 does not split into 1 replica\(s\) x 4 micro"
+    ):
+        pipe.train_step(torch.randn(10, 6), torch.randint(0, 4, (10,)), opt)
+
+
+def test_pipedream_needs_train_step_and_updates_per_micro_batch():
+    pipe = PipelineStrategy(schedule="PipeDream", num_microbatches=2).pipeline(
+        mlp(), F.cross_entropy
+    )
+    x, y = torch.randn(8, 6), torch.randint(0, 4, (8,))
+    with pytest.raises(ValueError, match=r"compute_gradients needs a synchronous schedule"):
+        pipe.compute_gradients(x, y)
+    reference = mlp()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for xm, ym in zip(x.chunk(2), y.chunk(2)):
+        ref_opt.zero_grad()
+        F.cross_entropy(reference(xm), ym).backward()
+        ref_opt.step()
+    pipe.train_step(x, y, torch.optim.SGD(pipe.parameters(), lr=0.1))
+    for (n, p), (_, q) in zip(pipe.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p, q, msg=n)

@@ -1,0 +1,199 @@
+"""Runs pipeline checks on one stage process and saves what each rank saw, for the tests.
+
+Usage: pipeline_checks.py OUT_DIR CHECK [CHECK ...]; every rank writes OUT_DIR/CHECK-rankR.pt.
+CHECKs: grads-GPipe, grads-1F1B, grads-Interleaved1F1B (one step's gradients),
+stash-on / stash-off (PipeDream passes watched by a recorder), checkpoint (save, train on,
+restore, retrain: the same weights), pipedream-train (weights after 2 PipeDream steps), and with
+4 processes (2 stages x 2 replicas) dp-grads and dp-pipedream-train; lost-SCHEDULE (last:
+stage 1 exits, stage 0 records the error of its next step).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from common import build_model, global_batches
+
+import stratagem as sg
+
+OUT = Path(sys.argv[1])
+
+
+def model_with_seed() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model()
+
+
+def save(name: str, rank: int, value: object) -> None:
+    torch.save(value, OUT / f"{name}-rank{rank}.pt")
+
+
+def grads(schedule: str, num_replicas: int = 1, name: str | None = None) -> None:
+    split = [2] if schedule != "Interleaved1F1B" else [1, 2, 4]
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule=schedule, num_microbatches=4, split_points=split, num_replicas=num_replicas
+    )
+    pipe = strategy.pipeline(model_with_seed(), F.cross_entropy)
+    x, y = global_batches(1)[0]
+    loss = pipe.compute_gradients(x, y)
+    got = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    try:  # torch's schedules fix shapes at the first step: another batch size is refused
+        pipe.compute_gradients(x[:16], y[:16])
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    save(
+        name or f"grads-{schedule}",
+        strategy.rank,
+        {"loss": loss, "grads": got, "refused": refused},
+    )
+
+
+class Watcher:
+    """Records, per micro-batch, the weights live at its forward and the gradients it applied."""
+
+    def __init__(self) -> None:
+        self.forward_weights: dict[int, dict[str, torch.Tensor]] = {}
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.versions: dict[int, tuple[int, int]] = {}
+        self.backwards: dict[int, tuple[torch.Tensor | None, dict[str, torch.Tensor]]] = {}
+        self.step = 0
+
+    def forward(self, stage, micro_batch, version, module, x) -> None:
+        key = self.step * 100 + micro_batch
+        self.forward_weights[key] = {n: p.detach().clone() for n, p in module.named_parameters()}
+        self.inputs[key] = x.detach().clone()
+        self.versions[key] = (version, -1)
+
+    def backward(self, stage, micro_batch, version, grad_output, grads) -> None:
+        key = self.step * 100 + micro_batch
+        g = None if grad_output is None else grad_output.clone()
+        self.backwards[key] = (g, {n: t.clone() for n, t in grads.items()})
+
+
+def stash(on: bool) -> None:
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule="PipeDream", num_microbatches=4, split_points=[2], weight_stashing=on
+    )
+    watcher = Watcher()
+    pipe = strategy.pipeline(model_with_seed(), F.cross_entropy, recorder=watcher)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    for step, (x, y) in enumerate(global_batches(2)):
+        watcher.step = step
+        pipe.train_step(x, y, opt)
+    targets = {}
+    if pipe.is_last_stage:
+        for step, (_, y) in enumerate(global_batches(2)):
+            for i, t in enumerate(y.chunk(4)):
+                targets[step * 100 + i] = t
+    save(
+        f"stash-{'on' if on else 'off'}",
+        strategy.rank,
+        {
+            "stage": pipe.stage,
+            "forward_weights": watcher.forward_weights,
+            "inputs": watcher.inputs,
+            "backward": watcher.backwards,
+            "targets": targets,
+            "max_versions_in_flight": pipe._engine.max_versions_in_flight,
+            "layers": list(pipe.module._modules),
+        },
+    )
+
+
+def pipedream_train(num_replicas: int) -> None:
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule="PipeDream", num_microbatches=4, split_points=[2], num_replicas=num_replicas
+    )
+    pipe = strategy.pipeline(model_with_seed(), F.cross_entropy)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses = [pipe.train_step(x, y, opt) for x, y in global_batches(2)]
+    weights = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    name = "pipedream-train" if num_replicas == 1 else "dp-pipedream-train"
+    save(name, strategy.rank, {"losses": losses, "weights": weights})
+
+
+def lost_stage(schedule: str) -> None:
+    """Stage 1 dies after one step; stage 0 must fail with a named error, not hang."""
+    import os
+    import time
+
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule=schedule, num_microbatches=4, split_points=[2]
+    )
+    pipe = strategy.pipeline(model_with_seed(), F.cross_entropy)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    x, y = global_batches(1)[0]
+    pipe.train_step(x, y, opt)
+    if strategy.rank == 1:
+        os._exit(0)  # no goodbye: as if killed
+    start = time.monotonic()
+    try:
+        pipe.train_step(x, y, opt)
+        error = ""
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    save(f"lost-{schedule}", 0, {"error": error, "seconds": time.monotonic() - start})
+    os._exit(0)  # the group's peer is gone: skip the exit handshake
+
+
+def checkpoint() -> None:
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule="1F1B", num_microbatches=2, split_points=[2]
+    )
+    batches = global_batches(4)
+    pipe = strategy.pipeline(model_with_seed(), F.cross_entropy)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    epoch = torch.tensor(0)
+    for x, y in batches[:2]:
+        pipe.train_step(x, y, opt)
+    epoch += 2
+    path = str(OUT / "ckpt")
+    pipe.save(path, opt, epoch=epoch)
+    continued = [pipe.train_step(x, y, opt) for x, y in batches[2:]]
+    after = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+
+    torch.manual_seed(99)  # a fresh model and optimizer with other weights
+    fresh = strategy.pipeline(build_model(), F.cross_entropy)
+    opt2 = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    epoch2 = torch.tensor(0)
+    fresh.restore(path, opt2, epoch=epoch2)
+    resumed = [fresh.train_step(x, y, opt2) for x, y in batches[2:]]
+    again = {n: p.detach().clone() for n, p in fresh.named_parameters()}
+    save(
+        "checkpoint",
+        strategy.rank,
+        {
+            "epoch": int(epoch2),
+            "continued": continued,
+            "resumed": resumed,
+            "after": after,
+            "again": again,
+        },
+    )
+
+
+def main() -> None:
+    for check in sys.argv[2:]:
+        if check.startswith("grads-"):
+            grads(check.removeprefix("grads-"))
+        elif check == "dp-grads":
+            grads("1F1B", num_replicas=2, name="dp-grads")
+        elif check in ("stash-on", "stash-off"):
+            stash(check == "stash-on")
+        elif check == "pipedream-train":
+            pipedream_train(1)
+        elif check == "dp-pipedream-train":
+            pipedream_train(2)
+        elif check.startswith("lost-"):
+            lost_stage(check.removeprefix("lost-"))
+        elif check == "checkpoint":
+            checkpoint()
+        else:
+            raise SystemExit(f"unknown check {check!r}")
+    print("checks done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
