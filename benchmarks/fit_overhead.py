@@ -48,11 +48,14 @@ def _model(sg):
     return model
 
 
-def one_device(blocks: int, steps: int, batch: int) -> dict[str, list[float]]:
+def one_device(
+    blocks: int, steps: int, batch: int, control: bool = False
+) -> dict[str, list[float]]:
     """Seconds of every step of fit and of the hand-written loop: the intervals between the
     starts of consecutive steps (a fit step thus includes fetching its batch and its
     callbacks). Per-step medians shrug off the bursts another job on the machine causes, which
-    whole-block times do not."""
+    whole-block times do not. ``control``: the "fit" side is the same hand-written loop on a
+    second copy of the model, to see what two identical loops differ by here."""
     import stratagem as sg
 
     class StepClock(sg.keras.callbacks.Callback):
@@ -63,26 +66,34 @@ def one_device(blocks: int, steps: int, batch: int) -> dict[str, list[float]]:
 
     torch.manual_seed(0)
     model = _model(sg)
-    hand_module = seed_cnn()
-    hand_optimizer = torch.optim.RMSprop(hand_module.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
+    # The hand-written loop trains the very same module with the very same optimizer: two
+    # copies of the model differ in where their tensors landed in memory (huge pages or not,
+    # cache sets), which alone moves one copy's step time against the other's (``--control``).
     pairs = batches(steps, batch, seed=0)
     x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
 
-    def hand() -> None:  # common.hand_written_loop, with the same clock
-        for xb, yb in pairs:
-            starts.append(time.perf_counter())
-            hand_optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(hand_module(xb), yb).backward()
-            hand_optimizer.step()
+    def hand_loop(module: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        def run() -> None:  # common.hand_written_loop, with the same clock
+            for xb, yb in pairs:
+                starts.append(time.perf_counter())
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(module(xb), yb).backward()
+                optimizer.step()
 
+        return run
+
+    hand = hand_loop(model.module, model.optimizer.torch_optimizer)
     clock = StepClock()
+
+    def fit() -> None:
+        model.fit(x, y, batch_size=batch, shuffle=False, verbose=0, callbacks=[clock])
+
+    if control:
+        copy = seed_cnn()
+        fit = hand_loop(copy, torch.optim.RMSprop(copy.parameters(), lr=1e-3, alpha=0.9, eps=1e-7))
     per_step: dict[str, list[float]] = {"fit": [], "hand": []}
     for block in range(blocks + 1):  # block 0 warms both up
-        sides = [
-            ("fit", lambda: model.fit(x, y, batch_size=batch, shuffle=False, verbose=0,
-                                      callbacks=[clock])),
-            ("hand", hand),
-        ]  # fmt: skip
+        sides = [("fit", fit), ("hand", hand)]
         for name, fn in sides if block % 2 else sides[::-1]:
             starts: list[float] = []
             fn()
@@ -140,13 +151,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few blocks and steps (smoke run)")
     parser.add_argument("--runs", type=int, default=5, help="processes (jobs) per measurement")
     parser.add_argument("--stable-malloc", action="store_true", help="as allreduce_strategies")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="one device only, both sides hand-written on two copies of the model",
+    )
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--one-device", nargs=4, type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--one-device", nargs=5, type=int, help=argparse.SUPPRESS)
     parser.add_argument("--two-workers", nargs=5, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_device:
-        blocks, steps, batch, _ = args.one_device
-        print(json.dumps(one_device(blocks, steps, batch)), flush=True)
+        blocks, steps, batch, control, _ = args.one_device
+        print(json.dumps(one_device(blocks, steps, batch, bool(control))), flush=True)
         return
     if args.two_workers:
         port, blocks, steps, batch, rank = args.two_workers
@@ -157,12 +173,18 @@ def main() -> None:
 
     overheads, fit_steps, hand_steps = [], [], []
     for r in range(runs):
-        (line,) = _run(["--one-device", str(blocks), str(steps), "64"], extra)
+        (line,) = _run(
+            ["--one-device", str(blocks), str(steps), "64", str(int(args.control))], extra
+        )
         got = json.loads(line)
         fit_steps += got["fit"]
         hand_steps += got["hand"]
         overheads.append(statistics.median(got["fit"]) / statistics.median(got["hand"]) - 1)
-        print(f"one device, run {r + 1}/{runs}: fit overhead {overheads[-1]:+.2%}", flush=True)
+        what = "hand-written copy vs hand-written" if args.control else "fit overhead"
+        print(f"one device, run {r + 1}/{runs}: {what} {overheads[-1]:+.2%}", flush=True)
+    if args.control:
+        print(f"control, median of {runs} runs: {statistics.median(overheads):+.2%}")
+        return
     ratios, fit_rates, ddp_rates = [], [], []
     for r in range(runs):
         lines = _run(
