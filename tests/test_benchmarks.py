@@ -18,13 +18,18 @@ from cluster_utils import REPO, Process, child_env
 pytestmark = pytest.mark.e2e
 
 
-def test_allreduce_benchmark_smoke_run_reports_every_row(tmp_path):
-    out = tmp_path / "results.json"
-    argv = [sys.executable, str(REPO / "benchmarks" / "allreduce_strategies.py"), "--quick"]
-    argv += ["--json", str(out)]
+def _smoke_run(tmp_path, script: str, *args: str) -> str:
+    """Run ``benchmarks/<script> --quick *args``; its output, after checking it exited 0."""
+    argv = [sys.executable, str(REPO / "benchmarks" / script), "--quick", *args]
     result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
+    return output
+
+
+def test_allreduce_benchmark_smoke_run_reports_every_row(tmp_path):
+    out = tmp_path / "results.json"
+    output = _smoke_run(tmp_path, "allreduce_strategies.py", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 8, rows
     for row in rows:
@@ -37,11 +42,7 @@ def test_allreduce_benchmark_smoke_run_reports_every_row(tmp_path):
 
 def test_fit_overhead_benchmark_smoke_run_reports_both_figures(tmp_path):
     out = tmp_path / "results.json"
-    argv = [sys.executable, str(REPO / "benchmarks" / "fit_overhead.py"), "--quick"]
-    argv += ["--json", str(out)]
-    result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    output = _smoke_run(tmp_path, "fit_overhead.py", "--json", str(out))
     results = json.loads(out.read_text())
     assert math.isfinite(results["one_device_fit_overhead_median_of_runs"]), results
     assert results["two_workers_fit_over_ddp_median_of_runs"] > 0, results
@@ -51,11 +52,7 @@ def test_fit_overhead_benchmark_smoke_run_reports_both_figures(tmp_path):
 
 def test_stragglers_benchmark_smoke_run_drops_the_stragglers_late_gradients(tmp_path):
     out = tmp_path / "results.json"
-    argv = [sys.executable, str(REPO / "benchmarks" / "stragglers.py"), "--quick"]
-    argv += ["--modes", "backup", "--json", str(out)]
-    result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    output = _smoke_run(tmp_path, "stragglers.py", "--modes", "backup", "--json", str(out))
     backup = json.loads(out.read_text())["results"]["backup"]
     assert backup["steps_per_s"] > 0 and 0 <= backup["accuracy"] <= 1, backup
     # Worker 2 is three times slower: sync with a backup worker drops its late gradients.
@@ -64,21 +61,14 @@ def test_stragglers_benchmark_smoke_run_drops_the_stragglers_late_gradients(tmp_
 
 
 def test_ps_transport_benchmark_smoke_run_reports_the_ratio(tmp_path):
-    argv = [sys.executable, str(REPO / "benchmarks" / "ps_transport.py"), "--quick"]
-    result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    output = _smoke_run(tmp_path, "ps_transport.py")
     ((ratio,),) = [re.findall(r"ours / raw rpc, median of 1 runs: ([0-9.]+)", output)]
     assert float(ratio) > 0, output
 
 
 def test_pipeline_benchmark_smoke_run_reports_every_row(tmp_path):
     out = tmp_path / "results.json"
-    argv = [sys.executable, str(REPO / "benchmarks" / "pipeline.py"), "--quick"]
-    argv += ["--json", str(out)]
-    result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
+    output = _smoke_run(tmp_path, "pipeline.py", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     # GPipe at M = 1, 2, 4, 8; 1F1B at M = 2, 4, 8 (it needs M >= K); PipeDream at M = 4, 8.
     assert [(r["schedule"], r["m"]) for r in rows] == [

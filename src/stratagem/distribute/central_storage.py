@@ -56,12 +56,8 @@ class CentralStorageStrategy(MirroredStrategy):
         workers = tuple(d.name for d in self._devices)
         return StrategyExtended(workers, (self._parameter_device.name,), True, True)
 
-    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
-        device = self._parameter_device.torch_device
-        if tensor.device == device:
-            return tensor
-        with torch.no_grad():
-            return tensor.to(device)
+    def _placement_device(self) -> torch.device:
+        return self._parameter_device.torch_device
 
     # The update, once, on the parameter device --------------------------------------------
 

@@ -295,17 +295,16 @@ class ParameterServerStrategy(Strategy):
             for s in shards:
                 per_ps[s.ps][(s.variable, s.index)] = _rows(p, s).detach().clone()
         if self._comm.is_chief:
-            futures = [
-                rpc.rpc_async(name, ps_server.rpc_create, args=(self._rule, per_ps[i]))
-                for i, name in enumerate(self._ps_names)
-            ]
-            self._wait(futures, "the creation of the variables")
+            self._ask(
+                ps_server.rpc_create,
+                "the creation of the variables",
+                lambda i: (self._rule, per_ps[i]),
+            )
         else:
-            futures = [
-                rpc.rpc_async(name, ps_server.rpc_fetch, args=(list(per_ps[i]),))
-                for i, name in enumerate(self._ps_names)
-            ]
-            for i, values in enumerate(self._wait(futures, "a fetch of the initial values")):
+            fetched = self._ask(
+                ps_server.rpc_fetch, "a fetch of the initial values", lambda i: (list(per_ps[i]),)
+            )
+            for i, values in enumerate(fetched):
                 self._write(list(per_ps[i]), values)
 
     def _write(self, keys: list[ps_server.ShardKey], values: list[torch.Tensor]) -> None:
@@ -335,7 +334,8 @@ class ParameterServerStrategy(Strategy):
             )
         cls = type(optimizer)
         optimizer_class = (cls.__module__, cls.__qualname__)
-        requests: list[tuple[int, tuple, list[tuple[dict, list]], list[torch.Tensor]]] = []
+        # ps -> (the keys of its shards here, per param group (hyperparameters, keys), grads)
+        requests: dict[int, tuple[tuple, list[tuple[dict, list]], list[torch.Tensor]]] = {}
         for ps in range(self._num_ps):
             groups, grads = [], []
             for group in optimizer.param_groups:
@@ -351,23 +351,20 @@ class ParameterServerStrategy(Strategy):
                 groups.append((hyper, keys))
             if any(keys for _, keys in groups):
                 group_keys = tuple(k for _, keys in groups for k in keys)
-                requests.append((ps, group_keys, groups, grads))
-        futures = [
-            rpc.rpc_async(
-                self._ps_names[ps],
-                ps_server.rpc_push,
-                args=(
-                    self._worker_index,
-                    optimizer_class,
-                    groups,
-                    self._versions.get((ps, keys), 0),
-                    grads,
-                ),
-            )
-            for ps, keys, groups, grads in requests
-        ]
-        answers = self._wait_pushes(requests, futures)
-        for (ps, keys, _, _), (values, version) in zip(requests, answers):
+                requests[ps] = (group_keys, groups, grads)
+        answers = self._ask(
+            ps_server.rpc_push,
+            "a push",
+            lambda i: (
+                self._worker_index,
+                optimizer_class,
+                requests[i][1],
+                self._versions.get((i, requests[i][0]), 0),
+                requests[i][2],
+            ),
+            ps=list(requests),  # only those that own some of the optimizer's shards
+        )
+        for (ps, (keys, _, _)), (values, version) in zip(requests.items(), answers):
             self._versions[(ps, keys)] = version
             self._write(list(keys), values)
         # The update happened on the ps: the local step must find nothing to do.
@@ -375,15 +372,6 @@ class ParameterServerStrategy(Strategy):
             for p in group["params"]:
                 if id(p) in self._shards:
                     p.grad = None
-
-    def _wait_pushes(self, requests: list[tuple], futures: list[Any]) -> list[Any]:
-        # Pushes go only to the ps that own some of the optimizer's shards.
-        everyone: list[Any] = [None] * self._num_ps
-        for (ps, *_), future in zip(requests, futures):
-            everyone[ps] = future
-        done = _Done()
-        answers = self._wait([f if f is not None else done for f in everyone], "a push")
-        return [answers[ps] for ps, *_ in requests]
 
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -393,16 +381,18 @@ class ParameterServerStrategy(Strategy):
 
     def pull(self) -> None:
         """Bring this worker's copies up to the ps's current values (e.g. before evaluating)."""
-        futures, keys = [], []
-        for ps, name in enumerate(self._ps_names):
-            mine = [
-                (s.variable, s.index) for shards in self._shards.values() for s in shards
-                if s.ps == ps
-            ]  # fmt: skip
-            keys.append(mine)
-            futures.append(rpc.rpc_async(name, ps_server.rpc_read, args=(mine,)))
-        for mine, values in zip(keys, self._wait(futures, "a pull of the parameters")):
+        keys = self._keys_per_ps(self._variables)
+        pulled = self._ask(ps_server.rpc_read, "a pull of the parameters", lambda i: (keys[i],))
+        for mine, values in zip(keys, pulled):
             self._write(mine, values)
+
+    def _keys_per_ps(self, params: Iterable[torch.Tensor]) -> list[list[ps_server.ShardKey]]:
+        """The keys of these parameters' shards, ps by ps."""
+        keys: list[list[ps_server.ShardKey]] = [[] for _ in self._ps_names]
+        for p in params:
+            for s in self._shards.get(id(p), ()):
+                keys[s.ps].append((s.variable, s.index))
+        return keys
 
     # Checkpoints: the chief's own write brings the ps's values and optimizer state home -----
 
@@ -425,16 +415,13 @@ class ParameterServerStrategy(Strategy):
         if modules or optimizers:
             self.pull()
         for optimizer in optimizers:
-            keys = [[] for _ in self._ps_names]
-            for p in _params(optimizer):
-                for s in self._shards.get(id(p), ()):
-                    keys[s.ps].append((s.variable, s.index))
-            futures = [
-                rpc.rpc_async(name, ps_server.rpc_optimizer_state, args=(keys[i],))
-                for i, name in enumerate(self._ps_names)
-            ]
+            keys = self._keys_per_ps(_params(optimizer))
             held: dict = {}
-            for answer in self._wait(futures, "a request for its optimizer state"):
+            for answer in self._ask(
+                ps_server.rpc_optimizer_state,
+                "a request for its optimizer state",
+                lambda i, keys=keys: (keys[i],),
+            ):
                 held.update(answer)
             for p in _params(optimizer):
                 shards = self._shards.get(id(p), [])
@@ -450,11 +437,12 @@ class ParameterServerStrategy(Strategy):
         if not self._comm.is_chief:
             # Every worker restored the same file; the chief sends it to the ps. Wait for that,
             # so that no gradient of the restored values lands on the ps's older ones.
-            futures = [
-                rpc.rpc_async(n, ps_server.rpc_loaded, args=(self._restores,), timeout=0)
-                for n in self._ps_names
-            ]
-            self._wait(futures, "the chief's restored values")
+            self._ask(
+                ps_server.rpc_loaded,
+                "the chief's restored values",
+                lambda i: (self._restores,),
+                timeout=0,  # no timeout: the chief may still be reading the checkpoint
+            )
             self.pull()
             return
         values: list[dict] = [{} for _ in self._ps_names]
@@ -468,42 +456,49 @@ class ParameterServerStrategy(Strategy):
                 state = optimizer.state.get(p)
                 for s in self._shards.get(id(p), ()) if state else ():
                     states[s.ps][(s.variable, s.index)] = _split_state(p, s, state)
-        futures = [
-            rpc.rpc_async(name, ps_server.rpc_load, args=(values[i], states[i]))
-            for i, name in enumerate(self._ps_names)
-        ]
-        self._wait(futures, "the restored values")
+        self._ask(ps_server.rpc_load, "the restored values", lambda i: (values[i], states[i]))
 
     def training_finished(self) -> bool:
         """Whether every worker is done (or lost): an evaluator's loop ends on it."""
-        futures = [rpc.rpc_async(n, ps_server.rpc_workers_done) for n in self._ps_names]
-        return all(self._wait(futures, "whether the workers are done"))
+        return all(self._ask(ps_server.rpc_workers_done, "whether the workers are done"))
 
     def ps_stats(self) -> list[dict[str, int]]:
         """What each ps applied, dropped and held back so far (for tests and benchmarks)."""
-        futures = [rpc.rpc_async(n, ps_server.rpc_stats) for n in self._ps_names]
-        return self._wait(futures, "a request for its statistics")
+        return self._ask(ps_server.rpc_stats, "a request for its statistics")
 
     def _finish(self) -> None:
         """At exit: tell every ps this worker is done, then leave the RPC world."""
         graceful = False
         try:
-            futures = [
-                rpc.rpc_async(
-                    n, ps_server.rpc_leave, args=(self._worker_index,), timeout=0
-                )  # no timeout: the answer comes when the slowest worker is done
-                for n in self._ps_names
-            ]
-            graceful = not any(self._wait(futures, "this worker's goodbye"))
+            lost = self._ask(
+                ps_server.rpc_leave,
+                "this worker's goodbye",
+                lambda i: (self._worker_index,),
+                timeout=0,  # no timeout: the answer comes when the slowest worker is done
+            )
+            graceful = not any(lost)
         except PeerLostError:
             pass  # a ps that is gone needs no goodbye; the error that mattered came earlier
         finally:
             self._world.shutdown(graceful=graceful)
 
-    def _wait(self, futures: list[Any], what: str) -> list[Any]:
-        """Each ps's answer, in order; a ps that is gone is named instead of a bare RPC error."""
+    def _ask(
+        self,
+        fn: Callable[..., Any],
+        what: str,
+        args: Callable[[int], tuple] = lambda i: (),
+        *,
+        ps: list[int] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call ``fn`` with ``args(i)`` on ps i, for every ps (or those in ``ps``) at once;
+        their answers, in that order. A ps that is gone is named instead of a bare RPC error."""
+        targets = list(range(self._num_ps)) if ps is None else ps
+        extra = {} if timeout is None else {"timeout": timeout}
+        names = [self._ps_names[i] for i in targets]
+        futures = [rpc.rpc_async(n, fn, args=args(i), **extra) for n, i in zip(names, targets)]
         answers = []
-        for name, future in zip(self._ps_names, futures):
+        for name, future in zip(names, futures):
             try:
                 answers.append(future.wait())
             except RuntimeError as exc:
@@ -529,13 +524,6 @@ class ParameterServerStrategy(Strategy):
             num_replicas_in_sync=1,
         )
         return DistributedDatasetFromFunction(self, lambda _: dataset_fn(ctx), options)
-
-
-class _Done:
-    """A finished future with no answer (a ps that was asked nothing)."""
-
-    def wait(self) -> None:
-        return None
 
 
 def _rows(t: torch.Tensor, s: Shard) -> torch.Tensor:

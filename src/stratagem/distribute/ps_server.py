@@ -224,8 +224,7 @@ class ShardStore:
 
     def _needed(self) -> int:
         assert self.rule is not None
-        active = self.rule.num_workers - len(self._left)
-        return max(1, min(self.rule.replicas_to_aggregate, active))
+        return max(1, min(self.rule.replicas_to_aggregate, self._active()))
 
     def _push_async(
         self,
@@ -259,14 +258,13 @@ class ShardStore:
         if s is None:
             return False
         training = [c for w, c in group.clocks.items() if w not in self._left]
-        # Workers that have not pushed yet count as clock 0, unless they left.
-        if len(group.clocks) - len(self._left & set(group.clocks)) < self._active():
-            training.append(0)
+        if len(training) < self._active():
+            training.append(0)  # a worker still training that has not pushed yet
         return group.clocks[worker] - min(training, default=0) > s
 
     def _active(self) -> int:
-        assert self.rule is not None
-        return self.rule.num_workers - len(self._left)
+        """Workers still training: neither finished nor lost."""
+        return self.num_workers - len(self._left)
 
     def _release(self, group: _Group) -> None:
         still = []

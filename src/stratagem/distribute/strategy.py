@@ -393,9 +393,13 @@ class Strategy:
 
     # ------------------------------------------------------------------ what strategies specialise
 
+    def _placement_device(self) -> torch.device:
+        """Where tensors created in scope live: the first local device."""
+        return self._devices[0].torch_device
+
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Where a tensor created in scope lives: on the first local device."""
-        device = self._devices[0].torch_device
+        """A tensor created in scope, moved to ``_placement_device()`` if it is elsewhere."""
+        device = self._placement_device()
         if tensor.device == device:
             return tensor
         with torch.no_grad():

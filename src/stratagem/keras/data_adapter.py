@@ -118,13 +118,14 @@ class FitData:
         self, x: Any, y: Any, batch_size: int | None, *, shuffle: bool, strategy: Strategy
     ) -> None:
         self._strategy = strategy
-        batches, self.steps = global_batches(x, y, batch_size, what="fit")
         self._examples: sg_data.Dataset | None = None
         self._distributed: Iterable[Any] | None = None
         if _is_arrays(x):
-            self._examples, _ = _examples(x, y)
             self._batch_size = _check_batch_size(batch_size)
+            self._examples, n = _examples(x, y)
+            self.steps: int | None = math.ceil(n / self._batch_size)
         else:
+            batches, self.steps = global_batches(x, y, batch_size, what="fit")
             self._distributed = strategy.experimental_distribute_dataset(batches)
         self._shuffle = shuffle and self._examples is not None
         seed = torch.randint(0, 1 << 62, (1,), dtype=torch.int64) if self._shuffle else None

@@ -189,7 +189,6 @@ class Model:
         _set_training(self.module, True)
         batch_logs = any(cb.needs_batch_logs for cb in cbs.callbacks)
         self._fit_data, self._initial_epoch, self._initial_step = data, initial_epoch, 0
-        self._reset_metrics()
         cbs.on_train_begin()  # BackupAndRestore may move the start on (see _resume_fit)
         logs: Logs = {}
         for epoch in range(self._initial_epoch, epochs):
