@@ -69,6 +69,25 @@ def test_errors_name_the_values_received(four):
     assert "dimension 1 has size 5, which 2 shards along mesh dimension 'model'" in errors["divide"]
 
 
+def test_model_fit_under_mesh_strategy_equals_one_process(four):
+    """MeshStrategy on the (2,2) mesh, fc1/fc2 split column- and row-wise: fit (45 examples in
+    batches of 8, the last cut 3 + 2 over the 2 replicas), evaluate and predict equal one
+    process's; a custom loop's per-replica results reduce to the global loss."""
+    for r in four:
+        assert r["fit_replicas"] == 2
+        assert max(r["fit"].values()) < TOLERANCE, r["fit"]
+        assert r["fit_history"]["loss"][-1] < r["fit_history"]["loss"][0]
+        assert "sharding_specs:model,unsharded" in r["fit_layouts"]["fc1.weight"]
+        assert "sharding_specs:unsharded,model" in r["fit_layouts"]["fc2.weight"]
+        assert r["run"]["rows"] == 3  # this replica's half of 6
+        assert r["run"]["loss"] < TOLERANCE and r["run"]["gathered"] < TOLERANCE, r["run"]
+    errors = four[0]["errors"]
+    assert "has no dimension 'data' to split batches along" in errors["no_batch_dim"]
+    assert (
+        "create the optimizer after the `with strategy.scope():` block" in errors["stale_optimizer"]
+    )
+
+
 @pytest.mark.parametrize("run", ["tp", "dp"])
 def test_training_on_the_mesh_equals_one_unsharded_process(four, run):
     """tp: (2,2) mesh, column- then row-wise Linear weights; dp: (4,) mesh, replicated."""

@@ -7,6 +7,7 @@ processes to wait for. Code above this layer never asks whether it runs distribu
 from __future__ import annotations
 
 import abc
+import pickle
 from typing import Any
 
 import torch
@@ -60,9 +61,19 @@ class Communicator(abc.ABC):
     def all_gather(self, tensor: torch.Tensor, *, what: str) -> list[torch.Tensor]:
         """Every process's ``tensor`` (same shape everywhere), in rank order."""
 
-    @abc.abstractmethod
     def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
         """Every process's picklable ``obj``, in rank order."""
+        # Pickled bytes through all_gather rather than dist.all_gather_object, whose internal
+        # Works and tensors a communicator could not keep alive (see ProcessGroupCommunicator).
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.all_gather(torch.tensor([payload.numel()]), what=what)
+        padded = torch.zeros(max(int(size) for size in sizes), dtype=torch.uint8)
+        padded[: payload.numel()] = payload
+        gathered = self.all_gather(padded, what=what)
+        return [
+            pickle.loads(chunk[: int(size)].numpy().tobytes())
+            for chunk, size in zip(gathered, sizes, strict=True)
+        ]
 
     @abc.abstractmethod
     def barrier(self, *, what: str) -> None:

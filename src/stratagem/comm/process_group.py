@@ -15,7 +15,6 @@ import collections
 import contextlib
 import datetime
 import os
-import pickle
 import socket
 import sys
 import threading
@@ -245,19 +244,6 @@ class ProcessGroupCommunicator(Communicator):
         self._run("all_gather", what, launch, (source, *out))
         return out
 
-    def all_gather_object(self, obj: Any, *, what: str) -> list[Any]:
-        # Pickled bytes through all_gather rather than dist.all_gather_object, whose internal
-        # Works and tensors could not be kept in ``_recent_works``.
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        sizes = self.all_gather(torch.tensor([payload.numel()]), what=what)
-        padded = torch.zeros(max(int(size) for size in sizes), dtype=torch.uint8)
-        padded[: payload.numel()] = payload
-        gathered = self.all_gather(padded, what=what)
-        return [
-            pickle.loads(chunk[: int(size)].numpy().tobytes())
-            for chunk, size in zip(gathered, sizes, strict=True)
-        ]
-
     def barrier(self, *, what: str) -> None:
         # A tiny all-reduce rather than dist.barrier: it runs on the same backend as the other
         # collectives and fails the same named way.
@@ -279,6 +265,60 @@ class ProcessGroupCommunicator(Communicator):
 
         if runtime.current_communicator() is self:
             runtime.set_current_communicator(None)
+
+
+class GroupCommunicator(Communicator):
+    """Collectives among some of a job's processes (one dimension of a mesh), over the job's
+    connection: the same named operations, timeouts and lost-peer diagnosis.
+
+    ``rank`` and ``world_size`` are within the group. ``broadcast`` alone spans the whole job,
+    from the job's chief: what the chief draws (a shuffle seed) must reach the processes of
+    every group alike. ``is_chief`` is the job's chief, not each group's first process.
+    """
+
+    def __init__(self, job: ProcessGroupCommunicator, group: dist.ProcessGroup) -> None:
+        self._job = job
+        self._group = group
+        self._ranks: list[int] = dist.get_process_group_ranks(group)
+        self.rank = self._ranks.index(job.rank)
+        self.world_size = len(self._ranks)
+
+    @property
+    def is_chief(self) -> bool:
+        return self._job.is_chief
+
+    def peer_name(self, rank: int) -> str:
+        return self._job.peer_name(self._ranks[rank])
+
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, what: str) -> None:
+        g = self._group
+        launch = lambda: dist.all_reduce(tensor, op.to_dist(), group=g, async_op=True)  # noqa: E731
+        self._job._run("all_reduce", what, launch, (tensor,))
+        if op is ReduceOp.MEAN:
+            tensor.div_(self.world_size)
+
+    def all_reduce_async(self, tensor: torch.Tensor, *, what: str) -> PendingOp:
+        g = self._group
+        launch = lambda: dist.all_reduce(tensor, group=g, async_op=True)  # noqa: E731
+        work = self._job._launch("all_reduce", what, launch, (tensor,))
+        return _Pending(self._job, work, "all_reduce", what)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, what: str) -> None:
+        if src != 0:
+            raise ValueError(
+                f"a group's broadcast comes from the job's chief (src=0), got src={src}"
+            )
+        self._job.broadcast(tensor, 0, what=what)
+
+    def all_gather(self, tensor: torch.Tensor, *, what: str) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        source, g = tensor.contiguous(), self._group
+        launch = lambda: dist.all_gather(out, source, group=g, async_op=True)  # noqa: E731
+        self._job._run("all_gather", what, launch, (source, *out))
+        return out
+
+    def barrier(self, *, what: str) -> None:
+        self.all_reduce(torch.zeros(1), what=what)
 
 
 def _first_line(error: BaseException) -> str:

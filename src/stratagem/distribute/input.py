@@ -123,6 +123,18 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+def chunk_sizes(total: int, parts: int) -> list[int]:
+    """``torch.chunk``'s cut, which DTensor's ``Shard`` uses: parts of ``ceil(total / parts)``,
+    the last ones smaller or empty."""
+    size = -(-total // parts)
+    return [max(0, min(size, total - i * size)) for i in range(parts)]
+
+
+def record_global_batch_size(tensor: torch.Tensor, size: int) -> None:
+    """Remember that ``tensor`` is part of a global batch of ``size`` examples."""
+    _global_batch_sizes[tensor] = size
+
+
 def _to_device(structure: Any, device: torch.device) -> Any:
     return pytree.tree_map(
         lambda t: (
@@ -156,7 +168,7 @@ class _Distributor:
             for p in parts:
                 for t in pytree.tree_leaves(p):
                     if isinstance(t, torch.Tensor):
-                        _global_batch_sizes[t] = global_size
+                        record_global_batch_size(t, global_size)
                         break
         return parts[0] if len(parts) == 1 else PerReplica(parts)
 
@@ -274,7 +286,7 @@ class _SplittingIterator(_AgreedIterator):
             )
         if replicas == 1:  # one replica in all: the global batch is its batch
             return self._distributor.deliver([batch], size)
-        sizes = split_sizes(size, replicas)
+        sizes = self._strategy._split_sizes(size, replicas)
         local = len(self._strategy._devices)
         first = self._strategy._comm.rank * local
         starts = [sum(sizes[:i]) for i in range(replicas + 1)]

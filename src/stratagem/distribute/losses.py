@@ -6,6 +6,8 @@ its share of the *global* mean: the sum of its per-example losses divided by the
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from stratagem.distribute import context
@@ -30,7 +32,13 @@ def compute_average_loss(
         )
     if sample_weight is not None:
         per_example_loss = per_example_loss * sample_weight
-    if global_batch_size is None:
+    if global_batch_size is None and _is_dtensor(per_example_loss):
+        # The losses of the whole global batch laid out on a mesh (sg MeshStrategy): the shape
+        # is the global batch's, and the sum stays each replica's partial sum until reduced.
+        global_batch_size = per_example_loss.shape[0]
+        if global_batch_size == 0:
+            return per_example_loss.sum() * 0.0
+    elif global_batch_size is None:
         ctx = context.get_replica_context()
         replicas = ctx.num_replicas_in_sync if ctx is not None else 1
         recorded = ctx.global_batch_size if ctx is not None else None
@@ -44,6 +52,11 @@ def compute_average_loss(
     ):
         raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
     return per_example_loss.sum() / global_batch_size
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: no DTensor exists
+    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor:

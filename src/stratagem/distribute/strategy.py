@@ -29,6 +29,7 @@ from stratagem.distribute.input import (
     InputContext,
     InputOptions,
     recorded_global_batch_size,
+    split_sizes,
 )
 from stratagem.distribute.replicas import ReplicaGroup, ReplicaView
 from stratagem.distribute.values import PerReplica, local_results, regroup, select_replica
@@ -407,6 +408,19 @@ class Strategy:
 
     def _adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
         """New parameters (True) and buffers (False) created in scope, at the scope's exit."""
+
+    def _adopt_model(self, module: torch.nn.Module) -> None:
+        """A whole model handed over (``sg.keras.Model(module)``) before an optimizer binds to
+        its parameters: where a strategy needs every parameter's path, not just the tensor."""
+
+    def _split_sizes(self, total: int, parts: int) -> list[int]:
+        """How a global batch of ``total`` examples is cut into ``parts`` replica batches."""
+        return split_sizes(total, parts)
+
+    def _replica_values(self, structure: Any) -> Any:
+        """Values computed in a replica, as that replica's own: the identity, except where a
+        replica computes on global tensors (a mesh) and holds a part of each."""
+        return structure
 
     def _check_optimizer(
         self, optimizer: torch.optim.Optimizer, num_params: int, num_outside: int

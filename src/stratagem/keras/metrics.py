@@ -52,6 +52,9 @@ class Metric:
         return state
 
     def update_state(self, *args: Any, **kwargs: Any) -> None:
+        ctx = current_replica()
+        if ctx is not None:  # on a mesh, the replica's own part of global values
+            args, kwargs = ctx.strategy._replica_values((args, kwargs))
         with torch.no_grad():
             self._accumulate(*args, **kwargs)
 

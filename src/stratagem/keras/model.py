@@ -44,6 +44,7 @@ class Model:
         self.module = module
         self.name = name or type(module).__name__
         self.distribute_strategy: Strategy = get_strategy()
+        self.distribute_strategy._adopt_model(module)
         self.optimizer: optimizers.BoundOptimizer | None = None
         self.loss: losses.Loss | None = None
         self.compiled_metrics: list[metrics.Metric] = []
