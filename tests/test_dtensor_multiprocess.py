@@ -72,13 +72,17 @@ def test_errors_name_the_values_received(four):
 def test_model_fit_under_mesh_strategy_equals_one_process(four):
     """MeshStrategy on the (2,2) mesh, fc1/fc2 split column- and row-wise: fit (45 examples in
     batches of 8, the last cut 3 + 2 over the 2 replicas), evaluate and predict equal one
-    process's; a custom loop's per-replica results reduce to the global loss."""
+    process's; ModelCheckpoint's files and model.save's directory load back the same weights;
+    a custom loop's per-replica results reduce to the global loss."""
     for r in four:
         assert r["fit_replicas"] == 2
         assert max(r["fit"].values()) < TOLERANCE, r["fit"]
         assert r["fit_history"]["loss"][-1] < r["fit_history"]["loss"][0]
         assert "sharding_specs:model,unsharded" in r["fit_layouts"]["fc1.weight"]
         assert "sharding_specs:unsharded,model" in r["fit_layouts"]["fc2.weight"]
+        saved = r["fit_saved"]
+        assert saved["loaded_predict"] < TOLERANCE and saved["checkpoint_3"] < TOLERANCE, saved
+        assert saved["checkpoint_2_differs"] > 1e-3, saved  # an epoch earlier: other weights
         assert r["run"]["rows"] == 3  # this replica's half of 6
         assert r["run"]["loss"] < TOLERANCE and r["run"]["gathered"] < TOLERANCE, r["run"]
     errors = four[0]["errors"]

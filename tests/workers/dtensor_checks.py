@@ -128,7 +128,7 @@ def four(out: dict, directory: str) -> None:
         out,
         "tp",
     )
-    fit_compare(mesh, tensor_parallel_map(mesh), out)
+    fit_compare(mesh, tensor_parallel_map(mesh), out, directory)
     dp = dtensor.create_mesh([("batch", 4)])
     train_compare(
         dp,
@@ -159,7 +159,7 @@ def fit_model(strategy):
     return model
 
 
-def fit_compare(mesh, layout_map, out: dict) -> None:
+def fit_compare(mesh, layout_map, out: dict, directory: str) -> None:
     """Model.fit, evaluate, predict and a custom loop's run/reduce under MeshStrategy, against
     the same calls on one process with the default strategy."""
     strategy = sg.distribute.experimental.MeshStrategy(mesh, layout_map)
@@ -167,7 +167,11 @@ def fit_compare(mesh, layout_map, out: dict) -> None:
     runs = {}
     for name, chosen in (("mesh", strategy), ("reference", sg.distribute.get_strategy())):
         model = fit_model(chosen)
-        history = model.fit(x, y, batch_size=8, epochs=3, shuffle=False, verbose=0)
+        checkpoints = os.path.join(directory, f"fit-{name}", "ckpt-{epoch}")
+        callbacks = [sg.keras.callbacks.ModelCheckpoint(checkpoints)]
+        history = model.fit(
+            x, y, batch_size=8, epochs=3, shuffle=False, verbose=0, callbacks=callbacks
+        )
         runs[name] = {
             "model": model,
             "history": history.history,
@@ -191,6 +195,21 @@ def fit_compare(mesh, layout_map, out: dict) -> None:
             for n, p in mesh_run["model"].module.named_parameters()
         ),
     }
+    # The saved model holds whole weights and loads in one process; a checkpoint loads back.
+    mesh_model = mesh_run["model"]
+    saved = mesh_model.save(os.path.join(directory, "fit-saved"))
+    loaded = sg.keras.models.load_model(saved)
+    mesh_model.load_weights(os.path.join(directory, "fit-mesh", "ckpt-2"))
+    out["fit_saved"] = {
+        "loaded_predict": max_diff(torch.as_tensor(loaded.predict(x)), mesh_run["predict"]),
+        "checkpoint_2_differs": max_diff(
+            torch.as_tensor(mesh_model.predict(x, batch_size=16)), mesh_run["predict"]
+        ),
+    }
+    mesh_model.load_weights(os.path.join(directory, "fit-mesh", "ckpt-3"))
+    out["fit_saved"]["checkpoint_3"] = max_diff(
+        torch.as_tensor(mesh_model.predict(x, batch_size=16)), mesh_run["predict"]
+    )
     out["fit_history"] = mesh_run["history"]
     out["fit_layouts"] = {n: repr(p.layout) for n, p in mesh_run["model"].module.named_parameters()}
     out["fit_replicas"] = strategy.num_replicas_in_sync

@@ -137,7 +137,10 @@ class Model:
             return self.module(x)
 
     def _remember_input(self, x: Any) -> None:
-        if self._example_input is None and isinstance(x, torch.Tensor) and len(x) > 0:
+        if self._example_input is not None:
+            return
+        x = self.distribute_strategy._replica_values(x)  # this replica's rows of a mesh's batch
+        if isinstance(x, torch.Tensor) and len(x) > 0:
             # Two rows: torch.export specialises a dimension of size 1.
             self._example_input = x[:1].detach().cpu().repeat(2, *([1] * (x.dim() - 1)))
 

@@ -16,10 +16,12 @@ Only the chief writes; ``save`` returns on every worker once the write is comple
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 from datetime import datetime, timezone
@@ -75,21 +77,41 @@ def save_model(model: Model, path: str) -> str:
     calls it and waits for the write); return the path."""
     path = os.fspath(path)
     comm = current_communicator()
+    module = _full_module(model.module)  # a collective for weights laid out on a mesh
     if comm.is_chief:
-        _write_model(model, path)
+        _write_model(model, module, path)
     # Every worker returns once the save is complete, so a load_model that follows reads it.
     comm.barrier(what="model.save")
     return path
 
 
-def _write_model(model: Model, path: str) -> None:
+def _full_module(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with whole tensors: itself, or a copy whose DTensor weights (a mesh's shards)
+    are gathered, which every process must ask for. The copy exports as a plain module."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: no DTensor exists
+    tensors = [*module.parameters(), *module.buffers()]
+    if dtensor is None or not any(isinstance(t, dtensor.DTensor) for t in tensors):
+        return module
+    plain = copy.deepcopy(module)
+    for submodule in plain.modules():  # the same order on every process: one gather each
+        for name, p in list(submodule._parameters.items()):
+            if isinstance(p, dtensor.DTensor):
+                full = p.detach().full_tensor()
+                submodule._parameters[name] = torch.nn.Parameter(full, p.requires_grad)
+        for name, b in list(submodule._buffers.items()):
+            if isinstance(b, dtensor.DTensor):
+                submodule._buffers[name] = b.full_tensor()
+    return plain
+
+
+def _write_model(model: Model, module: torch.nn.Module, path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
-        state = {k: v.detach().cpu().contiguous() for k, v in model.module.state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
         save_file(state, os.path.join(tmp, WEIGHTS_FILE))
-        exported, why = _export(model, os.path.join(tmp, PROGRAM_FILE))
+        exported, why = _export(model, module, os.path.join(tmp, PROGRAM_FILE))
         if not exported:
             warnings.warn(
                 f"model.save: no torch.export program ({why}); saved the weights, which "
@@ -103,9 +125,9 @@ def _write_model(model: Model, path: str) -> None:
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "torch_version": torch.__version__,
             "module": {
-                "class": f"{type(model.module).__module__}.{type(model.module).__qualname__}",
-                "repr": repr(model.module),
-                "parameters": sum(p.numel() for p in model.module.parameters()),
+                "class": f"{type(module).__module__}.{type(module).__qualname__}",
+                "repr": repr(module),
+                "parameters": sum(p.numel() for p in module.parameters()),
             },
             "program": PROGRAM_FILE if exported else None,
             "program_missing_because": why,
@@ -123,11 +145,10 @@ def _write_model(model: Model, path: str) -> None:
         raise
 
 
-def _export(model: Model, target: str) -> tuple[bool, str | None]:
+def _export(model: Model, module: torch.nn.Module, target: str) -> tuple[bool, str | None]:
     example = model._example_input
     if example is None:
         return False, "the model never saw an input (fit, evaluate or predict it first)"
-    module = model.module
     was_training = module.training
     try:
         module.eval()
