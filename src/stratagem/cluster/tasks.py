@@ -1,0 +1,143 @@
+"""The tasks of a local cluster job: their roles, free loopback addresses and TF_CONFIGs.
+
+Pure data and environment building: nothing here starts a process (``job.py`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from stratagem.errors import StratagemError
+
+#: Task types in the order they are started and listed, named as in TF_CONFIG.
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+#: Variables set by an enclosing launcher (torchrun, an outer stratagem) that would contradict
+#: the TF_CONFIG given to each task: a resolver could read them instead.
+CONFLICTING_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_NAME",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "STRATAGEM_CONFIG",
+)
+CONFLICTING_ENV_PREFIXES = ("TORCHELASTIC_",)
+
+
+class LaunchError(StratagemError, ValueError):
+    """The arguments of a launch are invalid; nothing was started."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One process of the job: its role in the cluster, its address, its full environment."""
+
+    type: str
+    index: int
+    address: str
+    env: Mapping[str, str] = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        # A job has at most one chief and one evaluator: "[evaluator]", not "[evaluator 0]".
+        return self.type if self.type in ("chief", "evaluator") else f"{self.type} {self.index}"
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 or noun == "ps" else f"{n} {noun}s"
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Pick ``count`` distinct free TCP ports by binding to port 0 on ``host``.
+
+    All sockets stay open until every port is picked, so the OS cannot hand out one port twice.
+    They are closed before the tasks start, so another program could take a port in between;
+    the task that then fails to bind fails the attempt, which a restart retries on new ports.
+    """
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def build_tf_configs(cluster: Mapping[str, Sequence[str]]) -> dict[tuple[str, int], str]:
+    """TF_CONFIG (JSON) of every task of ``cluster`` (job name -> addresses), by (type, index).
+
+    Jobs without tasks are left out of the cluster, as TensorFlow writes it.
+    """
+    spec = {job: list(addresses) for job, addresses in cluster.items() if addresses}
+    return {
+        (job, index): json.dumps({"cluster": spec, "task": {"type": job, "index": index}})
+        for job, addresses in spec.items()
+        for index in range(len(addresses))
+    }
+
+
+def task_env(
+    base: Mapping[str, str], tf_config: str, restart: int, omp_threads: int | None
+) -> dict[str, str]:
+    """The environment of one task: ``base`` without conflicting launcher variables, plus ours."""
+    env = {
+        key: value
+        for key, value in base.items()
+        if key not in CONFLICTING_ENV and not key.startswith(CONFLICTING_ENV_PREFIXES)
+    }
+    env.update(
+        TF_CONFIG=tf_config,
+        PYTHONUNBUFFERED="1",  # lines reach the launcher when printed, not when a buffer fills
+        STRATAGEM_RESTART_COUNT=str(restart),
+        STRATAGEM_LAUNCHER="1",
+    )
+    if omp_threads is not None:
+        env["OMP_NUM_THREADS"] = str(omp_threads)
+    return env
+
+
+def make_tasks(
+    counts: Mapping[str, int],
+    *,
+    host: str = "localhost",
+    restart: int = 0,
+    base_env: Mapping[str, str] | None = None,
+    omp_threads: int | None = None,
+) -> list[Task]:
+    """The tasks of one attempt: ``counts[type]`` tasks of each type, on fresh free ports."""
+    unknown = sorted(set(counts) - set(TASK_TYPES))
+    if unknown:
+        raise LaunchError(f"unknown task types {unknown}, expected some of {list(TASK_TYPES)}")
+    ports = iter(free_ports(sum(counts.values())))
+    cluster = {
+        job: [f"{host}:{next(ports)}" for _ in range(counts.get(job, 0))] for job in TASK_TYPES
+    }
+    configs = build_tf_configs(cluster)
+    base = os.environ if base_env is None else base_env
+    return [
+        Task(job, index, address, task_env(base, configs[job, index], restart, omp_threads))
+        for job in TASK_TYPES
+        for index, address in enumerate(cluster[job])
+    ]
+
+
+def count_tasks(tasks: Iterable[Task]) -> str:
+    """``2 workers``, ``1 chief and 2 workers``, ``2 workers, 2 ps and 1 evaluator``."""
+    counts = dict.fromkeys(TASK_TYPES, 0)
+    for task in tasks:
+        counts[task.type] += 1
+    parts = [plural(n, job) for job, n in counts.items() if n]
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
