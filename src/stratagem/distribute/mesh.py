@@ -78,6 +78,7 @@ class MeshStrategy(Strategy):
         self.layout_map = layout_map
         self.batch_dim_name = batch_dim_name
         self._batch_index = mesh.dim_names.index(batch_dim_name)
+        self._batch_rows: int | None = None  # the global batch of the run under way
         device = torch.device(mesh.device_type)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -139,7 +140,10 @@ class MeshStrategy(Strategy):
     ) -> Any:
         """``fn`` on global DTensors split along ``batch``; results per replica (see above)."""
         args, kwargs = self._to_mesh((tuple(args), dict(kwargs or {})))
-        return self._replica_values(super().run(fn, args, kwargs))
+        try:
+            return self._replica_values(super().run(fn, args, kwargs))
+        finally:
+            self._batch_rows = None
 
     def _to_mesh(self, structure: Any) -> Any:
         """Each tensor of this replica's batch → one DTensor of the global batch."""
@@ -152,6 +156,7 @@ class MeshStrategy(Strategy):
         if total is None:  # not from a distributed dataset: ask the other replicas
             sizes = self._comm.all_gather(torch.tensor([rows]), what="the replicas' batch sizes")
             total = int(sum(int(s) for s in sizes))
+        self._batch_rows = total
         expected = chunk_sizes(total, replicas)[self._comm.rank]
         placements = self._placements(Shard(0))
         device = self._devices[0].torch_device
@@ -181,8 +186,11 @@ class MeshStrategy(Strategy):
         return pytree.tree_map(to_mesh, structure)
 
     def _replica_values(self, structure: Any) -> Any:
-        """DTensors → this replica's own value: its rows of a tensor split along ``batch``, its
-        partial sum (or mean) of a reduction over the batch, else the whole value."""
+        """DTensors → this replica's own value: its rows of a tensor split along ``batch`` (or
+        of one as long as the batch, which DTensor may have chosen to replicate: a batch too
+        small to split), its partial sum (or mean) of a reduction over the batch, else the
+        whole value."""
+        rows = self._batch_rows
 
         def local(t: Any) -> Any:
             if not isinstance(t, DTensor):
@@ -192,6 +200,8 @@ class MeshStrategy(Strategy):
                 along_batch = Replicate()  # a max or min: its value over the whole batch
             if isinstance(along_batch, Shard) and along_batch.dim != 0:
                 along_batch = Replicate()
+            if isinstance(along_batch, Replicate) and t.dim() > 0 and t.shape[0] == rows:
+                along_batch = Shard(0)  # per example: each replica takes its own rows
             target = self._placements(along_batch)
             if tuple(t.placements) != target:
                 t = t.redistribute(self.mesh.device_mesh, target)
