@@ -47,28 +47,30 @@ def two_stages(tmp_path_factory):
     return _run_checks(tmp_path_factory, 2, TWO_STAGE_CHECKS)
 
 
-def _reference_gradients():
+def _reference_gradients(rows: int | None = None):
     torch.manual_seed(0)
     model = build_model()
     x, y = global_batches(1)[0]
-    loss = F.cross_entropy(model(x), y)
+    loss = F.cross_entropy(model(x[:rows]), y[:rows])
     loss.backward()
     return float(loss.detach()), {n: p.grad for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
-def test_schedules_give_the_unsplit_models_gradients(two_stages, schedule):
-    ref_loss, ref = _reference_gradients()
+@pytest.mark.parametrize("rows", [24, 16], ids=["batch24", "then-batch16"])
+def test_schedules_give_the_unsplit_models_gradients(two_stages, schedule, rows):
+    # The second step has another batch size: torch's schedules fix shapes at their first
+    # step, so the pipeline builds one schedule per size.
+    ref_loss, ref = _reference_gradients(rows)
+    suffix = "" if rows == 24 else "16"
     got: dict[str, torch.Tensor] = {}
     for rank, saved in enumerate(two_stages[f"grads-{schedule}"]):
-        assert saved["loss"] == pytest.approx(ref_loss, abs=1e-5), rank
-        assert not set(got) & set(saved["grads"])  # each layer lives on one stage only
-        got.update(saved["grads"])
+        assert saved[f"loss{suffix}"] == pytest.approx(ref_loss, abs=1e-5), rank
+        assert not set(got) & set(saved[f"grads{suffix}"])  # each layer on one stage only
+        got.update(saved[f"grads{suffix}"])
     assert got.keys() == ref.keys()
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], atol=1e-6, rtol=1e-5, msg=name)
-    for saved in two_stages[f"grads-{schedule}"]:  # on every stage, before any transfer
-        assert "got a batch of 16 after batches of 24" in saved["refused"], saved["refused"]
 
 
 def _stale_backwards(records) -> tuple[int, int]:

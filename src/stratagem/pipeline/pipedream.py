@@ -133,8 +133,10 @@ class PipeDreamStage:
         targets: list[torch.Tensor] | None,
         num_microbatches: int,
         optimizer: torch.optim.Optimizer,
+        outputs: list[torch.Tensor] | None = None,
     ) -> list[float]:
-        """Run ``num_microbatches`` through this stage in 1F1B order; the last stage's losses."""
+        """Run ``num_microbatches`` through this stage in 1F1B order; the last stage's losses
+        (and, given a list ``outputs``, its outputs appended in micro-batch order)."""
         outbox = p2p.Outbox(self.timeout)
         in_flight: dict[int, _InFlight] = {}
         losses: list[float] = []
@@ -142,7 +144,7 @@ class PipeDreamStage:
             if kind == "F":
                 x = inputs[i] if self.is_first else self._recv(self.prev_rank, TAG_ACTIVATION, i)  # type: ignore[index]
                 target = targets[i] if self.is_last else None  # type: ignore[index]
-                in_flight[i] = self._forward(i, x, target, outbox, losses)
+                in_flight[i] = self._forward(i, x, target, outbox, losses, outputs)
                 versions = {f.version for f in in_flight.values()}
                 self.max_versions_in_flight = max(self.max_versions_in_flight, len(versions))
             else:
@@ -165,6 +167,7 @@ class PipeDreamStage:
         target: torch.Tensor | None,
         outbox: p2p.Outbox,
         losses: list[float],
+        outputs: list[torch.Tensor] | None,
     ) -> _InFlight:
         start = time.perf_counter()
         if not self.is_first:
@@ -179,6 +182,8 @@ class PipeDreamStage:
                 out = self.module(x)
         if self.is_last:
             assert target is not None
+            if outputs is not None:
+                outputs.append(out.detach())
             loss = self.loss_fn(out, target)
             losses.append(float(loss.detach()))
             kept = loss if weights is not None else None
