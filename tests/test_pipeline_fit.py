@@ -103,11 +103,13 @@ def test_pipedream_fit_trains_and_every_process_logs_the_same(two_stages, refere
 
 
 @pytest.mark.multiprocess
-def test_checkpoints_save_and_restore_every_stage(two_stages):
+def test_checkpoints_and_early_stopping_act_on_every_stage(two_stages):
     # A fresh model (other weights, no optimizer state) resumed from the backup trains its 3rd
     # epoch to exactly where the original, continued, got: every stage's layers and Adam state
     # came back.
     resumes = [s["resume"] for s in two_stages]
+    for resume in resumes:  # EarlyStopping read the same val_loss on both processes
+        assert resume["early_stopped_epochs"] == [0, 1]
     for rank, resume in enumerate(resumes):
         assert resume["resumed_epochs"] == [2], rank
         for name, value in resume["continued"].items():

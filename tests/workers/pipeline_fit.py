@@ -81,7 +81,16 @@ resumed_history = fresh.fit(
     x, y, batch_size=24, epochs=EPOCHS + 1, shuffle=False, verbose=0,
     callbacks=[sg.keras.callbacks.BackupAndRestore(str(backup))],
 )  # fmt: skip
+# EarlyStopping on the validation loss, which the last stage computes: it must stop every
+# process at the same epoch (a val_loss that never improves by 10: after the 2nd epoch).
+stopper = new_model(strategy, 0)
+early = stopper.fit(
+    x, y, batch_size=24, epochs=5, shuffle=False, verbose=0, validation_data=(x, y),
+    callbacks=[sg.keras.callbacks.EarlyStopping("val_loss", min_delta=10.0, patience=1)],
+)  # fmt: skip
+
 resume = {
+    "early_stopped_epochs": early.epoch,
     "at_backup": at_backup,
     "continued": continued,
     "resumed": own_weights(strategy, fresh),
