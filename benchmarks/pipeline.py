@@ -3,9 +3,12 @@
     python benchmarks/pipeline.py [--quick] [--json results.json]
 
 Starts 2 stage processes (gloo, one intra-op thread each) that measure, on an MLP of equal
-stages whose compute dominates its transfers (6 x Linear(2048, 2048) + ReLU, 3 per stage, MSE loss;
+stages whose compute dominates its transfers (6 x Linear(4096, 4096) + ReLU, 3 per stage, MSE loss;
 micro-batches of a fixed 32 rows, so the work per micro-batch does not depend on M; a
-transfer is 256 KiB against about 2.4 GFLOP of compute per micro-batch and stage):
+transfer is 512 KiB against about 9.7 GFLOP of compute per micro-batch and stage). The theory
+assumes that what a micro-batch costs besides its compute (torch's posting of each transfer,
+about 1 ms; the transfer; the schedule's Python) is negligible: with Linear(2048, 2048) it was
+not (profiled: 0.05-0.1 of each step above the theory at M = 8), hence the width.
 
 1. Bubble fraction for M = 1, 2, 4, 8 micro-batches, GPipe and 1F1B: on each stage,
    1 - (seconds inside forward/backward computations) / (wall seconds of the step), averaged
@@ -146,11 +149,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--microbatch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
     if args.quick:
         args.width, args.layers, args.steps, args.warmup = 64, 4, 2, 1
