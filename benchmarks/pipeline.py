@@ -17,7 +17,10 @@ not (profiled: 0.05-0.1 of each step above the theory at M = 8), hence the width
    autograd's saved tensors other than the weights (``saved_tensors_hooks``; a tensor saved
    twice counts once), during a step; for PipeDream also the stashed weight versions.
 3. Throughput, PipeDream (asynchronous 1F1B, weight stashing) vs 1F1B, M = 4 and 8: samples/s
-   of the whole pipeline, median over steps.
+   of the whole pipeline, median over steps; PipeDream draining at the end of every step (as
+   the synchronous schedules do; the bubble theory is theirs) and without draining
+   (``drain_each_step=False``: the warm-up micro-batches stay in flight into the next step, so
+   only the first step fills the pipeline; the theory for the steps after is no bubble).
 """
 
 from __future__ import annotations
@@ -100,8 +103,13 @@ class _Held:
             m.live[self.kind] -= self.nbytes
 
 
-def measure(strategy_cls, schedule: str, m: int, args) -> dict:
-    strategy = strategy_cls(schedule=schedule, num_microbatches=m, split_points=[args.layers])
+def measure(strategy_cls, schedule: str, m: int, args, drain: bool = True) -> dict:
+    strategy = strategy_cls(
+        schedule=schedule,
+        num_microbatches=m,
+        split_points=[args.layers],
+        drain_each_step=drain,
+    )
     pipe = strategy.pipeline(build(args.width, args.layers), loss_fn)
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(m)
@@ -120,8 +128,10 @@ def measure(strategy_cls, schedule: str, m: int, args) -> dict:
         if step >= args.warmup:
             bubbles.append(pipe.stats.bubble_fraction)
             rates.append(batch / seconds)
+    pipe.flush()  # nothing may stay in flight into the next configuration's transfers
     return {
-        "schedule": schedule,
+        "schedule": schedule if drain else f"{schedule} (no drain)",
+        "drains": drain,
         "m": m,
         "bubble": statistics.median(bubbles),
         "samples_per_s": statistics.median(rates),
@@ -141,6 +151,7 @@ def worker(args) -> None:
             results.append(measure(strategy_cls, schedule, m, args))
     for m in (4, 8):
         results.append(measure(strategy_cls, "PipeDream", m, args))
+        results.append(measure(strategy_cls, "PipeDream", m, args, drain=False))
     print(json.dumps(results))
 
 
@@ -199,7 +210,8 @@ def main() -> None:
                 "schedule": first["schedule"],
                 "m": m,
                 "bubble_measured": sum(s["bubble"] for s in stages) / K,
-                "bubble_theory": (K - 1) / (m + K - 1),
+                # A pipeline that does not drain fills once, at the first (warm-up) step.
+                "bubble_theory": (K - 1) / (m + K - 1) if first["drains"] else 0.0,
                 "peak_activation_mib": [s["peak_activation_bytes"] / 2**20 for s in stages],
                 "peak_stashed_weights_mib": [s["peak_stashed_bytes"] / 2**20 for s in stages],
                 # Every stage sees each sample once: the pipeline's rate is the slowest stage's.

@@ -26,6 +26,7 @@ TWO_STAGE_CHECKS = [
     "stash-off",
     "checkpoint",
     "pipedream-train",
+    "pipedream-carry",
 ]
 
 
@@ -115,10 +116,13 @@ def test_without_stashing_the_same_check_detects_newer_weights(two_stages):
     assert stale_last == 0
 
 
-def simulate_pipedream(num_replicas: int, steps: int = 2, m: int = 4, lr: float = 0.1):
+def simulate_pipedream(
+    num_replicas: int, steps: int = 2, m: int = 4, lr: float = 0.1, drain: bool = True
+):
     """PipeDream on 2 stages, computed in this process pass by pass: stage 0 in its 1F1B order
     with a weight copy per forward (the stash), stage 1 one micro-batch after another, each
-    update after one micro-batch's gradients averaged over the replicas."""
+    update after one micro-batch's gradients averaged over the replicas. Without ``drain`` the
+    steps' micro-batches are one stream: one warm-up at the start, one drain at the end."""
     torch.manual_seed(0)
     model = build_model()
     s0, s1 = model[:2], model[2:]
@@ -132,7 +136,12 @@ def simulate_pipedream(num_replicas: int, steps: int = 2, m: int = 4, lr: float 
         opt.step()
         opt.zero_grad()
 
-    for x, y in global_batches(steps):
+    batches = global_batches(steps)
+    if not drain:
+        assert num_replicas == 1  # (with replicas, each step's batch is cut per replica first)
+        batches = [(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))]
+        m *= steps
+    for x, y in batches:
         xs = [xr.chunk(m) for xr in x.chunk(num_replicas)]
         ys = [yr.chunk(m) for yr in y.chunk(num_replicas)]
         forwards, input_grads, done = {}, {}, 0
@@ -186,6 +195,18 @@ def test_pipedream_training_matches_its_pass_by_pass_simulation(two_stages):
         opt.step()
     first = next(iter(saved[0]["weights"]))
     assert not torch.allclose(saved[0]["weights"][first], sync.state_dict()[first], atol=1e-3)
+
+
+def test_pipedream_without_draining_keeps_micro_batches_in_flight_across_steps(two_stages):
+    saved = two_stages["pipedream-carry"]
+    # Between the steps stage 0 keeps its warm-up micro-batch in flight; the last stage none.
+    assert saved[0]["in_flight"] == [1, 1] and saved[1]["in_flight"] == [0, 0]
+    _assert_weights(saved, simulate_pipedream(num_replicas=1, drain=False))
+    # ...which is not what draining after each step gives.
+    drained = two_stages["pipedream-train"][0]["weights"]
+    first = next(iter(drained))
+    assert not torch.allclose(saved[0]["weights"][first], drained[first], atol=1e-6)
+    assert saved[0]["losses"] == saved[1]["losses"]  # every process gets the mean loss
 
 
 def test_checkpoint_saves_and_restores_every_stage(two_stages):

@@ -61,7 +61,10 @@ class PipelineStrategy(Strategy):
     ``schedule``: one of ``SCHEDULES``; ``split_points``: layer indices or names starting each
     stage after the first, or ``"parameters"`` / ``"time"`` to balance (default parameters);
     ``num_replicas``: data-parallel copies of the pipeline; ``stages_per_rank``: model chunks
-    per process for ``"Interleaved1F1B"`` (default 2); ``weight_stashing``: PipeDream only.
+    per process for ``"Interleaved1F1B"`` (default 2); ``weight_stashing``: PipeDream only;
+    ``drain_each_step``: PipeDream only, False keeps the warm-up micro-batches in flight from
+    one ``train_step`` to the next, as PipeDream does (``pipe.flush()`` drains; ``Model.fit``
+    drains every step).
     """
 
     def __init__(
@@ -74,6 +77,7 @@ class PipelineStrategy(Strategy):
         num_replicas: int = 1,
         stages_per_rank: int | None = None,
         weight_stashing: bool = True,
+        drain_each_step: bool = True,
         cluster_resolver: ClusterResolver | None = None,
         timeout_seconds: float | None = None,
     ) -> None:
@@ -85,6 +89,11 @@ class PipelineStrategy(Strategy):
             or num_microbatches < 1
         ):
             raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+        if not drain_each_step and schedule != "PipeDream":
+            raise ValueError(
+                f"drain_each_step=False needs schedule='PipeDream' (got {schedule!r}, a "
+                "synchronous schedule, which drains at the end of every step by definition)"
+            )
         if stages_per_rank is None:
             stages_per_rank = 2 if schedule == "Interleaved1F1B" else 1
         if stages_per_rank != 1 and schedule != "Interleaved1F1B":
@@ -114,6 +123,7 @@ class PipelineStrategy(Strategy):
         self._num_microbatches = num_microbatches
         self._split_points = split_points
         self._weight_stashing = weight_stashing
+        self._drain_each_step = drain_each_step
         self._resolver = resolver
         timeouts = Timeouts.from_env(timeout_seconds)
         self._timeout = timeouts.operation
@@ -240,6 +250,7 @@ class PipelineStrategy(Strategy):
             replica_group=self._replica_group,
             split_points=points,
             recorder=recorder,
+            drain_each_step=self._drain_each_step,
         )
 
     # ------------------------------------------------------------------ sg.keras.Model

@@ -61,6 +61,7 @@ class PipelineModel:
         replica_group: dist.ProcessGroup | None,
         split_points: list[int],
         recorder: Recorder | None = None,
+        drain_each_step: bool = True,
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -70,6 +71,7 @@ class PipelineModel:
         self.num_microbatches = num_microbatches
         self.loss_fn = loss_fn
         self.split_points = split_points
+        self.drain_each_step = drain_each_step
         self.stats = StepStats()
         self._comm = comm
         self._chunks = chunks
@@ -192,7 +194,7 @@ class PipelineModel:
             return loss
         x, y = self._replica_slice(x, "input"), self._replica_slice(y, "target")
         start = time.perf_counter()
-        losses, _, busy = self._run(x, y, optimizer, keep_outputs=False)
+        losses, _, busy = self._run(x, y, optimizer, keep_outputs=False, drain=self.drain_each_step)
         loss = self._mean_loss(losses)
         wall = time.perf_counter() - start  # after the stages meet, as in compute_gradients
         self.stats = StepStats(wall, busy if busy is not None else wall)
@@ -228,11 +230,13 @@ class PipelineModel:
         optimizer: torch.optim.Optimizer | None,
         *,
         keep_outputs: bool,
+        drain: bool = True,
     ) -> tuple[list[float], torch.Tensor | None, float | None]:
         """This replica's batch through the schedule: the last stage's per-micro-batch losses,
         its outputs (with ``keep_outputs``) and this rank's seconds computing (None when the
         whole pipeline runs in this process). Synchronous schedules leave the gradients, already
-        averaged over replicas, in ``.grad``; PipeDream updates with ``optimizer`` as it goes."""
+        averaged over replicas, in ``.grad``; PipeDream updates with ``optimizer`` as it goes
+        (and, without ``drain``, leaves its warm-up micro-batches in flight)."""
         if self.is_first_stage and x is None:
             raise ValueError(f"stage {self.stage} is the first: it needs the inputs x")
         if self.is_last_stage and y is None:
@@ -246,7 +250,7 @@ class PipelineModel:
             xs = list(x.chunk(m)) if self.is_first_stage and x is not None else None
             ys = list(y.chunk(m)) if self.is_last_stage and y is not None else None
             kept: list[torch.Tensor] | None = [] if keep_outputs and self.is_last_stage else None
-            losses = self._engine.run(xs, ys, m, optimizer, kept)
+            losses = self._engine.run(xs, ys, m, optimizer, kept, drain=drain)
             outputs = torch.cat(kept) if kept else None
             return losses, outputs, self._engine.busy_seconds - busy0
         self.module.zero_grad(set_to_none=True)
@@ -263,6 +267,13 @@ class PipelineModel:
         if self.layout.num_replicas > 1:
             self._average_gradients_over_replicas()
         return losses, outputs if keep_outputs else None, busy
+
+    def flush(self) -> None:
+        """PipeDream without ``drain_each_step``: run the backwards (and updates) of the
+        micro-batches still in flight. Every process calls it; nothing to do otherwise. ``save``
+        and ``restore`` flush first."""
+        if self._engine is not None:
+            self._engine.flush()
 
     def _schedule_for(self, batch_size: int) -> TorchSchedule:
         engine = self._schedules.get(batch_size)
@@ -440,6 +451,7 @@ class PipelineModel:
         the whole model's state dict. Returns when every stage has written.
         """
         os.makedirs(path, exist_ok=True)
+        self.flush()
         if self.replica == 0:
             state = {
                 "model": self.module.state_dict(),
@@ -466,6 +478,7 @@ class PipelineModel:
         **tensors: torch.Tensor,
     ) -> None:
         """Restore this rank's stages (and optimizer, and ``tensors`` in place) from ``save``."""
+        self.flush()  # what is in flight belongs to the weights being replaced
         file = os.path.join(path, f"stage-{self.stage}.pt")
         if not os.path.exists(file):
             raise FileNotFoundError(
