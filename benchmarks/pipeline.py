@@ -3,9 +3,12 @@
     python benchmarks/pipeline.py [--quick] [--json results.json]
 
 Starts 2 stage processes (gloo, one intra-op thread each) that measure, on an MLP of equal
-stages whose compute dominates its transfers (6 x Linear(2048, 2048) + ReLU, 3 per stage, MSE loss;
+stages whose compute dominates its transfers (6 x Linear(4096, 4096) + ReLU, 3 per stage, MSE loss;
 micro-batches of a fixed 32 rows, so the work per micro-batch does not depend on M; a
-transfer is 256 KiB against about 2.4 GFLOP of compute per micro-batch and stage):
+transfer is 512 KiB against about 9.7 GFLOP of compute per micro-batch and stage). The theory
+assumes that what a micro-batch costs besides its compute (torch's posting of each transfer,
+about 1 ms; the transfer; the schedule's Python) is negligible: with Linear(2048, 2048) it was
+not (profiled: 0.05-0.1 of each step above the theory at M = 8), hence the width.
 
 1. Bubble fraction for M = 1, 2, 4, 8 micro-batches, GPipe and 1F1B: on each stage,
    1 - (seconds inside forward/backward computations) / (wall seconds of the step), averaged
@@ -14,7 +17,12 @@ transfer is 256 KiB against about 2.4 GFLOP of compute per micro-batch and stage
    autograd's saved tensors other than the weights (``saved_tensors_hooks``; a tensor saved
    twice counts once), during a step; for PipeDream also the stashed weight versions.
 3. Throughput, PipeDream (asynchronous 1F1B, weight stashing) vs 1F1B, M = 4 and 8: samples/s
-   of the whole pipeline, median over steps.
+   of the whole pipeline, median over steps; PipeDream draining at the end of every step (as
+   the synchronous schedules do; the bubble theory is theirs) and without draining
+   (``drain_each_step=False``: the warm-up micro-batches stay in flight into the next step, so
+   only the first step fills the pipeline). Its theory is not zero: the stages still meet once
+   per step (the loss's all-reduce), and on 2 equal stages whose backward is 2 forwards (as
+   here) that costs each stage one forward per step: 1 / (3M + 1), a discrete-event count.
 """
 
 from __future__ import annotations
@@ -97,8 +105,13 @@ class _Held:
             m.live[self.kind] -= self.nbytes
 
 
-def measure(strategy_cls, schedule: str, m: int, args) -> dict:
-    strategy = strategy_cls(schedule=schedule, num_microbatches=m, split_points=[args.layers])
+def measure(strategy_cls, schedule: str, m: int, args, drain: bool = True) -> dict:
+    strategy = strategy_cls(
+        schedule=schedule,
+        num_microbatches=m,
+        split_points=[args.layers],
+        drain_each_step=drain,
+    )
     pipe = strategy.pipeline(build(args.width, args.layers), loss_fn)
     opt = torch.optim.SGD(pipe.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(m)
@@ -117,8 +130,10 @@ def measure(strategy_cls, schedule: str, m: int, args) -> dict:
         if step >= args.warmup:
             bubbles.append(pipe.stats.bubble_fraction)
             rates.append(batch / seconds)
+    pipe.flush()  # nothing may stay in flight into the next configuration's transfers
     return {
-        "schedule": schedule,
+        "schedule": schedule if drain else f"{schedule} (no drain)",
+        "drains": drain,
         "m": m,
         "bubble": statistics.median(bubbles),
         "samples_per_s": statistics.median(rates),
@@ -138,6 +153,7 @@ def worker(args) -> None:
             results.append(measure(strategy_cls, schedule, m, args))
     for m in (4, 8):
         results.append(measure(strategy_cls, "PipeDream", m, args))
+        results.append(measure(strategy_cls, "PipeDream", m, args, drain=False))
     print(json.dumps(results))
 
 
@@ -146,11 +162,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--microbatch", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
     args = parser.parse_args()
     if args.quick:
         args.width, args.layers, args.steps, args.warmup = 64, 4, 2, 1
@@ -196,7 +212,9 @@ def main() -> None:
                 "schedule": first["schedule"],
                 "m": m,
                 "bubble_measured": sum(s["bubble"] for s in stages) / K,
-                "bubble_theory": (K - 1) / (m + K - 1),
+                # A pipeline that does not drain fills once (the warm-up step), then idles one
+                # forward per stage per step where the stages meet (K = 2, backward = 2F).
+                "bubble_theory": (K - 1) / (m + K - 1) if first["drains"] else 1 / (3 * m + 1),
                 "peak_activation_mib": [s["peak_activation_bytes"] / 2**20 for s in stages],
                 "peak_stashed_weights_mib": [s["peak_stashed_bytes"] / 2**20 for s in stages],
                 # Every stage sees each sample once: the pipeline's rate is the slowest stage's.
@@ -205,7 +223,7 @@ def main() -> None:
         )
     print(f"2 stages, micro-batch {args.microbatch}, width {args.width}, {args.steps} steps")
     print(
-        "| schedule | M | bubble measured | theory (K-1)/(M+K-1) | difference "
+        "| schedule | M | bubble measured | theory | difference "
         "| peak activations per stage (MiB) | stashed weights (MiB) | samples/s |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -154,6 +154,8 @@ def test_bad_strategy_options():
         PipelineStrategy(num_microbatches=0)
     with pytest.raises(ValueError, match=r"stages_per_rank=2 needs schedule='Interleaved1F1B'"):
         PipelineStrategy(schedule="GPipe", stages_per_rank=2)
+    with pytest.raises(ValueError, match=r"drain_each_step=False needs schedule='PipeDream'"):
+        PipelineStrategy(schedule="1F1B", drain_each_step=False)
 
 
 def test_null_version_gives_the_full_batch_gradients():

@@ -3,7 +3,8 @@
 Usage: pipeline_checks.py OUT_DIR CHECK [CHECK ...]; every rank writes OUT_DIR/CHECK-rankR.pt.
 CHECKs: grads-GPipe, grads-1F1B, grads-Interleaved1F1B (one step's gradients),
 stash-on / stash-off (PipeDream passes watched by a recorder), checkpoint (save, train on,
-restore, retrain: the same weights), pipedream-train (weights after 2 PipeDream steps), and with
+restore, retrain: the same weights), pipedream-train (weights after 2 PipeDream steps),
+pipedream-carry (the same without draining between the steps, then a flush), and with
 4 processes (2 stages x 2 replicas) dp-grads and dp-pipedream-train; lost-SCHEDULE (last:
 stage 1 exits, stage 0 records the error of its next step).
 """
@@ -38,15 +39,13 @@ def grads(schedule: str, num_replicas: int = 1, name: str | None = None) -> None
     x, y = global_batches(1)[0]
     loss = pipe.compute_gradients(x, y)
     got = {n: p.grad.clone() for n, p in pipe.named_parameters()}
-    try:  # torch's schedules fix shapes at the first step: another batch size is refused
-        pipe.compute_gradients(x[:16], y[:16])
-        refused = ""
-    except ValueError as e:
-        refused = str(e)
+    # torch's schedules fix shapes at their first step: another batch size gets its own.
+    loss16 = pipe.compute_gradients(x[:16], y[:16])
+    got16 = {n: p.grad.clone() for n, p in pipe.named_parameters()}
     save(
         name or f"grads-{schedule}",
         strategy.rank,
-        {"loss": loss, "grads": got, "refused": refused},
+        {"loss": loss, "grads": got, "loss16": loss16, "grads16": got16},
     )
 
 
@@ -112,6 +111,25 @@ def pipedream_train(num_replicas: int) -> None:
     weights = {n: p.detach().clone() for n, p in pipe.named_parameters()}
     name = "pipedream-train" if num_replicas == 1 else "dp-pipedream-train"
     save(name, strategy.rank, {"losses": losses, "weights": weights})
+
+
+def pipedream_carry() -> None:
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule="PipeDream", num_microbatches=4, split_points=[2], drain_each_step=False
+    )
+    pipe = strategy.pipeline(model_with_seed(), F.cross_entropy)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    losses, in_flight = [], []
+    for x, y in global_batches(2):
+        losses.append(pipe.train_step(x, y, opt))
+        in_flight.append(pipe._engine.in_flight)
+    pipe.flush()
+    weights = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    save(
+        "pipedream-carry",
+        strategy.rank,
+        {"losses": losses, "in_flight": in_flight, "weights": weights},
+    )
 
 
 def lost_stage(schedule: str) -> None:
@@ -184,6 +202,8 @@ def main() -> None:
             stash(check == "stash-on")
         elif check == "pipedream-train":
             pipedream_train(1)
+        elif check == "pipedream-carry":
+            pipedream_carry()
         elif check == "dp-pipedream-train":
             pipedream_train(2)
         elif check.startswith("lost-"):

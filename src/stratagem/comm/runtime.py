@@ -55,11 +55,14 @@ class RemoteStateHooks:
 
     ``before_write(objects)`` runs on the writing process before a checkpoint collects the
     modules and optimizers in ``objects``, to bring their remote state home;
-    ``after_restore(objects)`` runs on every process after a restore, to send it back.
+    ``after_restore(objects)`` runs on every process after a restore, to send it back. With
+    ``collective``, ``before_write`` is a collective that every process runs (a pipeline's
+    stages each hold part of the model, and all take part in bringing it together).
     """
 
     before_write: Callable[[list[object]], None]
     after_restore: Callable[[list[object]], None]
+    collective: bool = False
 
 
 _remote_state: list[RemoteStateHooks] = []

@@ -10,6 +10,13 @@
    ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` (torch.distributed.pipelining), or
    ``"PipeDream"`` (asynchronous 1F1B with weight stashing, ``stratagem.pipeline.pipedream``).
 3. With ``num_replicas > 1`` each stage's gradients are averaged over its replicas.
+4. ``sg.keras.Model`` built in ``strategy.scope()`` (the whole model, on every process) trains
+   with ``fit``, ``evaluate`` and ``predict``: the strategy's Model steps cut the model on first
+   use and run the schedule (``stratagem.pipeline.keras_steps``); every process gets the whole
+   global batch. A checkpoint of the model (``ModelCheckpoint``, ``BackupAndRestore``,
+   ``sg.train.Checkpoint``, ``model.save``) first brings every stage's layers and optimizer
+   state to every process (a collective hook), so the chief writes the whole model, and a
+   restore gives each stage its part.
 
 A world of one process with one stage is the null version: the same calls, micro-batches run
 one after another in this process.
@@ -17,13 +24,26 @@ one after another in this process.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
-from stratagem.comm import Communicator, LocalCommunicator, set_distribution_context
+from stratagem.comm import Communicator, LocalCommunicator, ReduceOp, set_distribution_context
 from stratagem.comm.process_group import Timeouts, connect
+from stratagem.comm.runtime import RemoteStateHooks, add_remote_state_hooks
+from stratagem.distribute.devices import LogicalDevice
+from stratagem.distribute.input import (
+    DistributedDataset,
+    InputContext,
+    InputOptions,
+    _SplittingIterator,
+)
+from stratagem.distribute.strategy import Strategy
+from stratagem.pipeline.keras_steps import IndexedLoss, KerasPipeline, unpack
 from stratagem.pipeline.layout import PipelineLayout
 from stratagem.pipeline.model import LossFn, PipelineModel
 from stratagem.pipeline.pipedream import Recorder
@@ -33,7 +53,7 @@ from stratagem.pipeline.split import SplitPoints, resolve_split_points, split_se
 SCHEDULES = (*SYNCHRONOUS, "PipeDream")
 
 
-class PipelineStrategy:
+class PipelineStrategy(Strategy):
     """``sg.distribute.experimental.PipelineStrategy(num_stages=None, schedule="1F1B", ...)``.
 
     ``num_stages``: stages per pipeline (default: the job's processes / ``num_replicas``);
@@ -41,7 +61,10 @@ class PipelineStrategy:
     ``schedule``: one of ``SCHEDULES``; ``split_points``: layer indices or names starting each
     stage after the first, or ``"parameters"`` / ``"time"`` to balance (default parameters);
     ``num_replicas``: data-parallel copies of the pipeline; ``stages_per_rank``: model chunks
-    per process for ``"Interleaved1F1B"`` (default 2); ``weight_stashing``: PipeDream only.
+    per process for ``"Interleaved1F1B"`` (default 2); ``weight_stashing``: PipeDream only;
+    ``drain_each_step``: PipeDream only, False keeps the warm-up micro-batches in flight from
+    one ``train_step`` to the next, as PipeDream does (``pipe.flush()`` drains; ``Model.fit``
+    drains every step).
     """
 
     def __init__(
@@ -54,6 +77,7 @@ class PipelineStrategy:
         num_replicas: int = 1,
         stages_per_rank: int | None = None,
         weight_stashing: bool = True,
+        drain_each_step: bool = True,
         cluster_resolver: ClusterResolver | None = None,
         timeout_seconds: float | None = None,
     ) -> None:
@@ -65,6 +89,11 @@ class PipelineStrategy:
             or num_microbatches < 1
         ):
             raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+        if not drain_each_step and schedule != "PipeDream":
+            raise ValueError(
+                f"drain_each_step=False needs schedule='PipeDream' (got {schedule!r}, a "
+                "synchronous schedule, which drains at the end of every step by definition)"
+            )
         if stages_per_rank is None:
             stages_per_rank = 2 if schedule == "Interleaved1F1B" else 1
         if stages_per_rank != 1 and schedule != "Interleaved1F1B":
@@ -94,6 +123,7 @@ class PipelineStrategy:
         self._num_microbatches = num_microbatches
         self._split_points = split_points
         self._weight_stashing = weight_stashing
+        self._drain_each_step = drain_each_step
         self._resolver = resolver
         timeouts = Timeouts.from_env(timeout_seconds)
         self._timeout = timeouts.operation
@@ -102,8 +132,17 @@ class PipelineStrategy:
             comm = LocalCommunicator()
         else:
             comm = connect(resolver, backend="gloo", timeouts=timeouts)
-        self._comm = comm
+        # One CPU device per process; gradients are averaged over replicas (each micro-batch's
+        # loss is a mean), which is what Model.compute_loss reads from _average_gradients.
+        super().__init__(
+            [LogicalDevice("cpu:0", torch.device("cpu"))],
+            comm=comm,
+            cluster_resolver=resolver,
+            gradient_aggregation=ReduceOp.MEAN,
+        )
         self.rank = comm.rank
+        self._keras: dict[int, KerasPipeline] = {}  # id(model.module) → its pipeline
+        add_remote_state_hooks(RemoteStateHooks(self._bring_stages_home, _nothing, collective=True))
         self._pipeline_group: dist.ProcessGroup | None = None
         self._replica_group: dist.ProcessGroup | None = None
         if world > 1 and layout.num_replicas > 1:
@@ -148,7 +187,7 @@ class PipelineStrategy:
 
     @property
     def cluster_resolver(self) -> ClusterResolver:
-        return self._resolver
+        return self._resolver  # type: ignore[no-any-return]
 
     @property
     def schedule(self) -> str:
@@ -211,4 +250,109 @@ class PipelineStrategy:
             replica_group=self._replica_group,
             split_points=points,
             recorder=recorder,
+            drain_each_step=self._drain_each_step,
         )
+
+    # ------------------------------------------------------------------ sg.keras.Model
+
+    def _keras_pipeline(self, model: Any, x: Any) -> KerasPipeline:
+        """The pipeline of a Keras model built in this scope: cut on first use (every process
+        gets there at the same step, with the same batch)."""
+        entry = self._keras.get(id(model.module))
+        if entry is not None and entry.model is model:
+            return entry
+        cls = type(model)
+        overridden = [
+            name
+            for name in ("train_step", "test_step", "predict_step", "compute_loss")
+            if getattr(getattr(cls, name), "__module__", None) != "stratagem.keras.model"
+        ]
+        if overridden:
+            raise TypeError(
+                f"{cls.__name__} overrides {overridden}: PipelineStrategy runs fit, evaluate and "
+                "predict through its schedule (the model is cut into stages on several "
+                "processes), so a custom step cannot run; subclass without overriding these, or "
+                "write the loop with strategy.pipeline(module, loss_fn)"
+            )
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"a pipeline's inputs must be tensors (the first stage's input); got {type(x)}"
+            )
+        loss = IndexedLoss(lambda y, y_pred: model.loss.call(torch.as_tensor(y), y_pred))
+        sample = x[: max(1, x.shape[0] // self._num_microbatches)]
+        pipe = self.pipeline(model.module, loss, sample_input=sample)
+        entry = KerasPipeline(model, pipe, loss)
+        self._keras[id(model.module)] = entry
+        return entry
+
+    def _train_batch(self, model: Any, batch: Any) -> None:
+        self._keras_pipeline(model, unpack(batch)[0]).train_batch(batch)
+
+    def _test_batch(self, model: Any, batch: Any) -> None:
+        self._keras_pipeline(model, unpack(batch)[0]).test_batch(batch)
+
+    def _predict_batch(self, model: Any, batch: Any) -> torch.Tensor:
+        return self._keras_pipeline(model, unpack(batch)[0]).predict_batch(batch)
+
+    def _bring_stages_home(self, objects: list[object]) -> None:
+        """Before a checkpoint is written (on every process, in the same order): every stage's
+        layers into each Keras model's whole module, and its optimizer state into the model's
+        optimizer, so the chief writes the whole model and a restore gives each stage its part."""
+        for obj in objects:
+            if isinstance(obj, nn.Module) and id(obj) in self._keras:
+                entry = self._keras[id(obj)]
+                if entry.model.module is obj:
+                    entry.pipe.gather_module(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                for entry in self._keras.values():
+                    bound = entry.model.optimizer
+                    if bound is not None and bound.torch_optimizer is obj:
+                        entry.pipe.gather_optimizer_state(entry.model.module, obj)
+
+    # ------------------------------------------------------------------ the Strategy interface
+
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Every process gets each whole global batch: the first stage uses the inputs, the
+        last the targets, each replica its part (cut by the pipeline)."""
+        return _WholeBatches(self, dataset, options)
+
+    def _refuse(self, what: str) -> NoReturn:
+        raise NotImplementedError(
+            f"PipelineStrategy.{what}: a pipeline's processes hold different stages, not "
+            "replicas of one model; train with sg.keras.Model.fit in strategy.scope(), or with "
+            "strategy.pipeline(module, loss_fn) and its train_step"
+        )
+
+    def run(
+        self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict | None = None
+    ) -> Any:
+        self._refuse("run")
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        self._refuse("reduce")
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        self._refuse("gather")
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: Any = None
+    ) -> Any:
+        self._refuse("distribute_datasets_from_function")
+
+
+def _nothing(objects: list[object]) -> None:
+    """After a restore: nothing to send back (each process restored the whole model)."""
+
+
+class _WholeBatches(DistributedDataset):
+    """``experimental_distribute_dataset`` of a pipeline: each process gets the global batch."""
+
+    def __iter__(self) -> Any:
+        return _WholeBatchIterator(self._strategy, iter(self._dataset), self._distributor)
+
+
+class _WholeBatchIterator(_SplittingIterator):
+    def _deliver(self, batch: Any) -> Any:
+        return self._distributor.deliver([batch], None)

@@ -392,6 +392,25 @@ class Strategy:
         ]
         return values[0] if n == 1 else PerReplica(values)
 
+    # ------------------------------------------------------------------ sg.keras.Model's steps
+
+    def _train_batch(self, model: Any, batch: Any) -> None:
+        """One ``Model.fit`` step on a distributed global batch: every replica runs the model's
+        ``train_step``. A strategy that trains otherwise (a pipeline's schedule) overrides these
+        three, so that fit, evaluate and predict stay written once."""
+        self.run(model.train_step, args=(batch,))
+
+    def _test_batch(self, model: Any, batch: Any) -> None:
+        """One ``evaluate`` step: every replica runs the model's ``test_step``."""
+        self.run(model.test_step, args=(batch,))
+
+    def _predict_batch(self, model: Any, batch: Any) -> torch.Tensor:
+        """One ``predict`` step: the outputs of every replica, gathered in order."""
+        result = self.run(model.predict_step, args=(batch,))
+        if not isinstance(result, PerReplica | torch.Tensor):
+            raise TypeError(f"predict_step must return a tensor, got {type(result).__name__}")
+        return self.gather(result, axis=0)
+
     # ------------------------------------------------------------------ what strategies specialise
 
     def _placement_device(self) -> torch.device:

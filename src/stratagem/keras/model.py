@@ -2,7 +2,8 @@
 
 The loops are written once, over the Strategy interface: global batches go through
 ``strategy.experimental_distribute_dataset`` (split across replicas, auto-sharded across
-workers), each step is ``strategy.run(self.train_step, ...)``, and metrics are read in the
+workers), each step goes through the strategy (``strategy._train_batch``: by default
+``strategy.run(self.train_step, ...)``; a pipeline runs its schedule), and metrics are read in the
 cross-replica context, where ``result()`` sums every replica's state. The default strategy makes
 the same code single-device training. ``train_step`` and ``test_step`` are the override points.
 
@@ -24,7 +25,6 @@ import torch
 from stratagem import nn as sg_nn
 from stratagem.distribute import get_strategy
 from stratagem.distribute.strategy import Strategy
-from stratagem.distribute.values import PerReplica
 from stratagem.keras import callbacks as callbacks_module
 from stratagem.keras import losses, metrics, optimizers
 from stratagem.keras.data_adapter import DataPosition, FitData, global_batches, unpack
@@ -207,7 +207,7 @@ class Model:
                         break
                     continue  # steps_per_epoch goes on into the next pass over the data
                 cbs.on_train_batch_begin(step)
-                strategy.run(self.train_step, args=(batch,))
+                strategy._train_batch(self, batch)
                 step += 1
                 cbs.on_train_batch_end(step - 1, self._logs() if batch_logs else {})
             if step == 0:
@@ -295,7 +295,7 @@ class Model:
         self._reset_metrics()
         count = 0
         for batch in strategy.experimental_distribute_dataset(batches):
-            strategy.run(self.test_step, args=(batch,))
+            strategy._test_batch(self, batch)
             count += 1
         if count == 0:
             raise ValueError("evaluate found no batch: the data is empty")
@@ -311,10 +311,7 @@ class Model:
         _set_training(self.module, False)
         outputs = []
         for batch in strategy.experimental_distribute_dataset(batches):
-            result = strategy.run(self.predict_step, args=(batch,))
-            if not isinstance(result, PerReplica | torch.Tensor):
-                raise TypeError(f"predict_step must return a tensor, got {type(result).__name__}")
-            outputs.append(strategy.gather(result, axis=0).cpu())
+            outputs.append(strategy._predict_batch(self, batch).cpu())
         if not outputs:
             raise ValueError("predict found no batch: the data is empty")
         return torch.cat(outputs).numpy()

@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stratagem.comm import current_communicator, distribution_context
+from stratagem.comm.runtime import remote_state_hooks
 from stratagem.keras import losses, optimizers
 
 if TYPE_CHECKING:
@@ -77,6 +78,10 @@ def save_model(model: Model, path: str) -> str:
     calls it and waits for the write); return the path."""
     path = os.fspath(path)
     comm = current_communicator()
+    for hooks in remote_state_hooks():  # pipeline stages: each brings its layers (collective)
+        if hooks.collective:
+            optimizer = model.optimizer.torch_optimizer if model.optimizer is not None else None
+            hooks.before_write([model.module] + ([optimizer] if optimizer is not None else []))
     module = _full_module(model.module)  # a collective for weights laid out on a mesh
     if comm.is_chief:
         _write_model(model, module, path)

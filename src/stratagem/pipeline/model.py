@@ -61,6 +61,7 @@ class PipelineModel:
         replica_group: dist.ProcessGroup | None,
         split_points: list[int],
         recorder: Recorder | None = None,
+        drain_each_step: bool = True,
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -70,6 +71,7 @@ class PipelineModel:
         self.num_microbatches = num_microbatches
         self.loss_fn = loss_fn
         self.split_points = split_points
+        self.drain_each_step = drain_each_step
         self.stats = StepStats()
         self._comm = comm
         self._chunks = chunks
@@ -84,32 +86,27 @@ class PipelineModel:
         self._distributed = layout.world_size > 1
         if layout.num_replicas > 1:
             self._broadcast_from_first_replica()
-        self._engine: TorchSchedule | PipeDreamStage | None = None
-        if self._distributed and layout.num_stages > 1:
-            if schedule in SYNCHRONOUS:
-                self._engine = TorchSchedule(
-                    schedule,
-                    chunks,
-                    layout.num_chunks,
-                    num_microbatches,
-                    loss_fn,
-                    pipeline_group,
-                )
-            else:
-                s, r = self.stage, self.replica
-                self._engine = PipeDreamStage(
-                    chunks[0][1],
-                    s,
-                    layout.num_stages,
-                    prev_rank=layout.rank_of(s - 1, r) if s > 0 else None,
-                    next_rank=layout.rank_of(s + 1, r) if s < layout.num_stages - 1 else None,
-                    loss_fn=loss_fn,
-                    weight_stashing=weight_stashing,
-                    timeout=timeout,
-                    replica_group=replica_group,
-                    num_replicas=layout.num_replicas,
-                    recorder=recorder,
-                )
+        self._pipeline_group = pipeline_group
+        # Synchronous schedules: one per per-replica batch size (torch fixes shapes at the first
+        # step), built when that size first comes. PipeDream sends shapes along: one engine.
+        self._schedules: dict[int, TorchSchedule] = {}
+        self._engine: PipeDreamStage | None = None
+        self._pipelined = self._distributed and layout.num_stages > 1
+        if self._pipelined and schedule not in SYNCHRONOUS:
+            s, r = self.stage, self.replica
+            self._engine = PipeDreamStage(
+                chunks[0][1],
+                s,
+                layout.num_stages,
+                prev_rank=layout.rank_of(s - 1, r) if s > 0 else None,
+                next_rank=layout.rank_of(s + 1, r) if s < layout.num_stages - 1 else None,
+                loss_fn=loss_fn,
+                weight_stashing=weight_stashing,
+                timeout=timeout,
+                replica_group=replica_group,
+                num_replicas=layout.num_replicas,
+                recorder=recorder,
+            )
 
     # ------------------------------------------------------------------ parameters
 
@@ -179,19 +176,7 @@ class PipelineModel:
             )
         x, y = self._replica_slice(x, "input"), self._replica_slice(y, "target")
         start = time.perf_counter()
-        self.module.zero_grad(set_to_none=True)
-        if isinstance(self._engine, TorchSchedule):
-            busy0 = self._engine.busy_seconds
-            if self.is_first_stage and x is None:
-                raise ValueError(f"stage {self.stage} is the first: it needs the inputs x")
-            if self.is_last_stage and y is None:
-                raise ValueError(f"stage {self.stage} is the last: it needs the targets y")
-            losses = self._engine.run(x, y)
-            busy = self._engine.busy_seconds - busy0
-        else:
-            losses, busy = self._accumulate_locally(x, y), None
-        if self.layout.num_replicas > 1:
-            self._average_gradients_over_replicas()
+        losses, _, busy = self._run(x, y, None, keep_outputs=False)
         loss = self._mean_loss(losses)
         # The wall time ends after the loss's all-reduce, where every stage meets: so each
         # stage's step spans the same period, its idle tail included.
@@ -208,52 +193,139 @@ class PipelineModel:
             optimizer.step()
             return loss
         x, y = self._replica_slice(x, "input"), self._replica_slice(y, "target")
-        m = self.num_microbatches
         start = time.perf_counter()
-        if isinstance(self._engine, PipeDreamStage):
-            busy0 = self._engine.busy_seconds
-            xs = list(x.chunk(m)) if self.is_first_stage and x is not None else None
-            ys = list(y.chunk(m)) if self.is_last_stage and y is not None else None
-            if (self.is_first_stage and xs is None) or (self.is_last_stage and ys is None):
-                raise ValueError(
-                    f"stage {self.stage} needs the {'inputs' if self.is_first_stage else 'targets'}"
-                    " of the batch: pass x and y on every process"
-                )
-            losses = self._engine.run(xs, ys, m, optimizer)
-            busy = self._engine.busy_seconds - busy0
-        else:
-            losses = self._pipedream_locally(x, y, optimizer)
-            busy = None
+        losses, _, busy = self._run(x, y, optimizer, keep_outputs=False, drain=self.drain_each_step)
         loss = self._mean_loss(losses)
         wall = time.perf_counter() - start  # after the stages meet, as in compute_gradients
         self.stats = StepStats(wall, busy if busy is not None else wall)
         return loss
 
-    def _accumulate_locally(self, x: torch.Tensor | None, y: torch.Tensor | None) -> list[float]:
+    def train_replica_batch(
+        self,
+        x: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        optimizer: torch.optim.Optimizer,
+    ) -> torch.Tensor | None:
+        """One training step on this replica's part of the batch, already cut (its size a
+        multiple of ``num_microbatches``); the last stage's outputs, None on other stages.
+
+        What ``Model.fit`` runs: no loss is sent around (the model's metrics are read later,
+        all at once); ``targets`` are whatever the ``loss_fn`` of this pipeline takes.
+        """
+        n = (x if x is not None else targets).shape[0]  # type: ignore[union-attr]
+        if n % self.num_microbatches:
+            raise ValueError(
+                f"a replica's batch of {n} does not split into {self.num_microbatches} "
+                "micro-batches"
+            )
+        _, outputs, _ = self._run(x, targets, optimizer, keep_outputs=True)
+        if self.schedule_name in SYNCHRONOUS:
+            optimizer.step()
+        return outputs
+
+    def _run(
+        self,
+        x: torch.Tensor | None,
+        y: torch.Tensor | None,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        keep_outputs: bool,
+        drain: bool = True,
+    ) -> tuple[list[float], torch.Tensor | None, float | None]:
+        """This replica's batch through the schedule: the last stage's per-micro-batch losses,
+        its outputs (with ``keep_outputs``) and this rank's seconds computing (None when the
+        whole pipeline runs in this process). Synchronous schedules leave the gradients, already
+        averaged over replicas, in ``.grad``; PipeDream updates with ``optimizer`` as it goes
+        (and, without ``drain``, leaves its warm-up micro-batches in flight)."""
+        if self.is_first_stage and x is None:
+            raise ValueError(f"stage {self.stage} is the first: it needs the inputs x")
+        if self.is_last_stage and y is None:
+            raise ValueError(f"stage {self.stage} is the last: it needs the targets y")
+        m = self.num_microbatches
+        if self.schedule_name not in SYNCHRONOUS:
+            assert optimizer is not None
+            if self._engine is None:
+                return self._pipedream_locally(x, y, optimizer, keep_outputs)
+            busy0 = self._engine.busy_seconds
+            xs = list(x.chunk(m)) if self.is_first_stage and x is not None else None
+            ys = list(y.chunk(m)) if self.is_last_stage and y is not None else None
+            kept: list[torch.Tensor] | None = [] if keep_outputs and self.is_last_stage else None
+            losses = self._engine.run(xs, ys, m, optimizer, kept, drain=drain)
+            outputs = torch.cat(kept) if kept else None
+            return losses, outputs, self._engine.busy_seconds - busy0
+        self.module.zero_grad(set_to_none=True)
+        if not self._pipelined:
+            losses, outputs = self._accumulate_locally(x, y, keep_outputs)
+            busy = None
+        else:
+            batch = x if x is not None else y
+            assert batch is not None
+            engine = self._schedule_for(batch.shape[0])
+            busy0 = engine.busy_seconds
+            losses, outputs = engine.run(x, y)
+            busy = engine.busy_seconds - busy0
+        if self.layout.num_replicas > 1:
+            self._average_gradients_over_replicas()
+        return losses, outputs if keep_outputs else None, busy
+
+    def flush(self) -> None:
+        """PipeDream without ``drain_each_step``: run the backwards (and updates) of the
+        micro-batches still in flight. Every process calls it; nothing to do otherwise. ``save``
+        and ``restore`` flush first."""
+        if self._engine is not None:
+            self._engine.flush()
+
+    def _schedule_for(self, batch_size: int) -> TorchSchedule:
+        engine = self._schedules.get(batch_size)
+        if engine is None:
+            engine = TorchSchedule(
+                self.schedule_name,
+                self._chunks,
+                self.layout.num_chunks,
+                self.num_microbatches,
+                self.loss_fn,
+                self._pipeline_group,
+            )
+            self._schedules[batch_size] = engine
+        return engine
+
+    def _accumulate_locally(
+        self, x: torch.Tensor | None, y: torch.Tensor | None, keep_outputs: bool
+    ) -> tuple[list[float], torch.Tensor | None]:
         """One stage in this process: every micro-batch through all chunks, gradients summed."""
         assert x is not None and y is not None
-        losses = []
+        losses, outputs = [], []
         for xm, ym in zip(x.chunk(self.num_microbatches), y.chunk(self.num_microbatches)):
-            loss = self.loss_fn(self.module(xm), ym)
+            out = self.module(xm)
+            loss = self.loss_fn(out, ym)
             (loss / self.num_microbatches).backward()
             losses.append(float(loss.detach()))
-        return losses
+            if keep_outputs:
+                outputs.append(out.detach())
+        return losses, torch.cat(outputs) if outputs else None
 
     def _pipedream_locally(
-        self, x: torch.Tensor | None, y: torch.Tensor | None, optimizer: torch.optim.Optimizer
-    ) -> list[float]:
+        self,
+        x: torch.Tensor | None,
+        y: torch.Tensor | None,
+        optimizer: torch.optim.Optimizer,
+        keep_outputs: bool,
+    ) -> tuple[list[float], torch.Tensor | None, None]:
         """PipeDream with one stage: an update after every micro-batch, nothing in flight."""
         assert x is not None and y is not None
-        losses = []
+        losses, outputs = [], []
         for xm, ym in zip(x.chunk(self.num_microbatches), y.chunk(self.num_microbatches)):
             optimizer.zero_grad(set_to_none=True)
-            loss = self.loss_fn(self.module(xm), ym)
+            out = self.module(xm)
+            loss = self.loss_fn(out, ym)
             loss.backward()
             if self.layout.num_replicas > 1:  # one stage, several replicas: data parallelism
                 self._average_gradients_over_replicas()
             optimizer.step()
             losses.append(float(loss.detach()))
-        return losses
+            if keep_outputs:
+                outputs.append(out.detach())
+        return losses, torch.cat(outputs) if outputs else None, None
 
     def _average_gradients_over_replicas(self) -> None:
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -282,6 +354,15 @@ class PipelineModel:
         Each replica runs the whole batch given to it (no slicing: predictions are not a
         training step). Forward only, one transfer per stage boundary.
         """
+        out = self.forward(x, to_every_stage=True)
+        assert out is not None
+        return out
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor | None, *, to_every_stage: bool) -> torch.Tensor | None:
+        """The model's outputs for ``x`` through this replica's stages, forward only, one
+        transfer per stage boundary: on the last stage, and on every stage with
+        ``to_every_stage`` (else None there)."""
         layout, r = self.layout, self.replica
         if not self._distributed or layout.num_stages == 1:
             assert x is not None
@@ -311,15 +392,48 @@ class PipelineModel:
         last = layout.stage_of_chunk(layout.num_chunks - 1)
         if self.stage == last:
             assert h is not None
-            for s in range(layout.num_stages):
+            for s in range(layout.num_stages) if to_every_stage else ():
                 if s != last:
                     works, _ = p2p.send(h, layout.rank_of(s, r), TAG_PREDICTION)
                     for w in works:
                         w.wait()
             return h
+        if not to_every_stage:
+            return None
         return p2p.recv(
             layout.rank_of(last, r), TAG_PREDICTION, what="predictions", timeout=self._timeout
         )
+
+    # ------------------------------------------------------------------ the whole model
+
+    def gather_module(self, whole: nn.Module) -> None:
+        """Load every stage's current layers into ``whole`` (the unsplit model this pipeline
+        was cut from, or one like it) on every process. Collective: every process calls it."""
+        mine = self.module.state_dict() if self.replica == 0 else {}
+        merged: dict[str, torch.Tensor] = {}
+        for part in self._comm.all_gather_object(mine, what="the pipeline stages' layers"):
+            merged.update(part)
+        whole.load_state_dict(merged)
+
+    def gather_optimizer_state(self, whole: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Give ``optimizer`` (over all of ``whole``'s parameters) every stage's state for its
+        parameters, on every process. Collective: every process calls it."""
+        by_name = dict(whole.named_parameters())
+        own = {id(p) for p in self.module.parameters()}
+        mine = {}
+        if self.replica == 0:
+            mine = {
+                n: optimizer.state[p]
+                for n, p in by_name.items()
+                if id(p) in own and p in optimizer.state
+            }
+        for part in self._comm.all_gather_object(mine, what="the pipeline stages' optimizer state"):
+            for name, state in part.items():
+                p = by_name[name]
+                if id(p) not in own:
+                    optimizer.state[p] = {
+                        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
+                    }
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -337,6 +451,7 @@ class PipelineModel:
         the whole model's state dict. Returns when every stage has written.
         """
         os.makedirs(path, exist_ok=True)
+        self.flush()
         if self.replica == 0:
             state = {
                 "model": self.module.state_dict(),
@@ -363,6 +478,7 @@ class PipelineModel:
         **tensors: torch.Tensor,
     ) -> None:
         """Restore this rank's stages (and optimizer, and ``tensors`` in place) from ``save``."""
+        self.flush()  # what is in flight belongs to the weights being replaced
         file = os.path.join(path, f"stage-{self.stage}.pt")
         if not os.path.exists(file):
             raise FileNotFoundError(

@@ -4,7 +4,10 @@ Each stage alternates one forward and one backward pass (after a warm-up of ``K 
 forwards on stage ``s`` of ``K``), takes micro-batches from the previous stage and gradients
 from the next one, and updates its weights after *every* micro-batch's backward pass: there is
 no synchronous flush between updates, so a micro-batch's forward runs on whatever weights the
-stage has at that moment, while older micro-batches are still in flight.
+stage has at that moment, while older micro-batches are still in flight. By default each
+``run`` (one training step) ends by draining what is in flight; with ``drain=False`` the
+``K - s - 1`` micro-batches of the warm-up stay in flight into the next ``run``, as in PipeDream,
+where the pipeline never drains, until ``flush()``.
 
 Weight stashing (PipeDream, Harlap et al. 2018) keeps, for each in-flight micro-batch, the
 weight version its forward used, and runs that micro-batch's backward with the same version:
@@ -57,6 +60,7 @@ class Recorder(Protocol):
 
 @dataclass
 class _InFlight:
+    index: int  # the micro-batch's index in the step that brought it
     x: torch.Tensor  # the stage's input (requires grad on every stage but the first)
     out: torch.Tensor | None  # the output (or loss, on the last stage) with its graph, if kept
     weights: dict[str, torch.Tensor] | None  # the stashed weight version, if stashing
@@ -65,7 +69,8 @@ class _InFlight:
 
 
 def one_f_one_b_order(stage: int, num_stages: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The 1F1B order of passes on one stage: ``[("F", 0), ("F", 1), ("B", 0), ...]``."""
+    """The 1F1B order of passes on one stage: ``[("F", 0), ("F", 1), ("B", 0), ...]`` (what
+    ``PipeDreamStage.run`` does in one step that drains)."""
     warmup = min(num_stages - stage - 1, num_microbatches)
     order = [("F", i) for i in range(warmup)]
     for i in range(num_microbatches - warmup):
@@ -108,6 +113,13 @@ class PipeDreamStage:
         self.max_versions_in_flight = 0
         self._snapshot: tuple[int, dict[str, torch.Tensor]] | None = None
         self._params = dict(module.named_parameters())
+        # Micro-batches are numbered across runs: forwarded so far, backwarded so far; the
+        # ones in between are in flight (kept across runs with drain=False, as are their sends).
+        self._forwards = 0
+        self._backwards = 0
+        self._in_flight: dict[int, _InFlight] = {}
+        self._outbox = p2p.Outbox(timeout)
+        self._optimizer: torch.optim.Optimizer | None = None
 
     @property
     def is_first(self) -> bool:
@@ -133,23 +145,49 @@ class PipeDreamStage:
         targets: list[torch.Tensor] | None,
         num_microbatches: int,
         optimizer: torch.optim.Optimizer,
+        outputs: list[torch.Tensor] | None = None,
+        *,
+        drain: bool = True,
     ) -> list[float]:
-        """Run ``num_microbatches`` through this stage in 1F1B order; the last stage's losses."""
-        outbox = p2p.Outbox(self.timeout)
-        in_flight: dict[int, _InFlight] = {}
+        """Forward ``num_microbatches`` new micro-batches through this stage in 1F1B order, a
+        backward after each forward once ``K - s - 1`` are in flight; then, with ``drain``, the
+        backwards of those left in flight. The last stage's losses (and, given a list
+        ``outputs``, its outputs appended in micro-batch order)."""
+        self._optimizer = optimizer
+        warmup = self.num_stages - self.stage - 1
         losses: list[float] = []
-        for kind, i in one_f_one_b_order(self.stage, self.num_stages, num_microbatches):
-            if kind == "F":
-                x = inputs[i] if self.is_first else self._recv(self.prev_rank, TAG_ACTIVATION, i)  # type: ignore[index]
-                target = targets[i] if self.is_last else None  # type: ignore[index]
-                in_flight[i] = self._forward(i, x, target, outbox, losses)
-                versions = {f.version for f in in_flight.values()}
-                self.max_versions_in_flight = max(self.max_versions_in_flight, len(versions))
-            else:
-                grad = None if self.is_last else self._recv(self.next_rank, TAG_GRADIENT, i)
-                self._backward(i, in_flight.pop(i), grad, outbox, optimizer)
-        outbox.drain()
+        for i in range(num_microbatches):
+            x = inputs[i] if self.is_first else self._recv(self.prev_rank, TAG_ACTIVATION, i)  # type: ignore[index]
+            target = targets[i] if self.is_last else None  # type: ignore[index]
+            f = self._forward(i, x, target, self._outbox, losses, outputs)
+            self._in_flight[self._forwards] = f
+            self._forwards += 1
+            versions = {g.version for g in self._in_flight.values()}
+            self.max_versions_in_flight = max(self.max_versions_in_flight, len(versions))
+            if self._forwards - self._backwards > warmup:
+                self._backward_next(optimizer)
+        if drain:
+            self.flush()
         return losses
+
+    def flush(self) -> None:
+        """The backwards of every micro-batch still in flight, and the sends still under way:
+        afterwards the weights hold every update. Every stage of the pipeline calls it."""
+        while self._backwards < self._forwards:
+            assert self._optimizer is not None
+            self._backward_next(self._optimizer)
+        self._outbox.drain()
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches forwarded whose backward has not run yet."""
+        return self._forwards - self._backwards
+
+    def _backward_next(self, optimizer: torch.optim.Optimizer) -> None:
+        f = self._in_flight.pop(self._backwards)
+        self._backwards += 1
+        grad = None if self.is_last else self._recv(self.next_rank, TAG_GRADIENT, f.index)
+        self._backward(f.index, f, grad, self._outbox, optimizer)
 
     def _recv(self, src: int | None, tag: int, i: int) -> torch.Tensor:
         kind = "activations" if tag == TAG_ACTIVATION else "gradients"
@@ -165,6 +203,7 @@ class PipeDreamStage:
         target: torch.Tensor | None,
         outbox: p2p.Outbox,
         losses: list[float],
+        outputs: list[torch.Tensor] | None,
     ) -> _InFlight:
         start = time.perf_counter()
         if not self.is_first:
@@ -179,6 +218,8 @@ class PipeDreamStage:
                 out = self.module(x)
         if self.is_last:
             assert target is not None
+            if outputs is not None:
+                outputs.append(out.detach())
             loss = self.loss_fn(out, target)
             losses.append(float(loss.detach()))
             kept = loss if weights is not None else None
@@ -190,7 +231,7 @@ class PipeDreamStage:
             outbox.send(
                 out.detach(), self.next_rank, TAG_ACTIVATION, f"activations of micro-batch {i}"
             )
-        return _InFlight(x, kept, weights, self.version, target)
+        return _InFlight(i, x, kept, weights, self.version, target)
 
     def _backward(
         self,

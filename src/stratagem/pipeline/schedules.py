@@ -3,7 +3,9 @@
 Each local model chunk becomes a ``PipelineStage`` (shapes inferred on the first step); the
 schedule splits the batch into micro-batches, runs them, and leaves the summed gradients,
 divided by the number of micro-batches (``scale_grads``), in the chunk's own parameters — so
-with a mean loss they equal the unsplit model's gradients on the whole batch.
+with a mean loss they equal the unsplit model's gradients on the whole batch. A schedule is
+built for one batch size (torch fixes the micro-batch shapes at its first step); ``PipelineModel``
+keeps one per batch size it meets.
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ class TorchSchedule:
         ]
         self.name = name
         self.busy_seconds = 0.0
-        self._batch_size: int | None = None  # per replica, fixed by the first step
         for stage in self.stages:
             stage.forward_one_chunk = self._timed(stage.forward_one_chunk)  # type: ignore[method-assign]
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)  # type: ignore[method-assign]
@@ -76,24 +77,16 @@ class TorchSchedule:
 
         return timed
 
-    def run(self, x: torch.Tensor | None, y: torch.Tensor | None) -> list[float]:
-        """One step over the batch; the last stage's per-micro-batch losses (else empty)."""
-        batch = x if x is not None else y
-        if batch is not None:
-            if self._batch_size is None:
-                self._batch_size = batch.shape[0]
-            elif batch.shape[0] != self._batch_size:
-                raise ValueError(
-                    f"schedule {self.name!r} got a batch of {batch.shape[0]} after batches of "
-                    f"{self._batch_size}: torch.distributed.pipelining fixes the micro-batch "
-                    "shapes at the first step. Keep the batch size constant (drop a last "
-                    "partial batch), or use schedule='PipeDream', which sends shapes along"
-                )
+    def run(
+        self, x: torch.Tensor | None, y: torch.Tensor | None
+    ) -> tuple[list[float], torch.Tensor | None]:
+        """One step over the batch: the last stage's per-micro-batch losses (else empty) and
+        its outputs for the whole batch (else None)."""
         losses: list[torch.Tensor] = []
         args = (x,) if self.is_first else ()
         target = y if self.is_last else None
         try:
-            self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
+            out = self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             if "closed" in first.lower() or "reset" in first.lower():
@@ -102,4 +95,5 @@ class TorchSchedule:
                     f"(stages {[s.stage_index for s in self.stages]} run here): {first}"
                 ) from e
             raise
-        return [float(loss.detach()) for loss in losses]
+        outputs = out.detach() if self.is_last and isinstance(out, torch.Tensor) else None
+        return [float(loss.detach()) for loss in losses], outputs

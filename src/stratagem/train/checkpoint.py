@@ -171,9 +171,11 @@ class Checkpoint:
         is the checkpoint; other processes would only race it for the same path. They create the
         parent directory (so code that removes a per-worker temporary directory afterwards, as
         TensorFlow's multi-worker tutorial does, works) and return the same path without
-        writing or waiting for anyone: a save is never a synchronisation point. The exception is a
-        checkpoint of weights laid out on a mesh (``sg.dtensor``): each process holds different
-        shards, so every process writes its own, collectively (``sharded.py``).
+        writing or waiting for anyone: a save is never a synchronisation point. The exceptions
+        hold state that differs between processes: a checkpoint of weights laid out on a mesh
+        (``sg.dtensor``), where every process writes its own shards, collectively
+        (``sharded.py``); and a model split into pipeline stages, whose stages first bring their
+        layers to every process (a collective hook), so the chief writes the whole model.
         """
         path = os.fspath(file_path)
         if not os.path.basename(path):
@@ -181,11 +183,15 @@ class Checkpoint:
         if sharded.holds_dtensors(self):
             # Weights laid out on a mesh (sg.dtensor): every process writes its own shards.
             return sharded.write(self, path, self._meta())
+        for hooks in remote_state_hooks():  # pipeline stages: every process takes part
+            if hooks.collective:
+                hooks.before_write(self._objects())
         if not current_communicator().is_chief:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             return path
         for hooks in remote_state_hooks():  # parameter servers: their values and state, home
-            hooks.before_write(self._objects())
+            if not hooks.collective:
+                hooks.before_write(self._objects())
         state, described = self._collect()
         meta = {**self._meta(), "trackables": described}
         write_atomically(path, state, meta)
