@@ -7,8 +7,9 @@
    - separate jobs, alternating (DDP, ours, DDP, ours, ...), each in fresh processes: what a
      user sees, but a job's speed on a shared 2-core machine swings by ±15%;
    - interleaved: in each of the same two processes, an MWMS model and a DDP model (over the
-     same gloo process group) train in alternating blocks of steps, so both sides see the same
-     machine state; far less noise. Samples/s per block; the ratio is of the medians.
+     same gloo process group) take turns step by step (which goes first alternates), so both
+     sides meet the same machine state; per job, the median over pairs of steps of DDP's step
+     time over ours (our samples/s over DDP's); reported, the median of the jobs.
 2. MirroredStrategy with 2 logical CPU replicas vs 1 replica, per-replica batch 256, one
    process each time, alternating; samples/s and the ratio of medians. Beside it, the ceiling
    of the design on this machine: raw PyTorch in 2 threads (1 intra-op thread each, each its
@@ -44,7 +45,7 @@ from common import (
     batches,
     clean_env,
     free_port,
-    hand_written_loop,
+    hand_written_step,
     run_processes,
     seed_cnn,
 )
@@ -120,35 +121,43 @@ def worker_ours(rank: int, world: int, port: int, steps: int, warmup: int, batch
     return steps * batch / (time.perf_counter() - start)
 
 
-def worker_interleaved(rank: int, world: int, port: int, blocks: int, k: int, batch: int) -> str:
-    """Alternate blocks of k steps of MWMS and of DDP in this process; JSON of per-block rates."""
+def worker_interleaved(rank: int, world: int, port: int, passes: int, k: int, batch: int) -> str:
+    """Alternate single steps of MWMS and of DDP in this process (each side before the other
+    on every other step); JSON of the seconds of each step, paired by position."""
     from torch.nn.parallel import DistributedDataParallel
 
     strategy, step_fn = seed_loop_under_mwms(rank, world, port, batch)
     # Outside the scope: stratagem leaves this model alone; DDP uses the default process group.
     torch.manual_seed(0)
-    train_ddp = hand_written_loop(DistributedDataParallel(seed_cnn()))
+    raw_step = hand_written_step(DistributedDataParallel(seed_cnn()))
     data = batches(k, batch // world, seed=rank)
+    dataset = strategy.distribute_datasets_from_function(lambda ctx: data)
 
-    def ours() -> None:
-        for inputs in strategy.distribute_datasets_from_function(lambda ctx: data):
+    def ddp_step(x: torch.Tensor, y: torch.Tensor) -> float:
+        start = time.perf_counter()
+        raw_step(x, y)
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {"ddp": [], "ours": []}
+    step = 0
+    for p in range(passes + 1):  # pass 0 warms both up
+        batches_in = iter(dataset)
+        while True:
+            ddp_first = step % 2 == 1
+            ddp_s = ddp_step(*data[step % k]) if ddp_first else None
+            start = time.perf_counter()  # ours: fetching the batch, run, the step
+            inputs = next(batches_in, None)
+            if inputs is None:
+                break
             strategy.run(step_fn, args=(inputs,))
-
-    def raw() -> None:
-        train_ddp(data)
-
-    comm = strategy._comm
-    rates: dict[str, list[float]] = {"ddp": [], "ours": []}
-    for block in range(blocks + 1):  # block 0 warms both up
-        order = [("ddp", raw), ("ours", ours)]
-        for name, fn in order if block % 2 else order[::-1]:
-            comm.barrier(what="block start")
-            start = time.perf_counter()
-            fn()
-            comm.barrier(what="block end")
-            if block:
-                rates[name].append(k * batch / (time.perf_counter() - start))
-    return json.dumps(rates)
+            ours_s = time.perf_counter() - start
+            if not ddp_first:
+                ddp_s = ddp_step(*data[step % k])
+            if p:
+                times["ours"].append(ours_s)
+                times["ddp"].append(ddp_s)
+            step += 1
+    return json.dumps(times)
 
 
 def raw_threads_rate(threads: int, steps: int, warmup: int, per_thread: int) -> float:
@@ -241,7 +250,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few steps and rounds (a smoke run)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--jobs", type=int, default=3, help="interleaved jobs (10 blocks each)")
+    parser.add_argument("--jobs", type=int, default=3, help="interleaved jobs (6 passes each)")
     parser.add_argument(
         "--stable-malloc", action="store_true", help="pin glibc's mmap/trim thresholds (see above)"
     )
@@ -264,7 +273,7 @@ def main() -> None:
         print(rate, flush=True)
         return
     rounds, steps, warmup = (1, 4, 2) if args.quick else (args.rounds, args.steps, 10)
-    jobs, blocks, block_steps = (1, 2, 3) if args.quick else (args.jobs, 10, 10)
+    jobs, passes, pass_steps = (1, 1, 4) if args.quick else (args.jobs, 6, 20)
     extra = STABLE_MALLOC if args.stable_malloc else {}
 
     def alternate(label: str, a: str, b: str, measure_a, measure_b) -> tuple[list, list]:
@@ -286,14 +295,16 @@ def main() -> None:
         lambda: float(run_job("ddp", steps, warmup, 128, extra)),
         lambda: float(run_job("ours", steps, warmup, 128, extra)),
     )
-    ddp_blocks: list[float] = []
-    ours_blocks: list[float] = []
+    ddp_steps: list[float] = []
+    ours_steps: list[float] = []
+    job_ratios: list[float] = []
     for j in range(jobs):
-        rates = json.loads(run_job("interleaved", blocks, block_steps, 128, extra))
-        ddp_blocks += rates["ddp"]
-        ours_blocks += rates["ours"]
-        job_ratio = statistics.median(rates["ours"]) / statistics.median(rates["ddp"])
-        print(f"interleaved job {j + 1}/{jobs}: MWMS/DDP {job_ratio:.3f}", flush=True)
+        times = json.loads(run_job("interleaved", passes, pass_steps, 128, extra))
+        ddp_steps += [128 / t for t in times["ddp"]]
+        ours_steps += [128 / t for t in times["ours"]]
+        # The median over pairs of steps run back to back: a burst that slows both cancels.
+        job_ratios.append(statistics.median(d / o for d, o in zip(times["ddp"], times["ours"])))
+        print(f"interleaved job {j + 1}/{jobs}: MWMS/DDP {job_ratios[-1]:.3f}", flush=True)
     m_steps = max(2, steps // 3)
     one, two = alternate(
         "Mirrored",
@@ -316,11 +327,11 @@ def main() -> None:
     rows = [
         ("DDP, 2 workers, global batch 128, separate jobs", ddp, 1.0),
         ("MultiWorkerMirroredStrategy, same, separate jobs", ours, ratio(ddp, ours)),
-        ("DDP, interleaved blocks", ddp_blocks, 1.0),
+        ("DDP, interleaved step by step", ddp_steps, 1.0),
         (
-            "MultiWorkerMirroredStrategy, interleaved blocks",
-            ours_blocks,
-            ratio(ddp_blocks, ours_blocks),
+            "MultiWorkerMirroredStrategy, interleaved step by step (median of jobs' paired ratios)",
+            ours_steps,
+            statistics.median(job_ratios),
         ),
         ("MirroredStrategy, 1 CPU replica, batch 256", one, 1.0),
         ("MirroredStrategy, 2 CPU replicas, 256 each", two, ratio(one, two)),

@@ -33,17 +33,18 @@ def batches(n: int, size: int, seed: int) -> list[tuple[torch.Tensor, torch.Tens
     ]
 
 
-def hand_written_loop(module: torch.nn.Module):
-    """Plain PyTorch training of ``module`` (RMSprop as the seed sets it): ``run(pairs)``."""
-    optimizer = torch.optim.RMSprop(module.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
+def hand_written_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
+    """One step of plain PyTorch training of ``module``: ``step(x, y)``. The optimizer defaults
+    to RMSprop as the seed sets it."""
+    if optimizer is None:
+        optimizer = torch.optim.RMSprop(module.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
 
-    def run(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for x, y in pairs:
-            optimizer.zero_grad()
-            torch.nn.functional.cross_entropy(module(x), y).backward()
-            optimizer.step()
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(module(x), y).backward()
+        optimizer.step()
 
-    return run
+    return step
 
 
 def free_port() -> int:

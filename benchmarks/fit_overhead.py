@@ -37,6 +37,7 @@ from common import (
     batches,
     clean_env,
     free_port,
+    hand_written_step,
     run_processes,
     seed_cnn,
 )
@@ -90,15 +91,6 @@ def _interleaved(sg, hand_step, pairs):
     return Interleave()
 
 
-def _hand_step(module: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:  # common.hand_written_loop's step
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(module(xb), yb).backward()
-        optimizer.step()
-
-    return step
-
-
 def one_device(passes: int, steps: int, batch: int, control: bool = False) -> dict:
     """Seconds of every step of fit and of the hand-written loop, interleaved step by step on
     the very same module and optimizer (two copies of a model differ in where their tensors
@@ -110,7 +102,7 @@ def one_device(passes: int, steps: int, batch: int, control: bool = False) -> di
     model = _model(sg)
     pairs = batches(steps, batch, seed=0)
     x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
-    hand_step = _hand_step(model.module, model.optimizer.torch_optimizer)
+    hand_step = hand_written_step(model.module, model.optimizer.torch_optimizer)
     clock = _interleaved(sg, hand_step, pairs)
     if control:
         for _ in range(passes + 1):
@@ -144,12 +136,11 @@ def two_workers(rank: int, port: int, passes: int, steps: int, batch: int) -> di
         model = _model(sg)
     torch.manual_seed(0)
     raw = DistributedDataParallel(seed_cnn())
-    optimizer = torch.optim.RMSprop(raw.parameters(), lr=1e-3, alpha=0.9, eps=1e-7)
     pairs = batches(steps, batch, seed=0)  # global batches, the same on both workers
     x, y = torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs])
     part = slice(rank * batch // 2, (rank + 1) * batch // 2)  # this worker's half of each batch
     mine = [(px[part], py[part]) for px, py in pairs]
-    clock = _interleaved(sg, _hand_step(raw, optimizer), mine)
+    clock = _interleaved(sg, hand_written_step(raw), mine)
     model.fit(x, y, batch_size=batch, epochs=passes + 1, shuffle=False, verbose=0,
               callbacks=[clock])  # fmt: skip
     times = clock.step_times()
