@@ -6,10 +6,9 @@ its share of the *global* mean: the sum of its per-example losses divided by the
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
+from stratagem.comm.tensors import is_dtensor
 from stratagem.distribute import context
 
 
@@ -32,7 +31,7 @@ def compute_average_loss(
         )
     if sample_weight is not None:
         per_example_loss = per_example_loss * sample_weight
-    if global_batch_size is None and _is_dtensor(per_example_loss):
+    if global_batch_size is None and is_dtensor(per_example_loss):
         # The losses of the whole global batch laid out on a mesh (sg MeshStrategy): the shape
         # is the global batch's, and the sum stays each replica's partial sum until reduced.
         global_batch_size = per_example_loss.shape[0]
@@ -52,11 +51,6 @@ def compute_average_loss(
     ):
         raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
     return per_example_loss.sum() / global_batch_size
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: no DTensor exists
-    return dtensor is not None and isinstance(tensor, dtensor.DTensor)
 
 
 def scale_regularization_loss(regularization_loss: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,6 @@ import inspect
 import json
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 from datetime import datetime, timezone
@@ -32,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from stratagem.comm import current_communicator, distribution_context
 from stratagem.comm.runtime import remote_state_hooks
+from stratagem.comm.tensors import is_dtensor
 from stratagem.keras import losses, optimizers
 
 if TYPE_CHECKING:
@@ -93,18 +93,16 @@ def save_model(model: Model, path: str) -> str:
 def _full_module(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` with whole tensors: itself, or a copy whose DTensor weights (a mesh's shards)
     are gathered, which every process must ask for. The copy exports as a plain module."""
-    dtensor = sys.modules.get("torch.distributed.tensor")  # not loaded: no DTensor exists
-    tensors = [*module.parameters(), *module.buffers()]
-    if dtensor is None or not any(isinstance(t, dtensor.DTensor) for t in tensors):
+    if not any(is_dtensor(t) for t in [*module.parameters(), *module.buffers()]):
         return module
     plain = copy.deepcopy(module)
     for submodule in plain.modules():  # the same order on every process: one gather each
         for name, p in list(submodule._parameters.items()):
-            if isinstance(p, dtensor.DTensor):
+            if is_dtensor(p):
                 full = p.detach().full_tensor()
                 submodule._parameters[name] = torch.nn.Parameter(full, p.requires_grad)
         for name, b in list(submodule._buffers.items()):
-            if isinstance(b, dtensor.DTensor):
+            if is_dtensor(b):
                 submodule._buffers[name] = b.full_tensor()
     return plain
 

@@ -25,15 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stratagem.comm.tensors import is_dtensor
 from stratagem.errors import CheckpointError
 from stratagem.train.restore import LoadStatus, copy_into
 from stratagem.train.storage import fsync_dir, hidden_sibling, is_checkpoint, write_file
-
-
-def _is_dtensor(value: object) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(value, DTensor)
 
 
 def _trackables(checkpoint: Any) -> Iterator[tuple[str, Any]]:
@@ -59,7 +54,7 @@ def holds_dtensors(checkpoint: Any) -> bool:
             tensors = [obj]
         else:
             continue
-        if any(_is_dtensor(t) for t in tensors):
+        if any(is_dtensor(t) for t in tensors):
             return True
     return False
 
