@@ -170,16 +170,3 @@ class FitData:
         # Batches are consecutive examples: skipping k batches is skipping k * size examples.
         batches = examples.skip(p.batch * self._batch_size).batch(self._batch_size)
         return iter(self._strategy.experimental_distribute_dataset(batches))
-
-
-def unpack(data: Any) -> tuple[Any, Any, Any]:
-    """``(x, y, sample_weight)`` from a batch that is ``x``, ``(x, y)`` or ``(x, y, w)``."""
-    if isinstance(data, tuple | list):
-        if len(data) == 2:
-            return data[0], data[1], None
-        if len(data) == 3:
-            return data[0], data[1], data[2]
-        if len(data) == 1:
-            return data[0], None, None
-        raise ValueError(f"a batch is x, (x, y) or (x, y, sample_weight); got {len(data)} parts")
-    return data, None, None

@@ -23,11 +23,12 @@ import numpy as np
 import torch
 
 from stratagem import nn as sg_nn
+from stratagem.data._structure import unpack_batch as unpack
 from stratagem.distribute import get_strategy
 from stratagem.distribute.strategy import Strategy
 from stratagem.keras import callbacks as callbacks_module
 from stratagem.keras import losses, metrics, optimizers
-from stratagem.keras.data_adapter import DataPosition, FitData, global_batches, unpack
+from stratagem.keras.data_adapter import DataPosition, FitData, global_batches
 from stratagem.train import Checkpoint, latest_checkpoint
 from stratagem.train.storage import is_checkpoint
 

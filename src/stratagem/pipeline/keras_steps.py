@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from stratagem.data._structure import unpack_batch as unpack
 from stratagem.pipeline.model import PipelineModel
 
 PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (y_true, y_pred)
@@ -56,15 +57,6 @@ class IndexedLoss:
         real = (rows < self._real).to(per_example.dtype)
         real = real.reshape(-1, *([1] * (per_example.dim() - 1)))
         return (per_example * real).sum() * self._scale
-
-
-def unpack(batch: Any) -> tuple[Any, Any, Any]:
-    """``(x, y, sample_weight)`` from a batch ``x``, ``(x, y)`` or ``(x, y, w)``."""
-    if isinstance(batch, tuple | list):
-        if len(batch) in (1, 2, 3):
-            return (*batch, *([None] * (3 - len(batch))))  # type: ignore[return-value]
-        raise ValueError(f"a batch is x, (x, y) or (x, y, sample_weight); got {len(batch)} parts")
-    return batch, None, None
 
 
 def _pad(t: torch.Tensor | None, rows: int, filler: torch.Tensor | None) -> torch.Tensor | None:
