@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 
 from stratagem.comm import Communicator, LocalCommunicator, runtime
 from stratagem.comm.process_group import GroupCommunicator, ProcessGroupCommunicator
+from stratagem.distribute import scope as scope_hooks
 from stratagem.distribute.devices import LogicalDevice
 from stratagem.distribute.input import (
     chunk_sizes,
@@ -104,15 +105,13 @@ class MeshStrategy(Strategy):
         return apply_layout_map(module, self.layout_map)
 
     def _adopt_model(self, module: torch.nn.Module) -> None:
-        apply_layout_map(module, self.layout_map)
+        self.distribute_module(module)
 
     def _capture_parameter(
         self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
     ) -> torch.nn.Parameter | None:
         # Laid out when the scope ends (paths are known then). Claimed meanwhile, so that an
         # optimizer created in the scope, over these soon-replaced tensors, is caught at step.
-        from stratagem.distribute import scope as scope_hooks
-
         scope_hooks.claim(param, self)
         return None
 
