@@ -25,7 +25,8 @@ from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
 from stratagem.comm.bucketing import GradientReducer
 from stratagem.comm.process_group import Timeouts, connect
-from stratagem.distribute.devices import LogicalDevice
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery.devices import LogicalDevice
 from stratagem.distribute.experimental import CommunicationImplementation, CommunicationOptions
 from stratagem.distribute.strategy import Strategy
 from stratagem.errors import RendezvousError
@@ -62,6 +63,27 @@ class MultiWorkerMirroredStrategy(Strategy):
         *,
         gradient_aggregation: ReduceOp | str = ReduceOp.SUM,
     ) -> None:
+        super().__init__(
+            MultiWorkerMirroredExtended(
+                self,
+                communication_options,
+                cluster_resolver,
+                gradient_aggregation=gradient_aggregation,
+            )
+        )
+
+
+class MultiWorkerMirroredExtended(StrategyExtended):
+    """One replica per process; gradients all-reduced in buckets during backward."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        communication_options: CommunicationOptions | None,
+        cluster_resolver: ClusterResolver | None,
+        *,
+        gradient_aggregation: ReduceOp | str,
+    ) -> None:
         options = communication_options or CommunicationOptions()
         if not isinstance(options, CommunicationOptions):
             raise TypeError(
@@ -70,7 +92,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             )
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         check_task_types(
-            resolver.cluster_spec(), ("chief", "worker", "evaluator"), type(self).__name__
+            resolver.cluster_spec(), ("chief", "worker", "evaluator"), type(container).__name__
         )
         device = _worker_device(resolver)
         timeouts = Timeouts.from_env(options.timeout_seconds)
@@ -82,6 +104,7 @@ class MultiWorkerMirroredStrategy(Strategy):
                 resolver, backend=_backend(options, device.torch_device), timeouts=timeouts
             )
         super().__init__(
+            container,
             [device],
             comm=comm,
             cluster_resolver=resolver,
@@ -91,10 +114,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         self._reducer = GradientReducer(
             comm,
             bucket_bytes=options.bytes_per_pack or (4 << 20),
-            average=self._average_gradients,
+            average=self.gradient_aggregation is ReduceOp.MEAN,
         )
 
-    def _adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+    def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
         self._broadcast_initial_values([t for t, _ in tensors])
         self._reducer.add_parameters([t for t, is_param in tensors if is_param])
 
@@ -124,10 +147,10 @@ class MultiWorkerMirroredStrategy(Strategy):
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
 
-    def _after_run(self) -> None:
+    def after_run(self) -> None:
         self._reducer.flush()
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._reducer.flush()
 
 

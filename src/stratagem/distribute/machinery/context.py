@@ -34,7 +34,7 @@ class ReplicaContext:
 
     def all_reduce(self, reduce_op: Any, value: Any) -> Any:
         """Reduce ``value`` across every replica, from inside ``run`` (a sync point)."""
-        return self.strategy._replica_all_reduce(self, reduce_op, value)
+        return self.strategy.extended.replica_all_reduce(self, reduce_op, value)
 
     def __repr__(self) -> str:
         return (
@@ -92,7 +92,7 @@ def get_strategy() -> Strategy:
     scoped = scope_strategy()
     if scoped is not None:
         return scoped
-    from stratagem.distribute.default import default_strategy
+    from stratagem.distribute.default_strategy import default_strategy
 
     return default_strategy()
 
@@ -109,7 +109,7 @@ def get_replica_context() -> ReplicaContext | None:
         return ctx
     if scope_strategy() is not None:
         return None
-    from stratagem.distribute.default import default_strategy
+    from stratagem.distribute.default_strategy import default_strategy
 
     return ReplicaContext(default_strategy(), 0, 0, None)
 

@@ -26,9 +26,10 @@ import torch
 
 from stratagem.comm import LocalCommunicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
-from stratagem.distribute.context import current_replica
-from stratagem.distribute.devices import LogicalDevice, default_devices, parse_devices
-from stratagem.distribute.mirrored_variables import MirroredVariables
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery.context import current_replica
+from stratagem.distribute.machinery.devices import LogicalDevice, default_devices, parse_devices
+from stratagem.distribute.machinery.mirrored_variables import MirroredVariables
 from stratagem.distribute.strategy import Strategy
 
 
@@ -48,6 +49,25 @@ class MirroredStrategy(Strategy):
         *,
         gradient_aggregation: ReduceOp | str = ReduceOp.SUM,
     ) -> None:
+        super().__init__(
+            MirroredExtended(
+                self, devices, cross_device_ops, gradient_aggregation=gradient_aggregation
+            )
+        )
+
+
+class MirroredExtended(StrategyExtended):
+    """MirroredStrategy's ``extended``: mirrored variables, replica threads, merge calls."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        devices: list[str | torch.device] | None,
+        cross_device_ops: CrossDeviceOps | None,
+        *,
+        gradient_aggregation: ReduceOp | str = ReduceOp.SUM,
+        mirrors_on: torch.device | None = None,
+    ) -> None:
         parsed = parse_devices(devices) if devices is not None else default_devices()
         if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
             raise TypeError(
@@ -55,6 +75,7 @@ class MirroredStrategy(Strategy):
                 f"HierarchicalCopyAllReduce, ReductionToOneDevice), got {cross_device_ops!r}"
             )
         super().__init__(
+            container,
             parsed,
             comm=LocalCommunicator(),
             cross_device_ops=cross_device_ops or _default_cross_device_ops(parsed),
@@ -64,8 +85,11 @@ class MirroredStrategy(Strategy):
         self._cross_device_ops.check_devices(
             [d.torch_device for d in parsed], [d.name for d in parsed]
         )
+        # ``mirrors_on``: a device of their own for the primaries (CentralStorageStrategy);
+        # every replica then computes on a copy.
+        averaged = self.gradient_aggregation is ReduceOp.MEAN
         self._mirrors = MirroredVariables(
-            parsed, grad_scale=1 / len(parsed) if self._average_gradients else None
+            parsed, grad_scale=1 / len(parsed) if averaged else None, primary_device=mirrors_on
         )
         self._intra_op_threads = self._threads_per_cpu_replica(parsed)
 
@@ -80,23 +104,23 @@ class MirroredStrategy(Strategy):
 
     # The mirrored variables --------------------------------------------------------------
 
-    def _adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+    def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
         for tensor, is_parameter in tensors:
             self._mirrors.add(tensor, is_parameter=is_parameter)
 
-    def _replica_view(self, replica: int) -> dict[int, torch.Tensor]:
+    def replica_view(self, replica: int) -> dict[int, torch.Tensor]:
         return self._mirrors.view(replica)
 
     # Around run ----------------------------------------------------------------------------
 
-    def _before_run(self) -> None:
+    def before_run(self) -> None:
         self._mirrors.refresh()
         self._mirrors.scaling = True
 
-    def _leave_run(self) -> None:
+    def leave_run(self) -> None:
         self._mirrors.scaling = False
 
-    def _after_run(self) -> None:
+    def after_run(self) -> None:
         if self._mirrors.pending_gradients():
             self._reduce_gradients()
 
@@ -105,22 +129,22 @@ class MirroredStrategy(Strategy):
 
     # The merge call around optimizer.step() ------------------------------------------------
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self._sync_replicas("optimizer.step()", self._reduce_gradients)
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.merge_call("optimizer.step()", self._reduce_gradients)
         if self._on_replica_zero():
             # The other replicas' steps find no gradient and wait: lend replica 0 their threads.
             torch.set_num_threads(self._process_threads)
 
-    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._on_replica_zero():
             torch.set_num_threads(self._intra_op_threads)
-        self._sync_replicas("the end of optimizer.step()", self._mirrors.refresh)
+        self.merge_call("the end of optimizer.step()", self._mirrors.refresh)
 
     def _on_replica_zero(self) -> bool:
         ctx = current_replica()
         return (
             self._intra_op_threads is not None
             and ctx is not None
-            and ctx.strategy is self
+            and ctx.strategy is self.strategy
             and ctx.local_replica_id == 0
         )

@@ -28,7 +28,7 @@ loops (``sg.dtensor`` ports those directly).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -36,11 +36,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
-from stratagem.comm import Communicator, LocalCommunicator, runtime
-from stratagem.comm.process_group import GroupCommunicator, ProcessGroupCommunicator
-from stratagem.distribute import scope as scope_hooks
-from stratagem.distribute.devices import LogicalDevice
-from stratagem.distribute.input import (
+from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.comm.process_group import (
+    GroupCommunicator,
+    ProcessGroupCommunicator,
+    live_connection,
+)
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery import scope_hooks
+from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.input import (
     chunk_sizes,
     record_global_batch_size,
     recorded_global_batch_size,
@@ -57,6 +62,29 @@ class MeshStrategy(Strategy):
         mesh: Mesh,
         layout_map: LayoutMap | None = None,
         batch_dim_name: str = "batch",
+    ) -> None:
+        extended = MeshExtended(self, mesh, layout_map, batch_dim_name)
+        super().__init__(extended)
+        self.mesh = mesh
+        self.layout_map = extended.layout_map
+        self.batch_dim_name = batch_dim_name
+
+    def __repr__(self) -> str:
+        return (
+            f"MeshStrategy({self.mesh}, batch_dim_name={self.batch_dim_name!r}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+class MeshExtended(StrategyExtended):
+    """Weights laid out by a LayoutMap; steps on global DTensors split along ``batch``."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        mesh: Mesh,
+        layout_map: LayoutMap | None,
+        batch_dim_name: str,
     ) -> None:
         if not isinstance(mesh, Mesh):
             raise MeshError(
@@ -80,47 +108,69 @@ class MeshStrategy(Strategy):
         self.batch_dim_name = batch_dim_name
         self._batch_index = mesh.dim_names.index(batch_dim_name)
         self._batch_rows: int | None = None  # the global batch of the run under way
+        self._modules_in_scope: dict[int, torch.nn.Module] = {}
         device = torch.device(mesh.device_type)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
+        self._job = _job_communicator(mesh)
         super().__init__(
+            container,
             [LogicalDevice(str(device), device)],
-            comm=_replica_communicator(mesh, batch_dim_name),
+            comm=_replica_communicator(mesh, batch_dim_name, self._job),
         )
 
-    def __repr__(self) -> str:
-        return (
-            f"MeshStrategy({self.mesh}, batch_dim_name={self.batch_dim_name!r}, "
-            f"num_replicas_in_sync={self.num_replicas_in_sync})"
-        )
+    def barrier(self, what: str) -> None:
+        # Every process of the job, not just the replicas: a model-parallel peer of another
+        # replica must also wait for the chief's write.
+        self._job.barrier(what=what)
 
-    # ------------------------------------------------------------------ scope
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "mesh": dict(zip(self.mesh.dim_names, self.mesh.shape)),
+            "batch_dim_name": self.batch_dim_name,
+        }
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[Strategy]:
-        with super().scope(), self.layout_map.scope():
-            yield self
+    # ------------------------------------------------------------------ placement
+
+    def in_scope(self) -> contextlib.AbstractContextManager[Any]:
+        return self.layout_map.scope()
 
     def distribute_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        return apply_layout_map(module, self.layout_map)
+        apply_layout_map(module, self.layout_map)
+        self._claim(module)
+        return module
 
-    def _adopt_model(self, module: torch.nn.Module) -> None:
+    def adopt_model(self, module: torch.nn.Module) -> None:
         self.distribute_module(module)
 
-    def _capture_parameter(
+    def capture_parameter(
         self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
     ) -> torch.nn.Parameter | None:
         # Laid out when the scope ends (paths are known then). Claimed meanwhile, so that an
         # optimizer created in the scope, over these soon-replaced tensors, is caught at step.
-        scope_hooks.claim(param, self)
+        scope_hooks.claim(param, self.strategy)
+        self._modules_in_scope.setdefault(id(module), module)
         return None
 
-    def _capture_buffer(
+    def capture_buffer(
         self, module: torch.nn.Module, name: str, buffer: torch.Tensor
     ) -> torch.Tensor | None:
         return None
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def adopt_captured(self) -> None:
+        # The layout map's scope (inside ours) has laid the modules out by now: their DTensor
+        # weights are this strategy's too.
+        modules, self._modules_in_scope = self._modules_in_scope, {}
+        for module in modules.values():
+            self._claim(module)
+
+    def _claim(self, module: torch.nn.Module) -> None:
+        for t in [*module.parameters(), *module.buffers()]:
+            if isinstance(t, DTensor) and scope_hooks.owner_of(t) is None:
+                scope_hooks.claim(t, self.strategy)
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         stale = sum(1 for p in params if not isinstance(p, DTensor))
         if stale:
@@ -134,13 +184,13 @@ class MeshStrategy(Strategy):
 
     # ------------------------------------------------------------------ run
 
-    def run(
+    def call_for_each_replica(
         self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict | None = None
     ) -> Any:
         """``fn`` on global DTensors split along ``batch``; results per replica (see above)."""
         args, kwargs = self._to_mesh((tuple(args), dict(kwargs or {})))
         try:
-            return self._replica_values(super().run(fn, args, kwargs))
+            return self.replica_values(super().call_for_each_replica(fn, args, kwargs))
         finally:
             self._batch_rows = None
 
@@ -184,7 +234,7 @@ class MeshStrategy(Strategy):
 
         return pytree.tree_map(to_mesh, structure)
 
-    def _replica_values(self, structure: Any) -> Any:
+    def replica_values(self, structure: Any) -> Any:
         """DTensors → this replica's own value: its rows of a tensor split along ``batch`` (or
         of one as long as the batch, which DTensor may have chosen to replicate: a batch too
         small to split), its partial sum (or mean) of a reduction over the batch, else the
@@ -215,7 +265,7 @@ class MeshStrategy(Strategy):
             for i in range(len(self.mesh.dim_names))
         )
 
-    def _split_sizes(self, total: int, parts: int) -> list[int]:
+    def split_sizes(self, total: int, parts: int) -> list[int]:
         return chunk_sizes(total, parts)
 
 
@@ -223,12 +273,18 @@ def _is_batch_part(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0
 
 
-def _replica_communicator(mesh: Mesh, batch_dim_name: str) -> Communicator:
+def _job_communicator(mesh: Mesh) -> Communicator:
+    """The connection of the whole job the mesh spans (``create_mesh`` started it), or a local
+    one where stratagem started none (a mesh of one, or a group torch was given elsewhere)."""
+    job = live_connection()
+    return job if job is not None else LocalCommunicator()
+
+
+def _replica_communicator(mesh: Mesh, batch_dim_name: str, job: Communicator) -> Communicator:
     """Collectives among the replicas: the processes along ``batch`` with this one's other
     coordinates (every group computes the same values, so reducing within one suffices)."""
     if mesh.dim_size(batch_dim_name) == 1:
         return LocalCommunicator()
-    job = runtime.current_communicator()
     if not isinstance(job, ProcessGroupCommunicator):
         raise MeshError(
             f"MeshStrategy over {mesh}: torch.distributed was started outside stratagem "

@@ -11,12 +11,13 @@
    ``"PipeDream"`` (asynchronous 1F1B with weight stashing, ``stratagem.pipeline.pipedream``).
 3. With ``num_replicas > 1`` each stage's gradients are averaged over its replicas.
 4. ``sg.keras.Model`` built in ``strategy.scope()`` (the whole model, on every process) trains
-   with ``fit``, ``evaluate`` and ``predict``: the strategy's Model steps cut the model on first
-   use and run the schedule (``stratagem.pipeline.keras_steps``); every process gets the whole
-   global batch. A checkpoint of the model (``ModelCheckpoint``, ``BackupAndRestore``,
-   ``sg.train.Checkpoint``, ``model.save``) first brings every stage's layers and optimizer
-   state to every process (a collective hook), so the chief writes the whole model, and a
-   restore gives each stage its part.
+   with ``fit``, ``evaluate`` and ``predict``: Keras's pipelined steps
+   (``stratagem.keras.pipeline_steps``) cut the model on first use with ``strategy.pipeline``
+   and run the schedule; every process gets the whole global batch. Keras registers the whole
+   model (``extended.register_whole_model``), so that a checkpoint of it (``ModelCheckpoint``,
+   ``BackupAndRestore``, ``sg.train.Checkpoint``, ``model.save``) first brings every stage's
+   layers and optimizer state to every process (``before_checkpoint_write``, a collective), so
+   the chief writes the whole model, and a restore gives each stage its part.
 
 A world of one process with one stage is the null version: the same calls, micro-batches run
 one after another in this process.
@@ -32,18 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
-from stratagem.comm import Communicator, LocalCommunicator, ReduceOp, set_distribution_context
+from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
 from stratagem.comm.process_group import Timeouts, connect
-from stratagem.comm.runtime import RemoteStateHooks, add_remote_state_hooks
-from stratagem.distribute.devices import LogicalDevice
-from stratagem.distribute.input import (
-    DistributedDataset,
-    InputContext,
-    InputOptions,
-    _SplittingIterator,
-)
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.input import DistributedDataset, InputContext, InputOptions
 from stratagem.distribute.strategy import Strategy
-from stratagem.pipeline.keras_steps import IndexedLoss, KerasPipeline, unpack
 from stratagem.pipeline.layout import PipelineLayout
 from stratagem.pipeline.model import LossFn, PipelineModel
 from stratagem.pipeline.pipedream import Recorder
@@ -81,6 +76,98 @@ class PipelineStrategy(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         timeout_seconds: float | None = None,
     ) -> None:
+        extended = PipelineExtended(
+            self,
+            num_stages,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            split_points=split_points,
+            num_replicas=num_replicas,
+            stages_per_rank=stages_per_rank,
+            weight_stashing=weight_stashing,
+            drain_each_step=drain_each_step,
+            cluster_resolver=cluster_resolver,
+            timeout_seconds=timeout_seconds,
+        )
+        super().__init__(extended)
+        self._pipe = extended
+        self.rank = extended.communicator.rank
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def num_stages(self) -> int:
+        return self._pipe.layout.num_stages
+
+    @property
+    def stage_index(self) -> int:
+        return self._pipe.layout.stage_of(self.rank)
+
+    @property
+    def replica_index(self) -> int:
+        return self._pipe.layout.replica_of(self.rank)
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return self._pipe.layout
+
+    @property
+    def schedule(self) -> str:
+        return self._pipe.schedule
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._pipe.num_microbatches
+
+    def __repr__(self) -> str:
+        return (
+            f"PipelineStrategy(num_stages={self.num_stages}, num_replicas="
+            f"{self.num_replicas_in_sync}, schedule={self.schedule!r}, num_microbatches="
+            f"{self.num_microbatches}, rank={self.rank})"
+        )
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def split_points_for(
+        self, model: nn.Module, sample_input: torch.Tensor | None = None
+    ) -> list[int]:
+        """The layer indices where the chunks after the first start, for this model."""
+        return self._pipe.split_points_for(model, sample_input)
+
+    def pipeline(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        *,
+        sample_input: torch.Tensor | None = None,
+        recorder: Recorder | None = None,
+    ) -> PipelineModel:
+        """Split ``model`` and keep this process's stage(s); every process calls it alike.
+
+        ``loss_fn(outputs, targets)`` is a mean over its micro-batch (``F.cross_entropy``);
+        ``sample_input`` (one micro-batch) is needed with ``split_points="time"``.
+        """
+        return self._pipe.pipeline(model, loss_fn, sample_input=sample_input, recorder=recorder)
+
+
+class PipelineExtended(StrategyExtended):
+    """Stages on processes; no replicas of one model to ``run`` on (see ``_refuse``)."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        num_stages: int | None,
+        *,
+        schedule: str,
+        num_microbatches: int,
+        split_points: SplitPoints,
+        num_replicas: int,
+        stages_per_rank: int | None,
+        weight_stashing: bool,
+        drain_each_step: bool,
+        cluster_resolver: ClusterResolver | None,
+        timeout_seconds: float | None,
+    ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
         if (
@@ -102,7 +189,7 @@ class PipelineStrategy(Strategy):
                 f"{schedule!r}, which runs one stage per process)"
             )
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
-        check_task_types(resolver.cluster_spec(), ("chief", "worker"), type(self).__name__)
+        check_task_types(resolver.cluster_spec(), ("chief", "worker"), "PipelineStrategy")
         world = resolver.world_size if resolver.rank is not None else 1
         if num_stages is None:
             if not isinstance(num_replicas, int) or num_replicas < 1 or world % num_replicas:
@@ -118,13 +205,12 @@ class PipelineStrategy(Strategy):
                 f"num_microbatches={num_microbatches} for {num_stages} stages (use 'GPipe', or "
                 "more micro-batches)"
             )
-        self._layout = layout
-        self._schedule = schedule
-        self._num_microbatches = num_microbatches
+        self.layout = layout
+        self.schedule = schedule
+        self.num_microbatches = num_microbatches
         self._split_points = split_points
         self._weight_stashing = weight_stashing
         self._drain_each_step = drain_each_step
-        self._resolver = resolver
         timeouts = Timeouts.from_env(timeout_seconds)
         self._timeout = timeouts.operation
         comm: Communicator
@@ -133,16 +219,17 @@ class PipelineStrategy(Strategy):
         else:
             comm = connect(resolver, backend="gloo", timeouts=timeouts)
         # One CPU device per process; gradients are averaged over replicas (each micro-batch's
-        # loss is a mean), which is what Model.compute_loss reads from _average_gradients.
+        # loss is a mean), which Model.compute_loss reads from gradient_aggregation.
         super().__init__(
+            container,
             [LogicalDevice("cpu:0", torch.device("cpu"))],
             comm=comm,
             cluster_resolver=resolver,
             gradient_aggregation=ReduceOp.MEAN,
         )
         self.rank = comm.rank
-        self._keras: dict[int, KerasPipeline] = {}  # id(model.module) → its pipeline
-        add_remote_state_hooks(RemoteStateHooks(self._bring_stages_home, _nothing, collective=True))
+        # id(module) -> (the whole module, its pipeline): models whose checkpoints gather stages.
+        self._whole_models: dict[int, tuple[nn.Module, PipelineModel]] = {}
         self._pipeline_group: dist.ProcessGroup | None = None
         self._replica_group: dist.ProcessGroup | None = None
         if world > 1 and layout.num_replicas > 1:
@@ -155,63 +242,24 @@ class PipelineStrategy(Strategy):
                 group = dist.new_group(layout.replica_ranks(s))
                 if s == layout.stage_of(self.rank):
                     self._replica_group = group
-        set_distribution_context(
-            strategy=type(self).__name__,
-            num_replicas_in_sync=layout.num_replicas,
-            num_stages=layout.num_stages,
-            schedule=schedule,
-        )
-
-    # ------------------------------------------------------------------ properties
-
-    @property
-    def num_stages(self) -> int:
-        return self._layout.num_stages
 
     @property
     def num_replicas_in_sync(self) -> int:
         """Data-parallel copies of the pipeline (1 without data parallelism)."""
-        return self._layout.num_replicas
+        return self.layout.num_replicas
 
-    @property
-    def stage_index(self) -> int:
-        return self._layout.stage_of(self.rank)
-
-    @property
-    def replica_index(self) -> int:
-        return self._layout.replica_of(self.rank)
-
-    @property
-    def layout(self) -> PipelineLayout:
-        return self._layout
-
-    @property
-    def cluster_resolver(self) -> ClusterResolver:
-        return self._resolver  # type: ignore[no-any-return]
-
-    @property
-    def schedule(self) -> str:
-        return self._schedule
-
-    @property
-    def num_microbatches(self) -> int:
-        return self._num_microbatches
-
-    def __repr__(self) -> str:
-        return (
-            f"PipelineStrategy(num_stages={self.num_stages}, num_replicas="
-            f"{self.num_replicas_in_sync}, schedule={self._schedule!r}, num_microbatches="
-            f"{self._num_microbatches}, rank={self.rank})"
-        )
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "num_stages": self.layout.num_stages,
+            "schedule": self.schedule,
+        }
 
     # ------------------------------------------------------------------ the pipeline
 
-    def split_points_for(
-        self, model: nn.Module, sample_input: torch.Tensor | None = None
-    ) -> list[int]:
-        """The layer indices where the chunks after the first start, for this model."""
+    def split_points_for(self, model: nn.Module, sample_input: torch.Tensor | None) -> list[int]:
         points = resolve_split_points(
-            model, self._layout.num_chunks, self._split_points, sample_input
+            model, self.layout.num_chunks, self._split_points, sample_input
         )
         if self._comm.world_size > 1 and self._split_points == "time":
             # Timings differ between processes; every rank must cut the same way: rank 0's.
@@ -226,12 +274,7 @@ class PipelineStrategy(Strategy):
         sample_input: torch.Tensor | None = None,
         recorder: Recorder | None = None,
     ) -> PipelineModel:
-        """Split ``model`` and keep this process's stage(s); every process calls it alike.
-
-        ``loss_fn(outputs, targets)`` is a mean over its micro-batch (``F.cross_entropy``);
-        ``sample_input`` (one micro-batch) is needed with ``split_points="time"``.
-        """
-        layout = self._layout
+        layout = self.layout
         points = self.split_points_for(model, sample_input)
         chunks = split_sequential(model, points)
         stage = layout.stage_of(self.rank)
@@ -241,8 +284,8 @@ class PipelineStrategy(Strategy):
             layout=layout,
             rank=self.rank,
             comm=self._comm,
-            schedule=self._schedule,
-            num_microbatches=self._num_microbatches,
+            schedule=self.schedule,
+            num_microbatches=self.num_microbatches,
             loss_fn=loss_fn,
             weight_stashing=self._weight_stashing,
             timeout=self._timeout,
@@ -253,70 +296,35 @@ class PipelineStrategy(Strategy):
             drain_each_step=self._drain_each_step,
         )
 
-    # ------------------------------------------------------------------ sg.keras.Model
+    def register_whole_model(self, module: nn.Module, pipe: PipelineModel) -> None:
+        """Checkpoints of ``module`` (the whole model, kept on every process) will first gather
+        every stage's layers into it, and the optimizer state of optimizers over its parameters,
+        on every process: a collective (``before_checkpoint_write``)."""
+        self._whole_models[id(module)] = (module, pipe)
 
-    def _keras_pipeline(self, model: Any, x: Any) -> KerasPipeline:
-        """The pipeline of a Keras model built in this scope: cut on first use (every process
-        gets there at the same step, with the same batch)."""
-        entry = self._keras.get(id(model.module))
-        if entry is not None and entry.model is model:
-            return entry
-        cls = type(model)
-        overridden = [
-            name
-            for name in ("train_step", "test_step", "predict_step", "compute_loss")
-            if getattr(getattr(cls, name), "__module__", None) != "stratagem.keras.model"
-        ]
-        if overridden:
-            raise TypeError(
-                f"{cls.__name__} overrides {overridden}: PipelineStrategy runs fit, evaluate and "
-                "predict through its schedule (the model is cut into stages on several "
-                "processes), so a custom step cannot run; subclass without overriding these, or "
-                "write the loop with strategy.pipeline(module, loss_fn)"
-            )
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(
-                f"a pipeline's inputs must be tensors (the first stage's input); got {type(x)}"
-            )
-        loss = IndexedLoss(lambda y, y_pred: model.loss.call(torch.as_tensor(y), y_pred))
-        sample = x[: max(1, x.shape[0] // self._num_microbatches)]
-        pipe = self.pipeline(model.module, loss, sample_input=sample)
-        entry = KerasPipeline(model, pipe, loss)
-        self._keras[id(model.module)] = entry
-        return entry
-
-    def _train_batch(self, model: Any, batch: Any) -> None:
-        self._keras_pipeline(model, unpack(batch)[0]).train_batch(batch)
-
-    def _test_batch(self, model: Any, batch: Any) -> None:
-        self._keras_pipeline(model, unpack(batch)[0]).test_batch(batch)
-
-    def _predict_batch(self, model: Any, batch: Any) -> torch.Tensor:
-        return self._keras_pipeline(model, unpack(batch)[0]).predict_batch(batch)
-
-    def _bring_stages_home(self, objects: list[object]) -> None:
-        """Before a checkpoint is written (on every process, in the same order): every stage's
-        layers into each Keras model's whole module, and its optimizer state into the model's
-        optimizer, so the chief writes the whole model and a restore gives each stage its part."""
+    def before_checkpoint_write(self, objects: list[object]) -> None:
+        """On every process, in the same order: every stage's layers into each registered
+        whole module, and its optimizer state into an optimizer over it, so the chief writes
+        the whole model and a restore gives each stage its part."""
         for obj in objects:
-            if isinstance(obj, nn.Module) and id(obj) in self._keras:
-                entry = self._keras[id(obj)]
-                if entry.model.module is obj:
-                    entry.pipe.gather_module(obj)
+            if isinstance(obj, nn.Module):
+                entry = self._whole_models.get(id(obj))
+                if entry is not None and entry[0] is obj:
+                    entry[1].gather_module(obj)
             elif isinstance(obj, torch.optim.Optimizer):
-                for entry in self._keras.values():
-                    bound = entry.model.optimizer
-                    if bound is not None and bound.torch_optimizer is obj:
-                        entry.pipe.gather_optimizer_state(entry.model.module, obj)
+                params = {id(p) for group in obj.param_groups for p in group["params"]}
+                for module, pipe in self._whole_models.values():
+                    if any(id(p) in params for p in module.parameters()):
+                        pipe.gather_optimizer_state(module, obj)
 
     # ------------------------------------------------------------------ the Strategy interface
 
-    def experimental_distribute_dataset(
+    def distribute_dataset(
         self, dataset: Iterable[Any], options: InputOptions | None = None
     ) -> DistributedDataset:
         """Every process gets each whole global batch: the first stage uses the inputs, the
         last the targets, each replica its part (cut by the pipeline)."""
-        return _WholeBatches(self, dataset, options)
+        return DistributedDataset(self, dataset, options, split=False)
 
     def _refuse(self, what: str) -> NoReturn:
         raise NotImplementedError(
@@ -325,7 +333,7 @@ class PipelineStrategy(Strategy):
             "strategy.pipeline(module, loss_fn) and its train_step"
         )
 
-    def run(
+    def call_for_each_replica(
         self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict | None = None
     ) -> Any:
         self._refuse("run")
@@ -340,19 +348,3 @@ class PipelineStrategy(Strategy):
         self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: Any = None
     ) -> Any:
         self._refuse("distribute_datasets_from_function")
-
-
-def _nothing(objects: list[object]) -> None:
-    """After a restore: nothing to send back (each process restored the whole model)."""
-
-
-class _WholeBatches(DistributedDataset):
-    """``experimental_distribute_dataset`` of a pipeline: each process gets the global batch."""
-
-    def __iter__(self) -> Any:
-        return _WholeBatchIterator(self._strategy, iter(self._dataset), self._distributor)
-
-
-class _WholeBatchIterator(_SplittingIterator):
-    def _deliver(self, batch: Any) -> Any:
-        return self._distributor.deliver([batch], None)

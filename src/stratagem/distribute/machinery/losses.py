@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from stratagem.comm.tensors import is_dtensor
-from stratagem.distribute import context
+from stratagem.distribute.machinery import context
 
 
 def compute_average_loss(

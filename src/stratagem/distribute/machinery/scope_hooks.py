@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from stratagem.distribute import context
+from stratagem.distribute.machinery import context
 
 if TYPE_CHECKING:
     from stratagem.distribute.strategy import Strategy
@@ -60,14 +61,14 @@ def _on_parameter(module: torch.nn.Module, name: str, param: Any) -> Any:
     strategy = context.scope_strategy()
     if strategy is None or param is None or context.current_replica() is not None:
         return None
-    return strategy._capture_parameter(module, name, param)
+    return strategy.extended.capture_parameter(module, name, param)
 
 
 def _on_buffer(module: torch.nn.Module, name: str, buffer: Any) -> Any:
     strategy = context.scope_strategy()
     if strategy is None or buffer is None or context.current_replica() is not None:
         return None
-    return strategy._capture_buffer(module, name, buffer)
+    return strategy.extended.capture_buffer(module, name, buffer)
 
 
 def optimizer_owner(optimizer: torch.optim.Optimizer) -> Strategy | None:
@@ -83,7 +84,7 @@ def optimizer_owner(optimizer: torch.optim.Optimizer) -> Strategy | None:
     strategy = next(iter(owners.values()), None)
     if strategy is not None:
         outside = sum(1 for p in params if _owners.get(p) is None)
-        strategy._check_optimizer(optimizer, len(params), outside)
+        strategy.extended.check_optimizer(optimizer, len(params), outside)
     _optimizer_owner[optimizer] = (
         weakref.ref(strategy) if strategy is not None else None,
         len(params),
@@ -94,13 +95,13 @@ def optimizer_owner(optimizer: torch.optim.Optimizer) -> Strategy | None:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     strategy = optimizer_owner(optimizer)
     if strategy is not None:
-        strategy._before_optimizer_step(optimizer)
+        strategy.extended.before_optimizer_step(optimizer)
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     strategy = optimizer_owner(optimizer)
     if strategy is not None:
-        strategy._after_optimizer_step(optimizer)
+        strategy.extended.after_optimizer_step(optimizer)
 
 
 def install_hooks() -> None:
@@ -114,3 +115,33 @@ def install_hooks() -> None:
         _optimizer_module.register_optimizer_step_pre_hook(_before_step)
         _optimizer_module.register_optimizer_step_post_hook(_after_step)
         _installed = True
+
+
+def strategy_for(objects: Iterable[object]) -> Strategy:
+    """The strategy that distributes ``objects`` (modules, optimizers, tensors): the one that
+    owns their parameters and buffers; where none does, the current one (``get_strategy()``).
+
+    Checkpoints ask it which process writes and what state to bring home first. Objects of two
+    strategies in one checkpoint are an error: no one process could write both.
+    """
+    owners: dict[int, Strategy] = {}
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            tensors: Iterable[torch.Tensor] = [*obj.parameters(), *obj.buffers()]
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors = [p for group in obj.param_groups for p in group["params"]]
+        elif isinstance(obj, torch.Tensor):
+            tensors = [obj]
+        else:
+            continue
+        for t in tensors:
+            owner = _owners.get(t)
+            if owner is not None:
+                owners[id(owner)] = owner
+    if len(owners) > 1:
+        names = sorted(type(s).__name__ for s in owners.values())
+        raise RuntimeError(
+            f"these objects belong to several strategies ({names}); checkpoint each "
+            "strategy's objects separately"
+        )
+    return next(iter(owners.values()), None) or context.get_strategy()

@@ -1,4 +1,4 @@
-"""What a ps task holds and does: variable shards, their optimizer, and each mode's update rule.
+"""What a ps task holds and does (and ``Server``, which serves it): variable shards, their optimizer, and each mode's update rule.
 
 Workers reach a ps through RPC (the module-level functions at the end run on the ps, on
 TensorPipe's threads). One ``_Group`` per optimizer a worker pushes for: the shards it updates
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ from typing import Any
 
 import torch
 from torch.futures import Future
+
+from stratagem.cluster import ClusterResolver, collective_members, resolve_cluster
+from stratagem.comm.process_group import Timeouts
+from stratagem.comm.rpc_world import RpcWorld, rpc_name
 
 ShardKey = tuple[int, int]  # (variable, shard index)
 Reply = tuple[list[torch.Tensor], int]  # (values of the group's shards, version)
@@ -462,3 +467,50 @@ def rpc_loaded(count: int) -> Future:
 
 def rpc_workers_done() -> bool:
     return _store().workers_done()
+
+
+class Server:
+    """``sg.distribute.Server(cluster_resolver=None)``: this ps task, serving its shards.
+
+    ``join()`` blocks until every worker has finished, then returns (TF's ``server.join()``
+    never returns; here the ps can exit cleanly when the job is done).
+    """
+
+    def __init__(self, cluster_resolver: ClusterResolver | None = None) -> None:
+        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        if resolver.task_type != "ps":
+            raise ValueError(
+                f"sg.distribute.Server serves a ps task; this process is {resolver.describe()}"
+            )
+        timeouts = Timeouts.from_env()
+        # Creating the first torch optimizer imports torch._dynamo (seconds); do it now, while
+        # the workers start, rather than inside the first push they wait on.
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+        num_workers = len(collective_members(resolver.cluster_spec()))
+        self.store = serve(rpc_name("ps", resolver.task_id or 0), num_workers)
+        self._world = RpcWorld(
+            resolver, rendezvous_timeout=timeouts.rendezvous, rpc_timeout=timeouts.operation
+        )
+
+    def join(self) -> None:
+        """Serve until every worker is done or lost, then leave the RPC world."""
+        workers = self._world.ranks("chief") + self._world.ranks("worker")
+        index = {rank: i for i, rank in enumerate(workers)}  # the strategy's worker index
+
+        def done(rank: int) -> bool:
+            if self.store.has_left(index[rank]):
+                return True
+            if not self._world.has_ended(rank):
+                return False
+            print(
+                f"{self._world.describe(rank)} ended without saying it was done (lost); "
+                "training goes on without it",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.store.leave(index[rank], lost=True)
+            return True
+
+        self._world.wait_for(workers, done, threading.Event())
+        # Everyone alive is done: all leave together, unless a lost worker would block that.
+        self._world.shutdown(graceful=not self.store.lost_any)

@@ -1,7 +1,10 @@
-"""``sg.keras.Model``'s fit, evaluate and predict steps on a pipeline.
+"""``sg.keras.Model``'s fit, evaluate and predict steps on a pipeline (``PipelineStrategy``).
 
-``PipelineStrategy`` overrides the strategy's three Model steps with these, so that ``fit`` (its
-callbacks, History, progress bar, checkpoints) stays the one loop every strategy shares. Every
+Keras owns the pipelined step, as torchtitan's trainer does: on a pipeline, ``Model`` runs its
+steps through these instead of ``strategy.extended``'s, so that ``fit`` (its callbacks,
+History, progress bar, checkpoints) stays the one loop every strategy shares. The model is cut
+on first use with ``strategy.pipeline`` (every process gets there at the same step, with the
+same batch) and registered with the strategy, whose checkpoints then gather the stages. Every
 process gets the whole global batch; a training step
 
 1. cuts out this replica's part (as even as possible: a last, smaller batch may be uneven) and
@@ -25,8 +28,11 @@ from typing import Any
 
 import torch
 
-from stratagem.data._structure import unpack_batch as unpack
+from stratagem.distribute.pipeline_strategy import PipelineExtended
+from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
 from stratagem.pipeline.model import PipelineModel
+
+_STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
 
 PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (y_true, y_pred)
 
@@ -76,6 +82,32 @@ class KerasPipeline:
         self.loss = loss
         self._first_batch: int | None = None  # the first training batch's size (the nominal)
 
+    @classmethod
+    def build(cls, model: Any, extended: PipelineExtended, x: Any) -> KerasPipeline:
+        """Cut ``model.module`` into this process's stage(s), the first batch's inputs ``x``
+        giving the sample a split by measured time needs."""
+        overridden = [
+            name
+            for name in _STEP_METHODS
+            if getattr(getattr(type(model), name), "__module__", None) != "stratagem.keras.model"
+        ]
+        if overridden:
+            raise TypeError(
+                f"{type(model).__name__} overrides {overridden}: PipelineStrategy runs fit, "
+                "evaluate and predict through its schedule (the model is cut into stages on "
+                "several processes), so a custom step cannot run; subclass without overriding "
+                "these, or write the loop with strategy.pipeline(module, loss_fn)"
+            )
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"a pipeline's inputs must be tensors (the first stage's input); got {type(x)}"
+            )
+        loss = IndexedLoss(lambda y, y_pred: model.loss.call(torch.as_tensor(y), y_pred))
+        sample = x[: max(1, x.shape[0] // extended.num_microbatches)]
+        pipe = extended.pipeline(model.module, loss, sample_input=sample)
+        extended.register_whole_model(model.module, pipe)
+        return cls(model, pipe, loss)
+
     def _part(self, n: int) -> tuple[int, int]:
         """This replica's rows ``[lo, hi)`` of a global batch of ``n`` rows."""
         r, replicas = self.pipe.replica, self.pipe.layout.num_replicas
@@ -102,7 +134,6 @@ class KerasPipeline:
                 "fit on a pipeline needs batches (x, y) or (x, y, sample_weight) of tensors; "
                 f"got x of type {type(x).__name__} and y of type {type(y).__name__}"
             )
-        self.model._remember_input(x)
         n = x.shape[0]
         self._check_size(n)
         pipe = self.pipe
@@ -137,7 +168,6 @@ class KerasPipeline:
 
     def predict_batch(self, batch: Any) -> torch.Tensor:
         x, _, _ = unpack(batch)
-        self.model._remember_input(x)
         # Every replica predicts the whole batch, so the outputs reach every process without a
         # gather across replicas (with replicas, predictions cost replicas x the compute).
         return self.pipe.predict(x)
@@ -146,4 +176,4 @@ class KerasPipeline:
         """The last stage: the model's loss tracker and metrics, as its own steps update them."""
         with torch.no_grad():
             self.model.compute_loss(x, y, y_pred, weights)
-            self.model._update_metrics(y, y_pred, weights)
+            self.model.update_metrics(y, y_pred, weights)

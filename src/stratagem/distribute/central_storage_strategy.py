@@ -20,13 +20,13 @@ from __future__ import annotations
 import torch
 
 from stratagem.comm.cross_device_ops import ReductionToOneDevice
-from stratagem.distribute.devices import LogicalDevice, default_devices, parse_device
-from stratagem.distribute.mirrored import MirroredStrategy
-from stratagem.distribute.mirrored_variables import MirroredVariables
-from stratagem.distribute.strategy import StrategyExtended
+from stratagem.distribute.machinery.devices import LogicalDevice, default_devices, parse_device
+from stratagem.distribute.machinery.mirrored_variables import MirroredVariables
+from stratagem.distribute.mirrored_strategy import MirroredExtended
+from stratagem.distribute.strategy import Strategy
 
 
-class CentralStorageStrategy(MirroredStrategy):
+class CentralStorageStrategy(Strategy):
     """``sg.distribute.experimental.CentralStorageStrategy(compute_devices=None,
     parameter_device=None)``."""
 
@@ -35,33 +35,51 @@ class CentralStorageStrategy(MirroredStrategy):
         compute_devices: list[str | torch.device] | None = None,
         parameter_device: str | torch.device | None = None,
     ) -> None:
+        super().__init__(CentralStorageExtended(self, compute_devices, parameter_device))
+
+    def __repr__(self) -> str:
+        return (
+            f"CentralStorageStrategy(compute_devices=[{', '.join(self.extended.worker_devices)}]"
+            f", parameter_device={self.extended.parameter_devices[0]})"
+        )
+
+
+class CentralStorageExtended(MirroredExtended):
+    """Mirrored replicas whose primaries, and the update, live on the parameter device."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        compute_devices: list[str | torch.device] | None,
+        parameter_device: str | torch.device | None,
+    ) -> None:
         computes = (
             [d.name for d in default_devices()] if compute_devices is None else compute_devices
         )
         parameters = _parameter_device(computes, parameter_device)
-        super().__init__(computes, cross_device_ops=ReductionToOneDevice(parameters.torch_device))
+        super().__init__(
+            container,
+            computes,
+            ReductionToOneDevice(parameters.torch_device),
+            mirrors_on=parameters.torch_device,
+        )
         self._parameter_device = parameters
-        self._mirrors = MirroredVariables(self._devices, primary_device=parameters.torch_device)
         self._stepping = False
 
-    def __repr__(self) -> str:
-        devices = ", ".join(d.name for d in self._devices)
-        return (
-            f"CentralStorageStrategy(compute_devices=[{devices}], "
-            f"parameter_device={self._parameter_device.name})"
-        )
-
     @property
-    def extended(self) -> StrategyExtended:
-        workers = tuple(d.name for d in self._devices)
-        return StrategyExtended(workers, (self._parameter_device.name,), True, True)
+    def parameter_devices(self) -> tuple[str, ...]:
+        return (self._parameter_device.name,)
 
-    def _placement_device(self) -> torch.device:
-        return self._parameter_device.torch_device
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        device = self._parameter_device.torch_device
+        if tensor.device == device:
+            return tensor
+        with torch.no_grad():
+            return tensor.to(device)
 
     # The update, once, on the parameter device --------------------------------------------
 
-    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._stepping:  # the step below, taken from inside this hook
             return
 
@@ -79,12 +97,12 @@ class CentralStorageStrategy(MirroredStrategy):
                 for p in group["params"]:
                     p.grad = None
 
-        self._sync_replicas("optimizer.step()", reduce_and_update)
+        self.merge_call("optimizer.step()", reduce_and_update)
 
-    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._stepping:
             return
-        self._sync_replicas("the end of optimizer.step()", self._mirrors.refresh)
+        self.merge_call("the end of optimizer.step()", self._mirrors.refresh)
 
 
 def _parameter_device(

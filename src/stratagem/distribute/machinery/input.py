@@ -31,11 +31,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from stratagem import data as sg_data
 from stratagem.comm.communicator import PendingOp
-from stratagem.distribute.values import PerReplica
+from stratagem.distribute.machinery.values import PerReplica
 from stratagem.errors import InputError
 
 if TYPE_CHECKING:
-    from stratagem.distribute.strategy import Strategy
+    from stratagem.distribute.extended import StrategyExtended
 
 
 class InputContext:
@@ -146,24 +146,23 @@ def _to_device(structure: Any, device: torch.device) -> Any:
     )
 
 
-def shared_seed(strategy: Strategy) -> int:
+def shared_seed(extended: StrategyExtended) -> int:
     """A seed drawn on the chief and known to every worker (one broadcast)."""
     seed = torch.tensor([random.getrandbits(62)], dtype=torch.int64)
-    strategy._comm.broadcast(seed, 0, what="the input shuffle seed")
+    extended.communicator.broadcast(seed, 0, what="the input shuffle seed")
     return int(seed.item())
 
 
 class _Distributor:
     """Places each replica's batch on its device and agrees on the end of data."""
 
-    def __init__(self, strategy: Strategy, options: InputOptions | None) -> None:
-        self.strategy = strategy
+    def __init__(self, extended: StrategyExtended, options: InputOptions | None) -> None:
+        self.devices = extended.replica_devices
         self.fetch = options.experimental_fetch_to_device if options else True
 
     def deliver(self, parts: list[Any], global_size: int | None) -> Any:
-        devices = self.strategy._devices
         if self.fetch:
-            parts = [_to_device(p, d.torch_device) for p, d in zip(parts, devices)]
+            parts = [_to_device(p, d) for p, d in zip(parts, self.devices)]
         if global_size is not None:
             for p in parts:
                 for t in pytree.tree_leaves(p):
@@ -179,10 +178,10 @@ _END = object()  # what a source yields when it has no more batches
 class _AgreedIterator:
     """Hands out batches for as long as every worker has one (see the module docstring)."""
 
-    def __init__(self, strategy: Strategy, distributor: _Distributor) -> None:
-        self._strategy = strategy
+    def __init__(self, extended: StrategyExtended, distributor: _Distributor) -> None:
+        self._extended = extended
         self._distributor = distributor
-        self._comm = strategy._comm
+        self._comm = extended.communicator
         self._ahead: tuple[Any, torch.Tensor, PendingOp] | None = None
         self._done = False
 
@@ -227,10 +226,19 @@ class _AgreedIterator:
 
 
 class DistributedDataset:
-    """Global batches split across all replicas (``strategy.experimental_distribute_dataset``)."""
+    """Global batches split across all replicas (``strategy.experimental_distribute_dataset``).
+
+    With ``split=False`` every process receives each whole global batch instead (a pipeline's
+    stages: the first uses the inputs, the last the targets).
+    """
 
     def __init__(
-        self, strategy: Strategy, dataset: Iterable[Any], options: InputOptions | None = None
+        self,
+        extended: StrategyExtended,
+        dataset: Iterable[Any],
+        options: InputOptions | None = None,
+        *,
+        split: bool = True,
     ) -> None:
         if not isinstance(dataset, Iterable):
             raise InputError(
@@ -243,10 +251,11 @@ class DistributedDataset:
                 f"pass), got a one-shot iterator {type(dataset).__name__}; pass the dataset "
                 "itself, or a list"
             )
-        self._strategy = strategy
-        self._distributor = _Distributor(strategy, options)
-        if strategy._comm.world_size > 1:
-            seed = shared_seed(strategy)
+        self._extended = extended
+        self._split = split
+        self._distributor = _Distributor(extended, options)
+        if extended.communicator.world_size > 1:
+            seed = shared_seed(extended)
             if isinstance(dataset, sg_data.Dataset):
                 dataset = dataset.reseeded(seed)
             elif (
@@ -258,15 +267,22 @@ class DistributedDataset:
         self._dataset = dataset
 
     def __iter__(self) -> Iterator[Any]:
-        return _SplittingIterator(self._strategy, iter(self._dataset), self._distributor)
+        return _SplittingIterator(
+            self._extended, iter(self._dataset), self._distributor, self._split
+        )
 
 
 class _SplittingIterator(_AgreedIterator):
     def __init__(
-        self, strategy: Strategy, source: Iterator[Any], distributor: _Distributor
+        self,
+        extended: StrategyExtended,
+        source: Iterator[Any],
+        distributor: _Distributor,
+        split: bool,
     ) -> None:
-        super().__init__(strategy, distributor)
+        super().__init__(extended, distributor)
         self._source = source
+        self._split = split
         self._nominal: int | None = None
 
     def _produce(self) -> Any:
@@ -274,8 +290,10 @@ class _SplittingIterator(_AgreedIterator):
         return batch if batch is _END else _as_tensors(batch)
 
     def _deliver(self, batch: Any) -> Any:
+        if not self._split:
+            return self._distributor.deliver([batch], None)
         size = batch_size_of(batch)
-        replicas = self._strategy.num_replicas_in_sync
+        replicas = self._extended.num_replicas_in_sync
         if self._nominal is None:
             self._nominal = size
         if size % replicas and size >= self._nominal:
@@ -286,9 +304,9 @@ class _SplittingIterator(_AgreedIterator):
             )
         if replicas == 1:  # one replica in all: the global batch is its batch
             return self._distributor.deliver([batch], size)
-        sizes = self._strategy._split_sizes(size, replicas)
-        local = len(self._strategy._devices)
-        first = self._strategy._comm.rank * local
+        sizes = self._extended.split_sizes(size, replicas)
+        local = len(self._extended.replica_devices)
+        first = self._comm.rank * local
         starts = [sum(sizes[:i]) for i in range(replicas + 1)]
         parts = [
             pytree.tree_map(
@@ -307,17 +325,13 @@ class DistributedDatasetFromFunction:
 
     def __init__(
         self,
-        strategy: Strategy,
+        extended: StrategyExtended,
         dataset_fn: Callable[[InputContext], Iterable[Any]],
+        ctx: InputContext,
         options: InputOptions | None = None,
     ) -> None:
-        comm = strategy._comm
-        ctx = InputContext(
-            num_input_pipelines=comm.world_size,
-            input_pipeline_id=comm.rank,
-            num_replicas_in_sync=strategy.num_replicas_in_sync,
-        )
-        seed = shared_seed(strategy) if comm.world_size > 1 else None
+        comm = extended.communicator
+        seed = shared_seed(extended) if comm.world_size > 1 else None
         if seed is None:
             dataset = dataset_fn(ctx)
         else:
@@ -329,24 +343,24 @@ class DistributedDatasetFromFunction:
                 "the dataset function must return a re-iterable of per-replica batches (an "
                 f"sg.data.Dataset, a DataLoader, a list...), got {type(dataset).__name__}"
             )
-        self._strategy = strategy
+        self._extended = extended
         self._dataset = dataset
-        self._distributor = _Distributor(strategy, options)
+        self._distributor = _Distributor(extended, options)
 
     def __iter__(self) -> Iterator[Any]:
-        return _PerReplicaIterator(self._strategy, iter(self._dataset), self._distributor)
+        return _PerReplicaIterator(self._extended, iter(self._dataset), self._distributor)
 
 
 class _PerReplicaIterator(_AgreedIterator):
     def __init__(
-        self, strategy: Strategy, source: Iterator[Any], distributor: _Distributor
+        self, extended: StrategyExtended, source: Iterator[Any], distributor: _Distributor
     ) -> None:
-        super().__init__(strategy, distributor)
+        super().__init__(extended, distributor)
         self._source = source
 
     def _produce(self) -> Any:
         # Local replicas take consecutive batches; a worker short of one for any has none.
-        parts = [next(self._source, _END) for _ in self._strategy._devices]
+        parts = [next(self._source, _END) for _ in self._extended.replica_devices]
         return _END if any(p is _END for p in parts) else [_as_tensors(p) for p in parts]
 
     def _deliver(self, parts: Any) -> Any:

@@ -28,7 +28,7 @@ import torch
 
 from stratagem.comm.cross_device_ops import CrossDeviceOps
 from stratagem.comm.reduce_op import ReduceOp
-from stratagem.distribute.devices import LogicalDevice
+from stratagem.distribute.machinery.devices import LogicalDevice
 
 
 @dataclass
