@@ -11,26 +11,9 @@ import torch
 
 import stratagem as sg
 from cluster_utils import WORKERS, run_cluster
+from keras_utils import compiled as _compiled
+from keras_utils import reference as _reference
 from workers.common import build_model, keras_data
-
-
-def _compiled(module: torch.nn.Module | None = None, lr: float = 0.1, metrics=("accuracy",)):
-    model = sg.keras.Model(module if module is not None else build_model())
-    model.compile(
-        sg.keras.optimizers.SGD(lr, momentum=0.9),
-        sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        list(metrics),
-    )
-    return model
-
-
-def _reference(initial: dict, x, y, epochs: int = 2):
-    """Default strategy, one device: what every strategy's fit must match."""
-    module = build_model()
-    module.load_state_dict(initial)
-    model = _compiled(module)
-    history = model.fit(x, y, batch_size=24, epochs=epochs, shuffle=False, verbose=0)
-    return model, history
 
 
 def test_fit_learns_and_reports_history_evaluate_and_predict():
