@@ -21,7 +21,6 @@ import torch
 
 from stratagem.comm.cross_device_ops import ReductionToOneDevice
 from stratagem.distribute.machinery.devices import LogicalDevice, default_devices, parse_device
-from stratagem.distribute.machinery.mirrored_variables import MirroredVariables
 from stratagem.distribute.mirrored_strategy import MirroredExtended
 from stratagem.distribute.strategy import Strategy
 

@@ -29,7 +29,7 @@ members: this class is the whole contract.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,10 +37,9 @@ from torch.utils import _pytree as pytree
 
 from stratagem.comm import Communicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
-from stratagem.distribute.machinery import context
-from stratagem.distribute.machinery import scope_hooks
+from stratagem.distribute.machinery import context, scope_hooks
 from stratagem.distribute.machinery.context import ReplicaContext
-from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.devices import LogicalDevice, parse_device
 from stratagem.distribute.machinery.input import (
     DistributedDataset,
     DistributedDatasetFromFunction,
@@ -65,7 +64,8 @@ class StrategyExtended:
     """``strategy.extended``: how a strategy places, steps, communicates and checkpoints.
 
     ``container_strategy`` is the ``Strategy`` this extends (TF's ``_container_strategy()``);
-    ``devices`` are this process's replicas, one each; ``comm`` reaches the other processes;
+    ``devices`` are this process's replicas, one each (``"cpu:0"``, ``"cuda:1"``, a
+    ``torch.device``); ``comm`` reaches the other processes;
     ``gradient_aggregation`` is ``ReduceOp.SUM`` (the seeds' convention: each replica's loss is
     its share of the global mean) or ``ReduceOp.MEAN`` (PyTorch's: each replica's loss is its
     own mean); ``sync_timeout`` bounds a wait at a sync point between replica threads.
@@ -74,7 +74,7 @@ class StrategyExtended:
     def __init__(
         self,
         container_strategy: Strategy,
-        devices: list[LogicalDevice],
+        devices: Sequence[str | torch.device | LogicalDevice],
         *,
         comm: Communicator,
         cluster_resolver: Any = None,
@@ -88,6 +88,9 @@ class StrategyExtended:
                 f"gradient_aggregation must be ReduceOp.SUM (the seeds' convention, with the loss "
                 f"divided by the global batch) or ReduceOp.MEAN (PyTorch's), got {aggregation}"
             )
+        devices = [d if isinstance(d, LogicalDevice) else parse_device(d) for d in devices]
+        if not devices:
+            raise ValueError(f"a strategy needs at least one device, got {devices!r}")
         scope_hooks.install_hooks()
         self._container = container_strategy
         self._devices = devices

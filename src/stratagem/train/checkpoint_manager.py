@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import CheckpointError
-from stratagem.train.checkpoint import Checkpoint, PathLike
+from stratagem.train.checkpoint import Checkpoint, PathLike, is_writer
 from stratagem.train.storage import (
     DEFAULT_INDEX_FILENAME,
     hidden_sibling,

@@ -1,4 +1,5 @@
-"""What a ps task holds and does (and ``Server``, which serves it): variable shards, their optimizer, and each mode's update rule.
+"""What a ps task holds and does: variable shards, their optimizer, and each mode's update
+rule; and ``Server`` (``sg.distribute.Server``), which serves them until the workers are done.
 
 Workers reach a ps through RPC (the module-level functions at the end run on the ps, on
 TensorPipe's threads). One ``_Group`` per optimizer a worker pushes for: the shards it updates

@@ -13,7 +13,7 @@ from stratagem.train import Checkpoint, CheckpointManager, latest_checkpoint
 
 
 class _Progress:
-    """A checkpoint trackable holding the fit's progress (``Model._fit_progress``'s tensors)."""
+    """A checkpoint trackable holding the fit's progress (``Model.fit_progress``'s tensors)."""
 
     def __init__(self) -> None:
         self.state: dict[str, torch.Tensor] = {}
@@ -67,7 +67,7 @@ class BackupAndRestore(Callback):
         latest = latest_checkpoint(self.backup_dir)
         if latest is not None:
             checkpoint.restore(latest).assert_existing_objects_matched()
-            self.model._resume_fit(self._progress.state)
+            self.model.resume_fit(self._progress.state)
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._epoch = epoch
@@ -88,10 +88,10 @@ class BackupAndRestore(Callback):
     def _backup(self, epoch: int, step: int) -> None:
         assert self._manager is not None and self.model is not None
         # Every worker takes part: the metric totals are summed over all of them.
-        self._progress.state = self.model._fit_progress(epoch, step)
+        self._progress.state = self.model.fit_progress(epoch, step)
         self._manager.save()
         self._batches = 0
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        if self.delete_checkpoint and is_chief():
+        if self.delete_checkpoint and is_chief(self.model):
             shutil.rmtree(self.backup_dir, ignore_errors=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from stratagem.comm import current_communicator
+from stratagem.distribute import get_strategy
 
 if TYPE_CHECKING:
     from stratagem.keras.model import Model
@@ -13,8 +13,12 @@ if TYPE_CHECKING:
 Logs = dict[str, float]
 
 
-def is_chief() -> bool:
-    return current_communicator().rank == 0
+def is_chief(model: Model | None) -> bool:
+    """Whether this process prints and writes summaries for ``model``'s fit: the chief of the
+    strategy the model was built under (``extended.should_save_summary``); with no model, of
+    the current strategy."""
+    strategy = model.distribute_strategy if model is not None else get_strategy()
+    return strategy.extended.should_save_summary
 
 
 class Callback:

@@ -23,7 +23,7 @@ class CSVLogger(Callback):
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._keys = None
-        if not is_chief():
+        if not is_chief(self.model):
             return
         os.makedirs(os.path.dirname(self.filename) or ".", exist_ok=True)
         continuing = self.append and os.path.isfile(self.filename)

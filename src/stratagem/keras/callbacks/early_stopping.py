@@ -52,5 +52,5 @@ class EarlyStopping(Callback):
             self.model.stop_training = True
             if self._best_state is not None:
                 self.model.module.load_state_dict(self._best_state)
-            if self.verbose and is_chief():
+            if self.verbose and is_chief(self.model):
                 print(f"Epoch {epoch + 1}: early stopping")

@@ -27,7 +27,7 @@ class LearningRateScheduler(Callback):
         if not math.isfinite(lr):
             raise ValueError(f"the schedule returned learning rate {lr!r} for epoch {epoch}")
         optimizer.learning_rate = lr
-        if self.verbose and is_chief():
+        if self.verbose and is_chief(self.model):
             print(f"\nEpoch {epoch + 1}: LearningRateScheduler setting learning rate to {lr}.")
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:

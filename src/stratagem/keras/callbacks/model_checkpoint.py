@@ -6,10 +6,10 @@ from __future__ import annotations
 import math
 import os
 
-from stratagem.comm import current_communicator
-from stratagem.keras.callbacks.callback import Callback, Logs, is_chief
+from stratagem.keras.callbacks.callback import Callback, Logs
 from stratagem.keras.callbacks.monitor import Monitor
 from stratagem.train import Checkpoint
+from stratagem.train.checkpoint import is_writer
 from stratagem.train.storage import record_in_index
 
 
@@ -89,8 +89,9 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint filepath {self.filepath!r} names {e}, which the logs lack; "
                 f"available: epoch, batch, {', '.join(sorted(logs))}"
             ) from None
-        self._checkpoint().write(path)
-        if is_chief():
+        checkpoint = self._checkpoint()
+        checkpoint.write(path)
+        if is_writer(checkpoint):
             record_in_index(os.path.dirname(path) or ".", os.path.basename(path))
             if self.verbose:
                 print(f"\nEpoch {epoch + 1}: saving model to {path}")
@@ -98,4 +99,5 @@ class ModelCheckpoint(Callback):
     def on_train_end(self, logs: Logs | None = None) -> None:
         # The one synchronisation: code after fit (load_weights of the latest save) on any
         # worker must see the chief's last write.
-        current_communicator().barrier(what="ModelCheckpoint's last save")
+        assert self.model is not None
+        self.model.distribute_strategy.extended.barrier("ModelCheckpoint's last save")

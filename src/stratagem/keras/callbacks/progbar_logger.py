@@ -33,11 +33,11 @@ class ProgbarLogger(Callback):
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._start = time.monotonic()
         self._last_printed = -1
-        if self.verbose and is_chief():
+        if self.verbose and is_chief(self.model):
             print(f"Epoch {epoch + 1}/{self.params.get('epochs', '?')}", file=self._out())
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        if self.verbose != 1 or not is_chief():
+        if self.verbose != 1 or not is_chief(self.model):
             return
         steps = self.params.get("steps")
         done = batch + 1
@@ -61,7 +61,7 @@ class ProgbarLogger(Callback):
         print(("\r" + line) if tty else line, end="" if tty else "\n", file=out, flush=True)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        if not self.verbose or not is_chief():
+        if not self.verbose or not is_chief(self.model):
             return
         out = self._out()
         if self.verbose == 1 and getattr(out, "isatty", lambda: False)():

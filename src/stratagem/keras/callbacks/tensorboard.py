@@ -41,13 +41,13 @@ class TensorBoard(Callback):
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         self._step += 1
-        if self.update_freq == "epoch" or not is_chief() or self._step % self.update_freq:
+        if self.update_freq == "epoch" or not is_chief(self.model) or self._step % self.update_freq:
             return
         for name, value in (logs or {}).items():
             self._writer("train").add_scalar(f"batch_{name}", value, self._step)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
-        if not is_chief():
+        if not is_chief(self.model):
             return
         logs = dict(logs or {})
         if "learning_rate" not in logs and self.model is not None and self.model.optimizer:
