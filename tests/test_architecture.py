@@ -68,8 +68,10 @@ LAYERS: dict[str, set[str]] = {
     # Vertex-style custom jobs: launch a script as a local cluster.
     "jobs": {"cluster", "errors"},
     # Keras on top of strategies. It asks a strategy's `extended` about the cluster (which
-    # process writes, the world), never the communicator itself: no `comm`.
-    "keras": {"distribute", "train", "data", "nn", "errors"},
+    # process writes, the world), never the communicator itself: no `comm`. Its pipelined steps
+    # drive the stages `PipelineStrategy.pipeline` returns (as torchtitan's trainer owns the
+    # pipelined step): `pipeline`.
+    "keras": {"distribute", "pipeline", "train", "data", "nn", "errors"},
     # sg.nn: layers that are aware of the strategy in scope.
     "nn": {"distribute"},
     # Checkpoints: a strategy's public `strategy.extended` says whether this process writes.

@@ -10,9 +10,10 @@ class holds the shared mechanics and every hook a strategy may specialise, in fo
   modules created in ``strategy.scope()`` (``machinery/scope_hooks.py`` calls the capture hooks
   from PyTorch's global registration hooks) or handed over explicitly;
 - **steps** (``call_for_each_replica`` and its ``before_run``/``leave_run``/``after_run``,
-  ``replica_view``, ``merge_call``, ``check_optimizer``, ``before_optimizer_step``,
-  ``after_optimizer_step``, and the three steps ``Model.fit`` runs: ``train_batch``,
-  ``test_batch``, ``predict_batch``; ``replica_values``, ``gradient_aggregation``);
+  ``run_replica_calls``, ``replica_view``, ``merge_call``, ``check_optimizer``,
+  ``before_optimizer_step``, ``after_optimizer_step``, and the three steps ``Model.fit`` runs:
+  ``train_batch``, ``test_batch``, ``predict_batch``; ``replica_values``,
+  ``gradient_aggregation``);
 - **process facts** (``communicator``, ``num_replicas_in_sync``, ``replica_devices``,
   ``worker_devices``, ``parameter_devices``, ``should_checkpoint``, ``should_save_summary``,
   ``should_init``, ``barrier``, ``describe``);
@@ -99,7 +100,8 @@ class StrategyExtended:
         self._cross_device_ops = cross_device_ops or ReductionToOneDevice()
         self._aggregation = aggregation
         self._captured: list[tuple[torch.Tensor, bool]] = []
-        self._replicas = ReplicaGroup(len(devices), sync_timeout) if len(devices) > 1 else None
+        self._sync_timeout = sync_timeout
+        self._replicas: ReplicaGroup | None = None  # replica threads, started on first use
         # Intra-op threads per replica thread when replicas share the CPU (MirroredStrategy);
         # between sync points one replica works alone and gets the process's threads back.
         self._intra_op_threads: int | None = None
@@ -265,7 +267,7 @@ class StrategyExtended:
         global_batch = recorded_global_batch_size((args, kwargs))
         self.before_run()
         try:
-            if self._replicas is None:
+            if n == 1:
                 ctx = ReplicaContext(self._container, first_id, 0, global_batch)
                 previous = context.set_replica(ctx)
                 view = self.replica_view(0)  # empty unless it computes on copies
@@ -275,13 +277,23 @@ class StrategyExtended:
                 finally:
                     context.set_replica(previous)
             else:
-                result = regroup(
-                    self._replicas.run(self._replica_calls(fn, args, kwargs, global_batch))
-                )
+                calls = self._replica_calls(fn, args, kwargs, global_batch)
+                result = regroup(self.run_replica_calls(calls))
         finally:
             self.leave_run()
         self.after_run()
         return result
+
+    def run_replica_calls(self, calls: list[Callable[[], Any]]) -> list[Any]:
+        """Run one call per local replica (each sets its own replica context, device and
+        view) and return their results in order: concurrently, on replica threads, so that
+        they can meet at ``merge_call``. A strategy may run them otherwise (in turn)."""
+        return self._replica_group().run(calls)
+
+    def _replica_group(self) -> ReplicaGroup:
+        if self._replicas is None:
+            self._replicas = ReplicaGroup(len(self._devices), self._sync_timeout)
+        return self._replicas
 
     def _replica_calls(
         self, fn: Callable[..., Any], args: tuple, kwargs: dict, global_batch: int | None
@@ -340,7 +352,7 @@ class StrategyExtended:
         """TF's merge call: in a replica context every local replica meets and ``action`` runs
         once; in the cross-replica context ``action`` just runs. ``what`` names the meeting."""
         ctx = context.current_replica()
-        if self._replicas is None or ctx is None or ctx.strategy is not self._container:
+        if len(self._devices) == 1 or ctx is None or ctx.strategy is not self._container:
             action()
             return
 
@@ -349,7 +361,7 @@ class StrategyExtended:
             with torch._C.DisableTorchFunction(), self._all_threads():
                 action()
 
-        self._replicas.sync(ctx.local_replica_id, what, unviewed)
+        self._replica_group().sync(ctx.local_replica_id, what, unviewed)
 
     @contextlib.contextmanager
     def _all_threads(self) -> Iterator[None]:
@@ -492,7 +504,7 @@ class StrategyExtended:
             return self._reduce_values(op, values, None)
 
         structure = pytree.tree_map(torch.as_tensor, value)
-        if self._replicas is None:
+        if len(self._devices) == 1:
             return pytree.tree_map(lambda t: reduce_one([t]).to(t.device), structure)
         self._merge_values[ctx.local_replica_id] = structure
 

@@ -302,6 +302,11 @@ class PipelineExtended(StrategyExtended):
         on every process: a collective (``before_checkpoint_write``)."""
         self._whole_models[id(module)] = (module, pipe)
 
+    def pipeline_of(self, module: nn.Module) -> PipelineModel | None:
+        """This process's stages of a registered whole model (None if it is not one)."""
+        entry = self._whole_models.get(id(module))
+        return entry[1] if entry is not None and entry[0] is module else None
+
     def before_checkpoint_write(self, objects: list[object]) -> None:
         """On every process, in the same order: every stage's layers into each registered
         whole module, and its optimizer state into an optimizer over it, so the chief writes

@@ -149,9 +149,14 @@ def relayout(tensor: DTensor, layout: Layout) -> DTensor:
     return tensor.redistribute(layout.mesh.device_mesh, placements(layout))
 
 
+def assigned_layout(tensor: torch.Tensor) -> Layout | None:
+    """The layout a weight was laid out with (``layout_parameter``); None for other tensors."""
+    return getattr(tensor, "_sg_layout", None)
+
+
 def fetch_layout(tensor: torch.Tensor) -> Layout:
     """The layout of a DTensor (``dtensor.fetch_layout``); works on every DTensor."""
-    laid_out = getattr(tensor, "_sg_layout", None)
+    laid_out = assigned_layout(tensor)
     if laid_out is not None:
         return laid_out
     if not isinstance(tensor, DTensor):
