@@ -7,7 +7,7 @@ streams each task's output with a prefix, stops the whole job when one task fail
 period in which the survivors may report the lost peer themselves), and restarts it when asked.
 
 Its parts: ``tasks.py`` builds each attempt's tasks (free ports, TF_CONFIGs, environments),
-``job.py`` runs one attempt (start, stream, watch, stop); this module checks the arguments and
+``attempt.py`` runs one attempt (start, stream, watch, stop); this module checks the arguments and
 runs attempts until one succeeds or the restarts run out.
 
 POSIX only (sessions, process groups, ``waitid``). It imports nothing heavy itself (no torch),
@@ -24,7 +24,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from stratagem.cluster.job import (
+from stratagem.cluster.attempt import (
     KILL_TIMEOUT_S,
     Console,
     Interrupts,

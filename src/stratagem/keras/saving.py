@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stratagem.comm import current_communicator, distribution_context
+from stratagem.comm.dtensor_check import is_dtensor
 from stratagem.comm.runtime import remote_state_hooks
-from stratagem.comm.tensors import is_dtensor
 from stratagem.keras import losses, optimizers
 
 if TYPE_CHECKING:
