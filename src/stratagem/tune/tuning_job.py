@@ -29,7 +29,7 @@ from stratagem.errors import StratagemError
 from stratagem.jobs.custom_job import CustomJob, JobResult, failed_task_log
 from stratagem.jobs.directories import JobDirectories, slug
 from stratagem.jobs.state import JobState, write_json_atomic
-from stratagem.tune.hyperparameter_tuning import (
+from stratagem.tune.parameter_specs import (
     ParameterSpec,
     check_parameter_spec,
     distributions,
