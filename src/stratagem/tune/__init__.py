@@ -32,8 +32,8 @@ hyperparameter_tuning = parameter_specs
 
 _LAZY = {
     "HyperparameterTuningJob": "stratagem.tune.tuning_job",
-    "TuningConfigError": "stratagem.tune.tuning_job",
-    "TuningError": "stratagem.tune.tuning_job",
+    "TuningConfigError": "stratagem.tune.errors",
+    "TuningError": "stratagem.tune.errors",
     "TrialTable": "stratagem.tune.table",
 }
 
