@@ -44,11 +44,11 @@ from stratagem.distribute.input import (
 )
 from stratagem.distribute.strategy import Strategy
 from stratagem.pipeline.keras_steps import IndexedLoss, KerasPipeline, unpack
-from stratagem.pipeline.layout import PipelineLayout
-from stratagem.pipeline.model import LossFn, PipelineModel
 from stratagem.pipeline.pipedream import Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS
 from stratagem.pipeline.split import SplitPoints, resolve_split_points, split_sequential
+from stratagem.pipeline.stage_layout import PipelineLayout
+from stratagem.pipeline.stages import LossFn, PipelineModel
 
 SCHEDULES = (*SYNCHRONOUS, "PipeDream")
 

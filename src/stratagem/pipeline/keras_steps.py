@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from stratagem.data._structure import unpack_batch as unpack
-from stratagem.pipeline.model import PipelineModel
+from stratagem.pipeline.stages import PipelineModel
 
 PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (y_true, y_pred)
 

@@ -20,9 +20,9 @@ from torch import nn
 
 from stratagem.comm import Communicator
 from stratagem.pipeline import p2p
-from stratagem.pipeline.layout import PipelineLayout
 from stratagem.pipeline.pipedream import PipeDreamStage, Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS, TorchSchedule
+from stratagem.pipeline.stage_layout import PipelineLayout
 
 TAG_PREDICT = 21
 TAG_PREDICTION = 22
