@@ -3,14 +3,15 @@
 Every process of the job calls the same methods with the same global batch; each uses what its
 stages need (the first stage the inputs, the last the targets) and the slice of the batch that
 belongs to its data-parallel replica. ``train_step`` returns the mean loss on every process.
+Running the schedule (and the forward-only pass) is ``stage_runner.py``'s; checkpoints of the
+stages and gathering them into the whole model are ``stage_checkpoints.py``'s.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,15 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 from stratagem.comm import Communicator
-from stratagem.pipeline import p2p
-from stratagem.pipeline.pipedream import PipeDreamStage, Recorder
-from stratagem.pipeline.schedules import SYNCHRONOUS, TorchSchedule
+from stratagem.pipeline.pipedream import LossFn, Recorder
+from stratagem.pipeline.schedules import SYNCHRONOUS
+from stratagem.pipeline.stage_checkpoints import StageCheckpoints
 from stratagem.pipeline.stage_layout import PipelineLayout
+from stratagem.pipeline.stage_runner import StageRunner
 
-TAG_PREDICT = 21
-TAG_PREDICTION = 22
-
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+__all__ = ["LossFn", "PipelineModel", "StepStats"]
 
 
 @dataclass
@@ -75,7 +74,6 @@ class PipelineModel:
         self.stats = StepStats()
         self._comm = comm
         self._chunks = chunks
-        self._timeout = timeout
         self._replica_group = replica_group
         # One module holding this rank's layers under the unsplit model's names ("2.weight"):
         # the optimizer's parameters and the checkpoint's keys.
@@ -83,30 +81,33 @@ class PipelineModel:
         for _, chunk in chunks:
             layers.update(chunk._modules)  # type: ignore[arg-type]
         self.module = nn.Sequential(layers)
-        self._distributed = layout.world_size > 1
         if layout.num_replicas > 1:
             self._broadcast_from_first_replica()
-        self._pipeline_group = pipeline_group
-        # Synchronous schedules: one per per-replica batch size (torch fixes shapes at the first
-        # step), built when that size first comes. PipeDream sends shapes along: one engine.
-        self._schedules: dict[int, TorchSchedule] = {}
-        self._engine: PipeDreamStage | None = None
-        self._pipelined = self._distributed and layout.num_stages > 1
-        if self._pipelined and schedule not in SYNCHRONOUS:
-            s, r = self.stage, self.replica
-            self._engine = PipeDreamStage(
-                chunks[0][1],
-                s,
-                layout.num_stages,
-                prev_rank=layout.rank_of(s - 1, r) if s > 0 else None,
-                next_rank=layout.rank_of(s + 1, r) if s < layout.num_stages - 1 else None,
-                loss_fn=loss_fn,
-                weight_stashing=weight_stashing,
-                timeout=timeout,
-                replica_group=replica_group,
-                num_replicas=layout.num_replicas,
-                recorder=recorder,
-            )
+        self._runner = StageRunner(
+            chunks,
+            self.module,
+            layout=layout,
+            stage=self.stage,
+            replica=self.replica,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            loss_fn=loss_fn,
+            weight_stashing=weight_stashing,
+            timeout=timeout,
+            pipeline_group=pipeline_group,
+            replica_group=replica_group,
+            recorder=recorder,
+        )
+        self._checkpoints = StageCheckpoints(
+            self.module,
+            layout=layout,
+            stage=self.stage,
+            replica=self.replica,
+            split_points=split_points,
+            schedule_name=schedule,
+            comm=comm,
+            flush=self._runner.flush,
+        )
 
     # ------------------------------------------------------------------ parameters
 
@@ -126,11 +127,11 @@ class PipelineModel:
 
     @property
     def is_first_stage(self) -> bool:
-        return self.stage == 0
+        return self._runner.is_first_stage
 
     @property
     def is_last_stage(self) -> bool:
-        return self.stage == self.layout.num_stages - 1
+        return self._runner.is_last_stage
 
     def __repr__(self) -> str:
         chunks = ", ".join(str(i) for i, _ in self._chunks)
@@ -176,7 +177,7 @@ class PipelineModel:
             )
         x, y = self._replica_slice(x, "input"), self._replica_slice(y, "target")
         start = time.perf_counter()
-        losses, _, busy = self._run(x, y, None, keep_outputs=False)
+        losses, _, busy = self._runner.run(x, y, None, keep_outputs=False)
         loss = self._mean_loss(losses)
         # The wall time ends after the loss's all-reduce, where every stage meets: so each
         # stage's step spans the same period, its idle tail included.
@@ -194,7 +195,9 @@ class PipelineModel:
             return loss
         x, y = self._replica_slice(x, "input"), self._replica_slice(y, "target")
         start = time.perf_counter()
-        losses, _, busy = self._run(x, y, optimizer, keep_outputs=False, drain=self.drain_each_step)
+        losses, _, busy = self._runner.run(
+            x, y, optimizer, keep_outputs=False, drain=self.drain_each_step
+        )
         loss = self._mean_loss(losses)
         wall = time.perf_counter() - start  # after the stages meet, as in compute_gradients
         self.stats = StepStats(wall, busy if busy is not None else wall)
@@ -218,125 +221,16 @@ class PipelineModel:
                 f"a replica's batch of {n} does not split into {self.num_microbatches} "
                 "micro-batches"
             )
-        _, outputs, _ = self._run(x, targets, optimizer, keep_outputs=True)
+        _, outputs, _ = self._runner.run(x, targets, optimizer, keep_outputs=True)
         if self.schedule_name in SYNCHRONOUS:
             optimizer.step()
         return outputs
-
-    def _run(
-        self,
-        x: torch.Tensor | None,
-        y: torch.Tensor | None,
-        optimizer: torch.optim.Optimizer | None,
-        *,
-        keep_outputs: bool,
-        drain: bool = True,
-    ) -> tuple[list[float], torch.Tensor | None, float | None]:
-        """This replica's batch through the schedule: the last stage's per-micro-batch losses,
-        its outputs (with ``keep_outputs``) and this rank's seconds computing (None when the
-        whole pipeline runs in this process). Synchronous schedules leave the gradients, already
-        averaged over replicas, in ``.grad``; PipeDream updates with ``optimizer`` as it goes
-        (and, without ``drain``, leaves its warm-up micro-batches in flight)."""
-        if self.is_first_stage and x is None:
-            raise ValueError(f"stage {self.stage} is the first: it needs the inputs x")
-        if self.is_last_stage and y is None:
-            raise ValueError(f"stage {self.stage} is the last: it needs the targets y")
-        m = self.num_microbatches
-        if self.schedule_name not in SYNCHRONOUS:
-            assert optimizer is not None
-            if self._engine is None:
-                return self._pipedream_locally(x, y, optimizer, keep_outputs)
-            busy0 = self._engine.busy_seconds
-            xs = list(x.chunk(m)) if self.is_first_stage and x is not None else None
-            ys = list(y.chunk(m)) if self.is_last_stage and y is not None else None
-            kept: list[torch.Tensor] | None = [] if keep_outputs and self.is_last_stage else None
-            losses = self._engine.run(xs, ys, m, optimizer, kept, drain=drain)
-            outputs = torch.cat(kept) if kept else None
-            return losses, outputs, self._engine.busy_seconds - busy0
-        self.module.zero_grad(set_to_none=True)
-        if not self._pipelined:
-            losses, outputs = self._accumulate_locally(x, y, keep_outputs)
-            busy = None
-        else:
-            batch = x if x is not None else y
-            assert batch is not None
-            engine = self._schedule_for(batch.shape[0])
-            busy0 = engine.busy_seconds
-            losses, outputs = engine.run(x, y)
-            busy = engine.busy_seconds - busy0
-        if self.layout.num_replicas > 1:
-            self._average_gradients_over_replicas()
-        return losses, outputs if keep_outputs else None, busy
 
     def flush(self) -> None:
         """PipeDream without ``drain_each_step``: run the backwards (and updates) of the
         micro-batches still in flight. Every process calls it; nothing to do otherwise. ``save``
         and ``restore`` flush first."""
-        if self._engine is not None:
-            self._engine.flush()
-
-    def _schedule_for(self, batch_size: int) -> TorchSchedule:
-        engine = self._schedules.get(batch_size)
-        if engine is None:
-            engine = TorchSchedule(
-                self.schedule_name,
-                self._chunks,
-                self.layout.num_chunks,
-                self.num_microbatches,
-                self.loss_fn,
-                self._pipeline_group,
-            )
-            self._schedules[batch_size] = engine
-        return engine
-
-    def _accumulate_locally(
-        self, x: torch.Tensor | None, y: torch.Tensor | None, keep_outputs: bool
-    ) -> tuple[list[float], torch.Tensor | None]:
-        """One stage in this process: every micro-batch through all chunks, gradients summed."""
-        assert x is not None and y is not None
-        losses, outputs = [], []
-        for xm, ym in zip(x.chunk(self.num_microbatches), y.chunk(self.num_microbatches)):
-            out = self.module(xm)
-            loss = self.loss_fn(out, ym)
-            (loss / self.num_microbatches).backward()
-            losses.append(float(loss.detach()))
-            if keep_outputs:
-                outputs.append(out.detach())
-        return losses, torch.cat(outputs) if outputs else None
-
-    def _pipedream_locally(
-        self,
-        x: torch.Tensor | None,
-        y: torch.Tensor | None,
-        optimizer: torch.optim.Optimizer,
-        keep_outputs: bool,
-    ) -> tuple[list[float], torch.Tensor | None, None]:
-        """PipeDream with one stage: an update after every micro-batch, nothing in flight."""
-        assert x is not None and y is not None
-        losses, outputs = [], []
-        for xm, ym in zip(x.chunk(self.num_microbatches), y.chunk(self.num_microbatches)):
-            optimizer.zero_grad(set_to_none=True)
-            out = self.module(xm)
-            loss = self.loss_fn(out, ym)
-            loss.backward()
-            if self.layout.num_replicas > 1:  # one stage, several replicas: data parallelism
-                self._average_gradients_over_replicas()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-            if keep_outputs:
-                outputs.append(out.detach())
-        return losses, torch.cat(outputs) if outputs else None, None
-
-    def _average_gradients_over_replicas(self) -> None:
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self._replica_group)
-        flat /= self.layout.num_replicas
-        offset = 0
-        for p in params:
-            p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-            offset += p.numel()
+        self._runner.flush()
 
     def _mean_loss(self, losses: list[float]) -> float:
         """The mean loss over micro-batches and replicas, on every rank (one small all-reduce)."""
@@ -363,77 +257,19 @@ class PipelineModel:
         """The model's outputs for ``x`` through this replica's stages, forward only, one
         transfer per stage boundary: on the last stage, and on every stage with
         ``to_every_stage`` (else None there)."""
-        layout, r = self.layout, self.replica
-        if not self._distributed or layout.num_stages == 1:
-            assert x is not None
-            return self.module(x)
-        owned = dict(self._chunks)
-        h = x
-        for c in range(layout.num_chunks):
-            owner = layout.stage_of_chunk(c)
-            if owner != self.stage:
-                continue
-            prev_owner = layout.stage_of_chunk(c - 1) if c > 0 else None
-            if c > 0 and prev_owner != self.stage:
-                h = p2p.recv(
-                    layout.rank_of(prev_owner, r),  # type: ignore[arg-type]
-                    TAG_PREDICT,
-                    what=f"predict activations for chunk {c}",
-                    timeout=self._timeout,
-                )
-            if h is None:
-                raise ValueError("predict(x): the first stage needs x (pass it on every process)")
-            h = owned[c](h)
-            if c + 1 < layout.num_chunks and layout.stage_of_chunk(c + 1) != self.stage:
-                dst = layout.rank_of(layout.stage_of_chunk(c + 1), r)
-                works, _buffers = p2p.send(h, dst, TAG_PREDICT)
-                for w in works:
-                    w.wait()
-        last = layout.stage_of_chunk(layout.num_chunks - 1)
-        if self.stage == last:
-            assert h is not None
-            for s in range(layout.num_stages) if to_every_stage else ():
-                if s != last:
-                    works, _ = p2p.send(h, layout.rank_of(s, r), TAG_PREDICTION)
-                    for w in works:
-                        w.wait()
-            return h
-        if not to_every_stage:
-            return None
-        return p2p.recv(
-            layout.rank_of(last, r), TAG_PREDICTION, what="predictions", timeout=self._timeout
-        )
+        return self._runner.forward(x, to_every_stage=to_every_stage)
 
     # ------------------------------------------------------------------ the whole model
 
     def gather_module(self, whole: nn.Module) -> None:
         """Load every stage's current layers into ``whole`` (the unsplit model this pipeline
         was cut from, or one like it) on every process. Collective: every process calls it."""
-        mine = self.module.state_dict() if self.replica == 0 else {}
-        merged: dict[str, torch.Tensor] = {}
-        for part in self._comm.all_gather_object(mine, what="the pipeline stages' layers"):
-            merged.update(part)
-        whole.load_state_dict(merged)
+        self._checkpoints.gather_module(whole)
 
     def gather_optimizer_state(self, whole: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Give ``optimizer`` (over all of ``whole``'s parameters) every stage's state for its
         parameters, on every process. Collective: every process calls it."""
-        by_name = dict(whole.named_parameters())
-        own = {id(p) for p in self.module.parameters()}
-        mine = {}
-        if self.replica == 0:
-            mine = {
-                n: optimizer.state[p]
-                for n, p in by_name.items()
-                if id(p) in own and p in optimizer.state
-            }
-        for part in self._comm.all_gather_object(mine, what="the pipeline stages' optimizer state"):
-            for name, state in part.items():
-                p = by_name[name]
-                if id(p) not in own:
-                    optimizer.state[p] = {
-                        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
-                    }
+        self._checkpoints.gather_optimizer_state(whole, optimizer)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -450,26 +286,7 @@ class PipelineModel:
         ``tensors`` such as ``epoch=``), atomically; the stage files of one save together are
         the whole model's state dict. Returns when every stage has written.
         """
-        os.makedirs(path, exist_ok=True)
-        self.flush()
-        if self.replica == 0:
-            state = {
-                "model": self.module.state_dict(),
-                "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                "tensors": {k: v.detach().clone() for k, v in tensors.items()},
-                "layout": {
-                    "num_stages": self.layout.num_stages,
-                    "stages_per_rank": self.layout.stages_per_rank,
-                    "split_points": self.split_points,
-                    "schedule": self.schedule_name,
-                },
-            }
-            final = os.path.join(path, f"stage-{self.stage}.pt")
-            tmp = f"{final}.tmp-{os.getpid()}"
-            torch.save(state, tmp)
-            os.replace(tmp, final)
-        self._comm.barrier(what="the pipeline checkpoint's stage files")
-        return path
+        return self._checkpoints.save(path, optimizer, tensors)
 
     def restore(
         self,
@@ -478,34 +295,4 @@ class PipelineModel:
         **tensors: torch.Tensor,
     ) -> None:
         """Restore this rank's stages (and optimizer, and ``tensors`` in place) from ``save``."""
-        self.flush()  # what is in flight belongs to the weights being replaced
-        file = os.path.join(path, f"stage-{self.stage}.pt")
-        if not os.path.exists(file):
-            raise FileNotFoundError(
-                f"no pipeline checkpoint for stage {self.stage} at {file!r} (expected the "
-                "directory PipelineModel.save wrote)"
-            )
-        state = torch.load(file, weights_only=True)
-        saved = state["layout"]
-        mine = {
-            "num_stages": self.layout.num_stages,
-            "stages_per_rank": self.layout.stages_per_rank,
-            "split_points": self.split_points,
-        }
-        if any(saved[k] != v for k, v in mine.items()):
-            raise ValueError(
-                f"checkpoint {path!r} was saved by a pipeline with {saved}; this one has {mine}: "
-                "restore it with the same stages and split points"
-            )
-        missing = [k for k in tensors if k not in state["tensors"]]
-        if missing or (optimizer is not None and state["optimizer"] is None):
-            raise ValueError(
-                f"checkpoint {path!r} has no {missing or 'optimizer'} (it saved tensors "
-                f"{sorted(state['tensors'])} and {'an' if state['optimizer'] else 'no'} optimizer)"
-            )
-        self.module.load_state_dict(state["model"])
-        if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
-        with torch.no_grad():
-            for k, t in tensors.items():
-                t.copy_(state["tensors"][k])
+        self._checkpoints.restore(path, optimizer, tensors)
