@@ -3,7 +3,7 @@
 1. The cluster is resolved and the process group started as for MultiWorkerMirroredStrategy
    (``stratagem run -n N``, TF_CONFIG, torchrun, SLURM); the job must have
    ``num_stages x num_replicas`` processes. Rank ``r`` runs stage ``r % num_stages`` of replica
-   ``r // num_stages`` (``stratagem.pipeline.layout``).
+   ``r // num_stages`` (``stratagem.pipeline.stage_layout``).
 2. ``strategy.pipeline(model, loss_fn)`` cuts an ``nn.Sequential`` at ``split_points`` (layer
    indices or names) or balanced by parameter count or measured time, keeps this rank's stage,
    and returns a ``PipelineModel`` whose ``train_step(x, y, optimizer)`` runs the schedule:
@@ -39,11 +39,11 @@ from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery.devices import LogicalDevice
 from stratagem.distribute.machinery.input import DistributedDataset, InputContext, InputOptions
 from stratagem.distribute.strategy import Strategy
-from stratagem.pipeline.layout import PipelineLayout
-from stratagem.pipeline.model import LossFn, PipelineModel
 from stratagem.pipeline.pipedream import Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS
 from stratagem.pipeline.split import SplitPoints, resolve_split_points, split_sequential
+from stratagem.pipeline.stage_layout import PipelineLayout
+from stratagem.pipeline.stages import LossFn, PipelineModel
 
 SCHEDULES = (*SYNCHRONOUS, "PipeDream")
 

@@ -30,7 +30,7 @@ import torch
 
 from stratagem.distribute.pipeline_strategy import PipelineExtended
 from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
-from stratagem.pipeline.model import PipelineModel
+from stratagem.pipeline.stages import PipelineModel
 
 _STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.comm.tensors import is_dtensor
+from stratagem.comm.dtensor_check import is_dtensor
 from stratagem.errors import CheckpointError
 from stratagem.train.restore import LoadStatus, copy_into
 from stratagem.train.storage import fsync_dir, hidden_sibling, is_checkpoint, write_file

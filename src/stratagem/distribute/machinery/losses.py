@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from stratagem.comm.tensors import is_dtensor
+from stratagem.comm.dtensor_check import is_dtensor
 from stratagem.distribute.machinery import context
 
 

@@ -1,7 +1,8 @@
 """The search space: Vertex AI's parameter specs, and their translation to Optuna distributions.
 
 Ported as ``from stratagem.tune import hyperparameter_tuning as hpt`` (the seed writes
-``from google.cloud.aiplatform import hyperparameter_tuning as hpt``). Each spec checks its
+``from google.cloud.aiplatform import hyperparameter_tuning as hpt``): ``hyperparameter_tuning``
+is this module under the seed's name, an alias in ``tune/__init__.py``. Each spec checks its
 arguments when made, so a bad space fails before any trial runs. Optuna is imported only by
 ``distribution()``, so that a trial script that imports the specs starts fast.
 """
