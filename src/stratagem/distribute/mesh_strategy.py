@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from stratagem.comm import Communicator, LocalCommunicator
@@ -51,7 +51,7 @@ from stratagem.distribute.machinery.input import (
     recorded_global_batch_size,
 )
 from stratagem.distribute.strategy import Strategy
-from stratagem.dtensor import LayoutMap, Mesh, MeshError, apply_layout_map
+from stratagem.dtensor import Layout, LayoutMap, Mesh, MeshError, apply_layout_map, translate
 
 
 class MeshStrategy(Strategy):
@@ -106,7 +106,6 @@ class MeshExtended(StrategyExtended):
         self.mesh = mesh
         self.layout_map = layout_map
         self.batch_dim_name = batch_dim_name
-        self._batch_index = mesh.dim_names.index(batch_dim_name)
         self._batch_rows: int | None = None  # the global batch of the run under way
         self._modules_in_scope: dict[int, torch.nn.Module] = {}
         device = torch.device(mesh.device_type)
@@ -207,7 +206,6 @@ class MeshExtended(StrategyExtended):
             total = int(sum(int(s) for s in sizes))
         self._batch_rows = total
         expected = chunk_sizes(total, replicas)[self._comm.rank]
-        placements = self._placements(Shard(0))
         device = self._devices[0].torch_device
 
         def to_mesh(t: Any) -> Any:
@@ -220,50 +218,23 @@ class MeshExtended(StrategyExtended):
                     f"{self.batch_dim_name!r} as torch.chunk does, {chunk_sizes(total, replicas)}"
                     " (strategy.experimental_distribute_dataset cuts it so)"
                 )
-            shape = torch.Size([total, *t.shape[1:]])
-            laid = DTensor.from_local(
-                t.to(device).contiguous(),
-                self.mesh.device_mesh,
-                placements,
-                run_check=False,
-                shape=shape,
-                stride=torch.empty(shape, device="meta").stride(),
-            )
+            layout = Layout.batch_sharded(self.mesh, self.batch_dim_name, t.dim())
+            laid = translate.batch_part_to_mesh(t.to(device), layout, total)
             record_global_batch_size(laid, total)
             return laid
 
         return pytree.tree_map(to_mesh, structure)
 
     def replica_values(self, structure: Any) -> Any:
-        """DTensors → this replica's own value: its rows of a tensor split along ``batch`` (or
-        of one as long as the batch, which DTensor may have chosen to replicate: a batch too
-        small to split), its partial sum (or mean) of a reduction over the batch, else the
-        whole value."""
+        """DTensors → this replica's own value (``translate.replica_part``)."""
         rows = self._batch_rows
 
         def local(t: Any) -> Any:
             if not isinstance(t, DTensor):
                 return t
-            along_batch = t.placements[self._batch_index]
-            if isinstance(along_batch, Partial) and along_batch.reduce_op not in ("sum", "avg"):
-                along_batch = Replicate()  # a max or min: its value over the whole batch
-            if isinstance(along_batch, Shard) and along_batch.dim != 0:
-                along_batch = Replicate()
-            if isinstance(along_batch, Replicate) and t.dim() > 0 and t.shape[0] == rows:
-                along_batch = Shard(0)  # per example: each replica takes its own rows
-            target = self._placements(along_batch)
-            if tuple(t.placements) != target:
-                t = t.redistribute(self.mesh.device_mesh, target)
-            return t.to_local()
+            return translate.replica_part(t, self.mesh, self.batch_dim_name, rows)
 
         return pytree.tree_map(local, structure)
-
-    def _placements(self, along_batch: Placement) -> tuple[Placement, ...]:
-        """``along_batch`` on the batch dimension, replicated along every other."""
-        return tuple(
-            along_batch if i == self._batch_index else Replicate()
-            for i in range(len(self.mesh.dim_names))
-        )
 
     def split_sizes(self, total: int, parts: int) -> list[int]:
         return chunk_sizes(total, parts)

@@ -37,7 +37,6 @@ from stratagem.cluster.roles import describe_jobs
 from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import RpcWorld
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.devices import LogicalDevice
 from stratagem.distribute.machinery.input import (
     DistributedDatasetFromFunction,
     InputContext,
@@ -68,60 +67,6 @@ class ParameterServerStrategy(Strategy):
         staleness_policy: str = "apply",
         max_gradient_staleness: int | None = None,
         compression: str | None = None,
-    ) -> None:
-        extended = ParameterServerExtended(
-            self,
-            cluster_resolver,
-            variable_partitioner,
-            mode,
-            replicas_to_aggregate,
-            backup_workers,
-            max_staleness,
-            staleness_policy=staleness_policy,
-            max_gradient_staleness=max_gradient_staleness,
-            compression=compression,
-        )
-        super().__init__(extended)
-        self.mode = mode
-        self._client = extended.client
-
-    def __repr__(self) -> str:
-        e = self.extended
-        assert isinstance(e, ParameterServerExtended)
-        return (
-            f"ParameterServerStrategy(mode={self.mode!r}, workers={e.num_workers}, "
-            f"ps={len(self._client.ps_names)}, worker={e.worker_index})"
-        )
-
-    def pull(self) -> None:
-        """Bring this worker's copies up to the ps's current values (e.g. before evaluating)."""
-        self._client.pull()
-
-    def training_finished(self) -> bool:
-        """Whether every worker is done (or lost): an evaluator's loop ends on it."""
-        return self._client.training_finished()
-
-    def ps_stats(self) -> list[dict[str, int]]:
-        """What each ps applied, dropped and held back so far (for tests and benchmarks)."""
-        return self._client.ps_stats()
-
-
-class ParameterServerExtended(StrategyExtended):
-    """One replica per worker; parameters sharded on the ps tasks, updated there."""
-
-    def __init__(
-        self,
-        container: Strategy,
-        cluster_resolver: ClusterResolver | None,
-        variable_partitioner: Partitioner | None,
-        mode: str,
-        replicas_to_aggregate: int | None,
-        backup_workers: int,
-        max_staleness: int | None,
-        *,
-        staleness_policy: str,
-        max_gradient_staleness: int | None,
-        compression: str | None,
     ) -> None:
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         spec = resolver.cluster_spec()
@@ -161,26 +106,59 @@ class ParameterServerExtended(StrategyExtended):
         if resolver.task_type == "ps":
             Server(resolver).join()
             raise SystemExit(0)  # the job is done: the rest of the script is the workers'
+        extended = ParameterServerExtended(self, resolver, variable_partitioner, rule)
+        super().__init__(extended)
+        self.mode = mode
+        self._client = extended.client
+
+    def __repr__(self) -> str:
+        e = self.extended
+        assert isinstance(e, ParameterServerExtended)
+        return (
+            f"ParameterServerStrategy(mode={self.mode!r}, workers={e.num_workers}, "
+            f"ps={len(self._client.ps_names)}, worker={e.worker_index})"
+        )
+
+    def pull(self) -> None:
+        """Bring this worker's copies up to the ps's current values (e.g. before evaluating)."""
+        self._client.pull()
+
+    def training_finished(self) -> bool:
+        """Whether every worker is done (or lost): an evaluator's loop ends on it."""
+        return self._client.training_finished()
+
+    def ps_stats(self) -> list[dict[str, int]]:
+        """What each ps applied, dropped and held back so far (for tests and benchmarks)."""
+        return self._client.ps_stats()
+
+
+class ParameterServerExtended(StrategyExtended):
+    """One replica per worker; parameters sharded on the ps tasks, updated there by ``rule``."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        resolver: ClusterResolver,
+        partitioner: Partitioner | None,
+        rule: UpdateRule,
+    ) -> None:
         timeouts = Timeouts.from_env()
         world = RpcWorld(
             resolver, rendezvous_timeout=timeouts.rendezvous, rpc_timeout=timeouts.operation
         )
         # An evaluator reads the parameters while the workers train; it pushes nothing.
         self._evaluator = resolver.task_type == "evaluator"
+        workers = collective_members(resolver.cluster_spec())
         me = (resolver.task_type, resolver.task_id)
         self.worker_index = -1 if self._evaluator else workers.index(me)  # type: ignore[arg-type]
         self.num_workers = len(workers)
         self.client = PsClient(
-            world,
-            rule,
-            variable_partitioner,
-            worker_index=self.worker_index,
-            chief=resolver.is_chief,
+            world, rule, partitioner, worker_index=self.worker_index, chief=resolver.is_chief
         )
         atexit.register(self.client.finish)
         super().__init__(
             container,
-            [LogicalDevice("cpu:0", torch.device("cpu"))],
+            ["cpu:0"],
             comm=IndependentWorker(resolver.is_chief, world.describe(world.rank)),
             cluster_resolver=resolver,
         )

@@ -36,7 +36,6 @@ from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
 from stratagem.comm.process_group import Timeouts, connect
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.devices import LogicalDevice
 from stratagem.distribute.machinery.input import DistributedDataset, InputContext, InputOptions
 from stratagem.distribute.strategy import Strategy
 from stratagem.pipeline.pipedream import Recorder
@@ -76,98 +75,6 @@ class PipelineStrategy(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         timeout_seconds: float | None = None,
     ) -> None:
-        extended = PipelineExtended(
-            self,
-            num_stages,
-            schedule=schedule,
-            num_microbatches=num_microbatches,
-            split_points=split_points,
-            num_replicas=num_replicas,
-            stages_per_rank=stages_per_rank,
-            weight_stashing=weight_stashing,
-            drain_each_step=drain_each_step,
-            cluster_resolver=cluster_resolver,
-            timeout_seconds=timeout_seconds,
-        )
-        super().__init__(extended)
-        self._pipe = extended
-        self.rank = extended.communicator.rank
-
-    # ------------------------------------------------------------------ properties
-
-    @property
-    def num_stages(self) -> int:
-        return self._pipe.layout.num_stages
-
-    @property
-    def stage_index(self) -> int:
-        return self._pipe.layout.stage_of(self.rank)
-
-    @property
-    def replica_index(self) -> int:
-        return self._pipe.layout.replica_of(self.rank)
-
-    @property
-    def layout(self) -> PipelineLayout:
-        return self._pipe.layout
-
-    @property
-    def schedule(self) -> str:
-        return self._pipe.schedule
-
-    @property
-    def num_microbatches(self) -> int:
-        return self._pipe.num_microbatches
-
-    def __repr__(self) -> str:
-        return (
-            f"PipelineStrategy(num_stages={self.num_stages}, num_replicas="
-            f"{self.num_replicas_in_sync}, schedule={self.schedule!r}, num_microbatches="
-            f"{self.num_microbatches}, rank={self.rank})"
-        )
-
-    # ------------------------------------------------------------------ the pipeline
-
-    def split_points_for(
-        self, model: nn.Module, sample_input: torch.Tensor | None = None
-    ) -> list[int]:
-        """The layer indices where the chunks after the first start, for this model."""
-        return self._pipe.split_points_for(model, sample_input)
-
-    def pipeline(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        *,
-        sample_input: torch.Tensor | None = None,
-        recorder: Recorder | None = None,
-    ) -> PipelineModel:
-        """Split ``model`` and keep this process's stage(s); every process calls it alike.
-
-        ``loss_fn(outputs, targets)`` is a mean over its micro-batch (``F.cross_entropy``);
-        ``sample_input`` (one micro-batch) is needed with ``split_points="time"``.
-        """
-        return self._pipe.pipeline(model, loss_fn, sample_input=sample_input, recorder=recorder)
-
-
-class PipelineExtended(StrategyExtended):
-    """Stages on processes; no replicas of one model to ``run`` on (see ``_refuse``)."""
-
-    def __init__(
-        self,
-        container: Strategy,
-        num_stages: int | None,
-        *,
-        schedule: str,
-        num_microbatches: int,
-        split_points: SplitPoints,
-        num_replicas: int,
-        stages_per_rank: int | None,
-        weight_stashing: bool,
-        drain_each_step: bool,
-        cluster_resolver: ClusterResolver | None,
-        timeout_seconds: float | None,
-    ) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
         if (
@@ -189,7 +96,7 @@ class PipelineExtended(StrategyExtended):
                 f"{schedule!r}, which runs one stage per process)"
             )
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
-        check_task_types(resolver.cluster_spec(), ("chief", "worker"), "PipelineStrategy")
+        check_task_types(resolver.cluster_spec(), ("chief", "worker"), type(self).__name__)
         world = resolver.world_size if resolver.rank is not None else 1
         if num_stages is None:
             if not isinstance(num_replicas, int) or num_replicas < 1 or world % num_replicas:
@@ -205,9 +112,9 @@ class PipelineExtended(StrategyExtended):
                 f"num_microbatches={num_microbatches} for {num_stages} stages (use 'GPipe', or "
                 "more micro-batches)"
             )
-        self.layout = layout
-        self.schedule = schedule
-        self.num_microbatches = num_microbatches
+        self._layout = layout
+        self._schedule = schedule
+        self._num_microbatches = num_microbatches
         self._split_points = split_points
         self._weight_stashing = weight_stashing
         self._drain_each_step = drain_each_step
@@ -218,18 +125,9 @@ class PipelineExtended(StrategyExtended):
             comm = LocalCommunicator()
         else:
             comm = connect(resolver, backend="gloo", timeouts=timeouts)
-        # One CPU device per process; gradients are averaged over replicas (each micro-batch's
-        # loss is a mean), which Model.compute_loss reads from gradient_aggregation.
-        super().__init__(
-            container,
-            [LogicalDevice("cpu:0", torch.device("cpu"))],
-            comm=comm,
-            cluster_resolver=resolver,
-            gradient_aggregation=ReduceOp.MEAN,
-        )
+        super().__init__(PipelineExtended(self, layout, schedule, comm, resolver))
         self.rank = comm.rank
-        # id(module) -> (the whole module, its pipeline): models whose checkpoints gather stages.
-        self._whole_models: dict[int, tuple[nn.Module, PipelineModel]] = {}
+        self._comm = comm
         self._pipeline_group: dist.ProcessGroup | None = None
         self._replica_group: dist.ProcessGroup | None = None
         if world > 1 and layout.num_replicas > 1:
@@ -243,23 +141,47 @@ class PipelineExtended(StrategyExtended):
                 if s == layout.stage_of(self.rank):
                     self._replica_group = group
 
-    @property
-    def num_replicas_in_sync(self) -> int:
-        """Data-parallel copies of the pipeline (1 without data parallelism)."""
-        return self.layout.num_replicas
+    # ------------------------------------------------------------------ properties
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            **super().describe(),
-            "num_stages": self.layout.num_stages,
-            "schedule": self.schedule,
-        }
+    @property
+    def num_stages(self) -> int:
+        return self._layout.num_stages
+
+    @property
+    def stage_index(self) -> int:
+        return self._layout.stage_of(self.rank)
+
+    @property
+    def replica_index(self) -> int:
+        return self._layout.replica_of(self.rank)
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return self._layout
+
+    @property
+    def schedule(self) -> str:
+        return self._schedule
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._num_microbatches
+
+    def __repr__(self) -> str:
+        return (
+            f"PipelineStrategy(num_stages={self.num_stages}, num_replicas="
+            f"{self.num_replicas_in_sync}, schedule={self._schedule!r}, num_microbatches="
+            f"{self._num_microbatches}, rank={self.rank})"
+        )
 
     # ------------------------------------------------------------------ the pipeline
 
-    def split_points_for(self, model: nn.Module, sample_input: torch.Tensor | None) -> list[int]:
+    def split_points_for(
+        self, model: nn.Module, sample_input: torch.Tensor | None = None
+    ) -> list[int]:
+        """The layer indices where the chunks after the first start, for this model."""
         points = resolve_split_points(
-            model, self.layout.num_chunks, self._split_points, sample_input
+            model, self._layout.num_chunks, self._split_points, sample_input
         )
         if self._comm.world_size > 1 and self._split_points == "time":
             # Timings differ between processes; every rank must cut the same way: rank 0's.
@@ -274,7 +196,12 @@ class PipelineExtended(StrategyExtended):
         sample_input: torch.Tensor | None = None,
         recorder: Recorder | None = None,
     ) -> PipelineModel:
-        layout = self.layout
+        """Split ``model`` and keep this process's stage(s); every process calls it alike.
+
+        ``loss_fn(outputs, targets)`` is a mean over its micro-batch (``F.cross_entropy``);
+        ``sample_input`` (one micro-batch) is needed with ``split_points="time"``.
+        """
+        layout = self._layout
         points = self.split_points_for(model, sample_input)
         chunks = split_sequential(model, points)
         stage = layout.stage_of(self.rank)
@@ -284,8 +211,8 @@ class PipelineExtended(StrategyExtended):
             layout=layout,
             rank=self.rank,
             comm=self._comm,
-            schedule=self.schedule,
-            num_microbatches=self.num_microbatches,
+            schedule=self._schedule,
+            num_microbatches=self._num_microbatches,
             loss_fn=loss_fn,
             weight_stashing=self._weight_stashing,
             timeout=self._timeout,
@@ -295,6 +222,47 @@ class PipelineExtended(StrategyExtended):
             recorder=recorder,
             drain_each_step=self._drain_each_step,
         )
+
+
+class PipelineExtended(StrategyExtended):
+    """Stages on processes: no replicas of one model to ``run`` on (see ``_refuse``); whole
+    models whose checkpoints gather the stages."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        layout: PipelineLayout,
+        schedule: str,
+        comm: Communicator,
+        resolver: ClusterResolver,
+    ) -> None:
+        # One CPU device per process; gradients are averaged over replicas (each micro-batch's
+        # loss is a mean), which Model.compute_loss reads from gradient_aggregation.
+        super().__init__(
+            container,
+            ["cpu:0"],
+            comm=comm,
+            cluster_resolver=resolver,
+            gradient_aggregation=ReduceOp.MEAN,
+        )
+        self._layout = layout
+        self._schedule = schedule
+        # id(module) -> (the whole module, its pipeline): models whose checkpoints gather stages.
+        self._whole_models: dict[int, tuple[nn.Module, PipelineModel]] = {}
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Data-parallel copies of the pipeline (1 without data parallelism)."""
+        return self._layout.num_replicas
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "num_stages": self._layout.num_stages,
+            "schedule": self._schedule,
+        }
+
+    # ------------------------------------------------------------------ whole models
 
     def register_whole_model(self, module: nn.Module, pipe: PipelineModel) -> None:
         """Checkpoints of ``module`` (the whole model, kept on every process) will first gather

@@ -25,7 +25,7 @@ import torch
 
 from stratagem import nn as sg_nn
 from stratagem.distribute import ReduceOp, Strategy, get_strategy
-from stratagem.distribute.pipeline_strategy import PipelineExtended
+from stratagem.distribute.pipeline_strategy import PipelineStrategy
 from stratagem.keras import callbacks as callbacks_module
 from stratagem.keras import losses, metrics, optimizers
 from stratagem.keras.data_adapter import DataPosition, FitData, global_batches
@@ -167,11 +167,11 @@ class Model:
     def _pipelined(self, batch: Any) -> KerasPipeline | None:
         """On a pipeline, this model's stages and their steps (cut on first use); else None:
         the strategy runs the steps."""
-        extended = self.distribute_strategy.extended
-        if not isinstance(extended, PipelineExtended):
+        strategy = self.distribute_strategy
+        if not isinstance(strategy, PipelineStrategy):
             return None
         if self._pipeline is None:
-            self._pipeline = KerasPipeline.build(self, extended, unpack(batch)[0])
+            self._pipeline = KerasPipeline.build(self, strategy, unpack(batch)[0])
         return self._pipeline
 
     def _train_batch(self, batch: Any) -> None:

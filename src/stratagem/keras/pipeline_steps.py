@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from stratagem.distribute.pipeline_strategy import PipelineExtended
+from stratagem.distribute.pipeline_strategy import PipelineExtended, PipelineStrategy
 from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
 from stratagem.pipeline.stages import PipelineModel
 
@@ -83,7 +83,7 @@ class KerasPipeline:
         self._first_batch: int | None = None  # the first training batch's size (the nominal)
 
     @classmethod
-    def build(cls, model: Any, extended: PipelineExtended, x: Any) -> KerasPipeline:
+    def build(cls, model: Any, strategy: PipelineStrategy, x: Any) -> KerasPipeline:
         """Cut ``model.module`` into this process's stage(s), the first batch's inputs ``x``
         giving the sample a split by measured time needs."""
         overridden = [
@@ -103,8 +103,10 @@ class KerasPipeline:
                 f"a pipeline's inputs must be tensors (the first stage's input); got {type(x)}"
             )
         loss = IndexedLoss(lambda y, y_pred: model.loss.call(torch.as_tensor(y), y_pred))
-        sample = x[: max(1, x.shape[0] // extended.num_microbatches)]
-        pipe = extended.pipeline(model.module, loss, sample_input=sample)
+        sample = x[: max(1, x.shape[0] // strategy.num_microbatches)]
+        pipe = strategy.pipeline(model.module, loss, sample_input=sample)
+        extended = strategy.extended
+        assert isinstance(extended, PipelineExtended)
         extended.register_whole_model(model.module, pipe)
         return cls(model, pipe, loss)
 
