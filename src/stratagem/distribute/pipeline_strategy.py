@@ -40,6 +40,7 @@ from stratagem.distribute.machinery.input import DistributedDataset, InputContex
 from stratagem.distribute.strategy import Strategy
 from stratagem.pipeline.pipedream import Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS
+from stratagem.pipeline.settings import PipelineSettings
 from stratagem.pipeline.split import SplitPoints, resolve_split_points, split_sequential
 from stratagem.pipeline.stage_layout import PipelineLayout
 from stratagem.pipeline.stages import LossFn, PipelineModel
@@ -113,13 +114,8 @@ class PipelineStrategy(Strategy):
                 "more micro-batches)"
             )
         self._layout = layout
-        self._schedule = schedule
-        self._num_microbatches = num_microbatches
         self._split_points = split_points
-        self._weight_stashing = weight_stashing
-        self._drain_each_step = drain_each_step
         timeouts = Timeouts.from_env(timeout_seconds)
-        self._timeout = timeouts.operation
         comm: Communicator
         if world == 1:
             comm = LocalCommunicator()
@@ -128,18 +124,27 @@ class PipelineStrategy(Strategy):
         super().__init__(PipelineExtended(self, layout, schedule, comm, resolver))
         self.rank = comm.rank
         self._comm = comm
-        self._pipeline_group: dist.ProcessGroup | None = None
-        self._replica_group: dist.ProcessGroup | None = None
+        pipeline_group = replica_group = None
         if world > 1 and layout.num_replicas > 1:
             # Every rank creates every group, in the same order (torch.distributed's rule).
             for r in range(layout.num_replicas):
                 group = dist.new_group(layout.pipeline_ranks(r))
                 if r == layout.replica_of(self.rank):
-                    self._pipeline_group = group
+                    pipeline_group = group
             for s in range(layout.num_stages):
                 group = dist.new_group(layout.replica_ranks(s))
                 if s == layout.stage_of(self.rank):
-                    self._replica_group = group
+                    replica_group = group
+        self._settings = PipelineSettings(
+            layout=layout,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            weight_stashing=weight_stashing,
+            drain_each_step=drain_each_step,
+            timeout=timeouts.operation,
+            pipeline_group=pipeline_group,
+            replica_group=replica_group,
+        )
 
     # ------------------------------------------------------------------ properties
 
@@ -161,17 +166,17 @@ class PipelineStrategy(Strategy):
 
     @property
     def schedule(self) -> str:
-        return self._schedule
+        return self._settings.schedule
 
     @property
     def num_microbatches(self) -> int:
-        return self._num_microbatches
+        return self._settings.num_microbatches
 
     def __repr__(self) -> str:
         return (
             f"PipelineStrategy(num_stages={self.num_stages}, num_replicas="
-            f"{self.num_replicas_in_sync}, schedule={self._schedule!r}, num_microbatches="
-            f"{self._num_microbatches}, rank={self.rank})"
+            f"{self.num_replicas_in_sync}, schedule={self.schedule!r}, num_microbatches="
+            f"{self.num_microbatches}, rank={self.rank})"
         )
 
     # ------------------------------------------------------------------ the pipeline
@@ -208,19 +213,12 @@ class PipelineStrategy(Strategy):
         mine = [(c, chunks[c]) for c in layout.chunks_of(stage)]
         return PipelineModel(
             mine,
-            layout=layout,
+            self._settings,
             rank=self.rank,
             comm=self._comm,
-            schedule=self._schedule,
-            num_microbatches=self._num_microbatches,
             loss_fn=loss_fn,
-            weight_stashing=self._weight_stashing,
-            timeout=self._timeout,
-            pipeline_group=self._pipeline_group,
-            replica_group=self._replica_group,
             split_points=points,
             recorder=recorder,
-            drain_each_step=self._drain_each_step,
         )
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from stratagem.pipeline import p2p
 from stratagem.pipeline.pipedream import LossFn, PipeDreamStage, Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS, TorchSchedule
-from stratagem.pipeline.stage_layout import PipelineLayout
+from stratagem.pipeline.settings import PipelineSettings
 
 TAG_PREDICT = 21
 TAG_PREDICTION = 22
@@ -29,37 +29,32 @@ class StageRunner:
         self,
         chunks: list[tuple[int, nn.Sequential]],
         module: nn.Sequential,
+        settings: PipelineSettings,
         *,
-        layout: PipelineLayout,
         stage: int,
         replica: int,
-        schedule: str,
-        num_microbatches: int,
         loss_fn: LossFn,
-        weight_stashing: bool,
-        timeout: float,
-        pipeline_group: dist.ProcessGroup | None,
-        replica_group: dist.ProcessGroup | None,
         recorder: Recorder | None,
     ) -> None:
+        layout = settings.layout
         self.layout = layout
         self.stage = stage
         self.replica = replica
-        self.schedule_name = schedule
-        self.num_microbatches = num_microbatches
+        self.schedule_name = settings.schedule
+        self.num_microbatches = settings.num_microbatches
         self.loss_fn = loss_fn
         self.module = module
         self._chunks = chunks
-        self._timeout = timeout
-        self._pipeline_group = pipeline_group
-        self._replica_group = replica_group
+        self._timeout = settings.timeout
+        self._pipeline_group = settings.pipeline_group
+        self._replica_group = settings.replica_group
         self._distributed = layout.world_size > 1
         # Synchronous schedules: one per per-replica batch size (torch fixes shapes at the first
         # step), built when that size first comes. PipeDream sends shapes along: one engine.
         self._schedules: dict[int, TorchSchedule] = {}
         self.engine: PipeDreamStage | None = None
         self._pipelined = self._distributed and layout.num_stages > 1
-        if self._pipelined and schedule not in SYNCHRONOUS:
+        if self._pipelined and settings.schedule not in SYNCHRONOUS:
             s, r = stage, replica
             self.engine = PipeDreamStage(
                 chunks[0][1],
@@ -68,9 +63,9 @@ class StageRunner:
                 prev_rank=layout.rank_of(s - 1, r) if s > 0 else None,
                 next_rank=layout.rank_of(s + 1, r) if s < layout.num_stages - 1 else None,
                 loss_fn=loss_fn,
-                weight_stashing=weight_stashing,
-                timeout=timeout,
-                replica_group=replica_group,
+                weight_stashing=settings.weight_stashing,
+                timeout=settings.timeout,
+                replica_group=settings.replica_group,
                 num_replicas=layout.num_replicas,
                 recorder=recorder,
             )

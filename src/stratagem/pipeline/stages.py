@@ -22,8 +22,8 @@ from torch import nn
 from stratagem.comm import Communicator
 from stratagem.pipeline.pipedream import LossFn, Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS
+from stratagem.pipeline.settings import PipelineSettings
 from stratagem.pipeline.stage_checkpoints import StageCheckpoints
-from stratagem.pipeline.stage_layout import PipelineLayout
 from stratagem.pipeline.stage_runner import StageRunner
 
 __all__ = ["LossFn", "PipelineModel", "StepStats"]
@@ -47,34 +47,28 @@ class PipelineModel:
     def __init__(
         self,
         chunks: list[tuple[int, nn.Sequential]],
+        settings: PipelineSettings,
         *,
-        layout: PipelineLayout,
         rank: int,
         comm: Communicator,
-        schedule: str,
-        num_microbatches: int,
         loss_fn: LossFn,
-        weight_stashing: bool,
-        timeout: float,
-        pipeline_group: dist.ProcessGroup | None,
-        replica_group: dist.ProcessGroup | None,
         split_points: list[int],
         recorder: Recorder | None = None,
-        drain_each_step: bool = True,
     ) -> None:
+        layout = settings.layout
         self.layout = layout
         self.rank = rank
         self.stage = layout.stage_of(rank)
         self.replica = layout.replica_of(rank)
-        self.schedule_name = schedule
-        self.num_microbatches = num_microbatches
+        self.schedule_name = settings.schedule
+        self.num_microbatches = settings.num_microbatches
         self.loss_fn = loss_fn
         self.split_points = split_points
-        self.drain_each_step = drain_each_step
+        self.drain_each_step = settings.drain_each_step
         self.stats = StepStats()
         self._comm = comm
         self._chunks = chunks
-        self._replica_group = replica_group
+        self._replica_group = settings.replica_group
         # One module holding this rank's layers under the unsplit model's names ("2.weight"):
         # the optimizer's parameters and the checkpoint's keys.
         layers: OrderedDict[str, nn.Module] = OrderedDict()
@@ -86,16 +80,10 @@ class PipelineModel:
         self._runner = StageRunner(
             chunks,
             self.module,
-            layout=layout,
+            settings,
             stage=self.stage,
             replica=self.replica,
-            schedule=schedule,
-            num_microbatches=num_microbatches,
             loss_fn=loss_fn,
-            weight_stashing=weight_stashing,
-            timeout=timeout,
-            pipeline_group=pipeline_group,
-            replica_group=replica_group,
             recorder=recorder,
         )
         self._checkpoints = StageCheckpoints(
@@ -104,7 +92,7 @@ class PipelineModel:
             stage=self.stage,
             replica=self.replica,
             split_points=split_points,
-            schedule_name=schedule,
+            schedule_name=settings.schedule,
             comm=comm,
             flush=self._runner.flush,
         )
