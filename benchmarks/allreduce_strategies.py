@@ -111,7 +111,7 @@ def worker_ours(rank: int, world: int, port: int, steps: int, warmup: int, batch
     strategy, step_fn = seed_loop_under_mwms(rank, world, port, batch)
     data = batches(warmup + steps, batch // world, seed=rank)
     dataset = strategy.distribute_datasets_from_function(lambda ctx: data)
-    comm = strategy._comm
+    comm = strategy.extended.communicator
     for i, inputs in enumerate(dataset):
         if i == warmup:
             comm.barrier(what="benchmark start")

@@ -1,7 +1,7 @@
 """Bayesian search (the tuner's TPE) against random search on a known synthetic objective.
 
 Both searches run in this process on the seed's search space, translated to Optuna exactly as
-``HyperparameterTuningJob`` translates it (``hyperparameter_tuning.distributions``) and sampled
+``HyperparameterTuningJob`` translates it (``parameter_specs.distributions``) and sampled
 by the same ``make_sampler``: no trial subprocesses, so it takes seconds. For each seed, each
 search gets ``--trials`` trials (ask/tell, as the tuner does); the better best-of-N wins.
 Target (issue 7): Bayesian wins in at least 7 of 10 seeds.

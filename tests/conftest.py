@@ -1,4 +1,4 @@
-"""Test-wide fixtures: no inherited cluster variables, no leftover process group."""
+"""Test-wide fixtures: no inherited cluster variables."""
 
 from __future__ import annotations
 
@@ -17,6 +17,3 @@ def _no_cluster_environment(monkeypatch):
     for name in CLUSTER_VARS:
         monkeypatch.delenv(name, raising=False)
     yield
-    from stratagem.comm import runtime
-
-    runtime.set_current_communicator(None)

@@ -11,13 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+import stratagem as sg
 import stratagem.train as sg_train
-from stratagem.comm import (
-    LocalCommunicator,
-    distribution_context,
-    set_current_communicator,
-    set_distribution_context,
-)
+from stratagem.comm import LocalCommunicator
+from stratagem.distribute import StrategyExtended
 from stratagem.train import Checkpoint, CheckpointError, CheckpointManager, latest_checkpoint
 from stratagem.train.checkpoint import CheckpointMatchError
 
@@ -31,22 +28,19 @@ class FakeWorker(LocalCommunicator):
         self.world_size = world_size
 
 
-@pytest.fixture(autouse=True)
-def _local_process():
-    set_current_communicator(None)
-    set_distribution_context()
-    yield
-    set_current_communicator(None)
-    set_distribution_context()
+class WorkerStrategy(sg.distribute.Strategy):
+    """A strategy (through the public contract alone) whose process is worker 1 of 2."""
+
+    def __init__(self) -> None:
+        super().__init__(StrategyExtended(self, ["cpu:0"], comm=FakeWorker()))
 
 
 @pytest.fixture
 def non_chief():
-    set_current_communicator(FakeWorker())
-    try:
+    """Code in the scope of a strategy whose process is not the chief: objects it builds, and
+    checkpoints of objects no strategy owns, are that strategy's."""
+    with WorkerStrategy().scope():
         yield
-    finally:
-        set_current_communicator(None)
 
 
 def counter(value: int = 0) -> torch.Tensor:
@@ -366,8 +360,9 @@ def test_state_that_could_not_be_loaded_back_is_refused_at_save_time(tmp_path):
 
 
 def test_meta_json_describes_the_checkpoint(tmp_path):
-    set_distribution_context(strategy="MirroredStrategy", num_replicas_in_sync=2)
-    model, opt = build(0)
+    strategy = sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():
+        model, opt = build(0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
     ckpt = Checkpoint(
         model=model,
@@ -387,8 +382,9 @@ def test_meta_json_describes_the_checkpoint(tmp_path):
     assert meta["save_counter"] == 2
     assert datetime.fromisoformat(meta["created"]).tzinfo is not None
     assert meta["torch_version"] == torch.__version__
-    assert meta["distribution"] == distribution_context()
+    assert meta["distribution"] == strategy.extended.describe()
     assert meta["distribution"]["strategy"] == "MirroredStrategy"
+    assert meta["distribution"]["num_replicas_in_sync"] == 2
     assert meta["distribution"]["world_size"] == 1
     t = meta["trackables"]
     assert t["model"] == {"kind": "module", "type": "Sequential"}
@@ -676,8 +672,7 @@ def test_non_chief_reads_the_chiefs_checkpoint_and_leaves_its_leftovers(tmp_path
     epoch = counter(6)
     CheckpointManager(Checkpoint(epoch=epoch), tmp_path).save()
     (tmp_path / ".ckpt-9.tmp-999999-0123abcd").mkdir()
-    set_current_communicator(FakeWorker())
-    try:
+    with WorkerStrategy().scope():
         mine = counter()
         manager = CheckpointManager(Checkpoint(epoch=mine), tmp_path)
         assert manager.restore_or_initialize() == os.path.join(tmp_path, "ckpt-1")
@@ -687,8 +682,6 @@ def test_non_chief_reads_the_chiefs_checkpoint_and_leaves_its_leftovers(tmp_path
         # Simple pattern: every worker saves into the same directory; only the chief writes.
         assert manager.save() == os.path.join(tmp_path, "ckpt-2")
         assert not os.path.exists(tmp_path / "ckpt-2")
-    finally:
-        set_current_communicator(None)
 
 
 # --- the seed tutorial's pattern, end to end ---------------------------------------------------
@@ -755,12 +748,9 @@ def seed_worker(root, task_id: int, num_epochs: int, steps_per_epoch: int = 3) -
 
 def test_seed_pattern_chief_writes_the_real_directory_workers_clean_temp_dirs(tmp_path):
     assert seed_worker(tmp_path, task_id=0, num_epochs=2) == [0, 1]
-    set_current_communicator(FakeWorker())
-    try:
+    with WorkerStrategy().scope():
         # The worker restores the chief's checkpoint (shared storage) and resumes from it.
         assert seed_worker(tmp_path, task_id=1, num_epochs=3) == [1, 2]
-    finally:
-        set_current_communicator(None)
     assert entries(tmp_path) == ["ckpt", "workertemp_1"]
     assert entries(tmp_path / "workertemp_1") == []  # the worker's rmtree found its directory
     assert entries(tmp_path / "ckpt") == ["checkpoint", "ckpt-2"]  # max_to_keep=1

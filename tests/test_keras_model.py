@@ -1,9 +1,8 @@
-"""sg.keras.Model: compile/fit/evaluate/predict, callbacks, errors; the same fit under the default
-strategy, MirroredStrategy (2 replica threads) and MultiWorkerMirroredStrategy (2 processes)."""
+"""sg.keras.Model: compile/fit/evaluate/predict, the callback hooks fit calls, errors; the same fit
+under the default strategy, MirroredStrategy (2 replica threads) and MultiWorkerMirroredStrategy
+(2 processes). Each callback's own tests are in keras_callbacks/."""
 
 from __future__ import annotations
-
-import io
 
 import numpy as np
 import pytest
@@ -11,26 +10,9 @@ import torch
 
 import stratagem as sg
 from cluster_utils import WORKERS, run_cluster
+from keras_utils import compiled as _compiled
+from keras_utils import reference as _reference
 from workers.common import build_model, keras_data
-
-
-def _compiled(module: torch.nn.Module | None = None, lr: float = 0.1, metrics=("accuracy",)):
-    model = sg.keras.Model(module if module is not None else build_model())
-    model.compile(
-        sg.keras.optimizers.SGD(lr, momentum=0.9),
-        sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        list(metrics),
-    )
-    return model
-
-
-def _reference(initial: dict, x, y, epochs: int = 2):
-    """Default strategy, one device: what every strategy's fit must match."""
-    module = build_model()
-    module.load_state_dict(initial)
-    model = _compiled(module)
-    history = model.fit(x, y, batch_size=24, epochs=epochs, shuffle=False, verbose=0)
-    return model, history
 
 
 def test_fit_learns_and_reports_history_evaluate_and_predict():
@@ -135,41 +117,6 @@ def test_callback_hooks_run_in_keras_order_and_steps_per_epoch_continues_the_dat
     ]
 
 
-def test_learning_rate_scheduler_and_early_stopping():
-    x, y = keras_data(48)
-    model = _compiled(lr=0.1)
-    seen = []
-
-    def schedule(epoch, lr):
-        seen.append(lr)
-        return 0.1 * 0.5**epoch
-
-    history = model.fit(
-        x, y, batch_size=16, epochs=3, verbose=0,
-        callbacks=[sg.keras.callbacks.LearningRateScheduler(schedule)],
-    )  # fmt: skip
-    assert seen == pytest.approx([0.1, 0.1, 0.05])
-    assert history.history["learning_rate"] == pytest.approx([0.1, 0.05, 0.025])
-
-    frozen = _compiled(lr=0.0)  # the loss can never improve
-    stopper = sg.keras.callbacks.EarlyStopping(monitor="loss", patience=1)
-    # Unshuffled, so every epoch's mean loss is bit-identical (a reordered sum may not be).
-    history = frozen.fit(
-        x, y, batch_size=16, epochs=10, shuffle=False, verbose=0, callbacks=[stopper]
-    )
-    assert history.epoch == [0, 1] and stopper.stopped_epoch == 1
-
-
-def test_progress_output_one_line_per_epoch():
-    x, y = keras_data(48)
-    stream = io.StringIO()
-    bar = sg.keras.callbacks.ProgbarLogger(verbose=2, stream=stream)
-    _compiled().fit(x, y, batch_size=16, epochs=2, callbacks=[bar], verbose=2)
-    lines = stream.getvalue().splitlines()
-    assert lines[0] == "Epoch 1/2" and lines[2] == "Epoch 2/2", lines
-    assert "loss: " in lines[1] and "accuracy: " in lines[1], lines
-
-
 def _sparse(model):
     model.compile("sgd", sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 
@@ -271,142 +218,6 @@ def test_multi_worker_fit_equals_one_device_on_the_global_batch(tmp_path):
         torch.testing.assert_close(loaded.module.state_dict()[k], v, rtol=0, atol=0)
 
 
-def test_model_checkpoint_csv_logger_and_load_weights(tmp_path):
-    x, y = keras_data(48)
-    model = _compiled()
-    saver = sg.keras.callbacks.ModelCheckpoint(
-        str(tmp_path / "ckpt" / "w-{epoch:02d}"), save_weights_only=True
-    )
-    logger = sg.keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))
-    history = model.fit(x, y, batch_size=16, epochs=3, callbacks=[saver, logger], verbose=0)
-    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert names == ["checkpoint", "w-01", "w-02", "w-03"]
-    assert sg.train.latest_checkpoint(str(tmp_path / "ckpt")) == str(tmp_path / "ckpt" / "w-03")
-    fresh = sg.keras.Model(build_model())
-    fresh.load_weights(str(tmp_path / "ckpt"))  # a directory: its newest checkpoint
-    for k, v in model.module.state_dict().items():
-        torch.testing.assert_close(fresh.module.state_dict()[k], v, rtol=0, atol=0)
-    rows = (tmp_path / "log.csv").read_text().splitlines()
-    assert rows[0] == "epoch,accuracy,loss" and len(rows) == 4, rows
-    for epoch, row in enumerate(rows[1:]):
-        e, accuracy, loss = row.split(",")
-        assert int(e) == epoch
-        assert float(loss) == pytest.approx(history.history["loss"][epoch], rel=1e-6)
-        assert float(accuracy) == pytest.approx(history.history["accuracy"][epoch], rel=1e-6)
-
-
-def test_model_checkpoint_save_best_only_and_a_filepath_naming_a_missing_log(tmp_path):
-    x, y = keras_data(48)
-    frozen = _compiled(lr=0.0)  # the loss never improves after the first epoch
-    best = sg.keras.callbacks.ModelCheckpoint(
-        str(tmp_path / "best-{epoch}"), monitor="loss", save_best_only=True
-    )
-    frozen.fit(x, y, batch_size=16, epochs=3, shuffle=False, callbacks=[best], verbose=0)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["best-1", "checkpoint"]
-    wrong = sg.keras.callbacks.ModelCheckpoint(str(tmp_path / "w-{val_auc}"))
-    with pytest.raises(KeyError, match="names 'val_auc'"):
-        frozen.fit(x, y, batch_size=16, epochs=1, callbacks=[wrong], verbose=0)
-
-
-class _Crash(sg.keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == 2:
-            raise KeyboardInterrupt("simulated interruption")
-
-
-def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path):
-    x, y = keras_data(48)
-    torch.manual_seed(11)
-    initial = build_model().state_dict()
-    reference, _ = _reference(initial, x, y, epochs=4)
-    backup = str(tmp_path / "backup")
-
-    module = build_model()
-    module.load_state_dict(initial)
-    interrupted = _compiled(module)
-    with pytest.raises(KeyboardInterrupt):
-        interrupted.fit(
-            x, y, batch_size=24, epochs=4, shuffle=False, verbose=0,
-            callbacks=[_Crash(), sg.keras.callbacks.BackupAndRestore(backup)],
-        )  # fmt: skip
-    assert sg.train.latest_checkpoint(backup) is not None
-    # A new run (another initialisation, as a restarted script would have) resumes at epoch 2.
-    torch.manual_seed(12)
-    resumed = _compiled()
-    history = resumed.fit(
-        x, y, batch_size=24, epochs=4, shuffle=False, verbose=0,
-        callbacks=[sg.keras.callbacks.BackupAndRestore(backup)],
-    )  # fmt: skip
-    assert history.epoch == [2, 3]
-    for k, v in reference.module.state_dict().items():
-        torch.testing.assert_close(resumed.module.state_dict()[k], v, rtol=1e-5, atol=1e-6)
-    assert not (tmp_path / "backup").exists()  # deleted once fit finished
-
-
-class _CrashAt(sg.keras.callbacks.Callback):
-    def __init__(self, epoch: int, batch: int) -> None:
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            raise KeyboardInterrupt("simulated interruption")
-
-
-def _loader(x, y):
-    """A user's DataLoader, in a fixed order, whose batches are the global batches."""
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
-
-
-@pytest.mark.parametrize(
-    "data, steps_per_epoch, crash_at",
-    [
-        ("arrays", None, (1, 2)),  # shuffled arrays, epochs of 4 batches (the last partial)
-        ("arrays", 3, (2, 1)),  # epochs of 3 batches straddle passes of 4
-        ("loader", None, (2, 3)),  # a DataLoader: the resumed pass skips what was done
-    ],
-)
-def test_backup_and_restore_with_save_freq_resumes_mid_epoch_exactly(
-    tmp_path, data, steps_per_epoch, crash_at
-):
-    x, y = keras_data(60)
-    torch.manual_seed(5)
-    initial = build_model().state_dict()
-
-    def fit(callbacks, seed):
-        module = build_model()
-        module.load_state_dict(initial)
-        model = _compiled(module)
-        torch.manual_seed(seed)  # draws fit's shuffle seed
-        inputs = dict(x=x, y=y, batch_size=16) if data == "arrays" else dict(x=_loader(x, y))
-        history = model.fit(
-            **inputs, epochs=4, steps_per_epoch=steps_per_epoch, verbose=0, callbacks=callbacks
-        )
-        return model, history
-
-    reference, expected = fit([], seed=1)
-    backup = str(tmp_path / "backup")
-    with pytest.raises(KeyboardInterrupt):
-        fit([_CrashAt(*crash_at), sg.keras.callbacks.BackupAndRestore(backup, save_freq=2)], 1)
-    # A restarted script draws another shuffle seed; the backup's seed and position win.
-    resumed, history = fit([sg.keras.callbacks.BackupAndRestore(backup, save_freq=2)], seed=2)
-    assert history.epoch == list(range(crash_at[0], 4))
-    for name, values in history.history.items():  # the resumed epoch's metrics too
-        assert values == pytest.approx(expected.history[name][crash_at[0] :], rel=1e-5), name
-    for k, v in reference.module.state_dict().items():
-        torch.testing.assert_close(resumed.module.state_dict()[k], v, rtol=1e-5, atol=1e-6)
-    assert not (tmp_path / "backup").exists()
-
-
-def test_backup_and_restore_rejects_a_save_freq_that_is_neither_epoch_nor_a_count():
-    for bad in (0, -3, "batch", 2.5, True):
-        with pytest.raises(ValueError, match=r"save_freq must be 'epoch' or a positive number"):
-            sg.keras.callbacks.BackupAndRestore("unused", save_freq=bad)
-
-
 def test_steps_per_epoch_equal_to_the_batches_in_the_data_trains_every_epoch():
     x, y = keras_data(48)
     model = _compiled()
@@ -420,31 +231,6 @@ def test_steps_per_epoch_equal_to_the_batches_in_the_data_trains_every_epoch():
         x, y, batch_size=16, epochs=3, steps_per_epoch=3, verbose=0, callbacks=[Count()]
     )
     assert history.epoch == [0, 1, 2] and seen == [0, 1, 2] * 3
-
-
-def test_tensorboard_writes_event_files_tensorboard_reads(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    x, y = keras_data(48)
-    board = sg.keras.callbacks.TensorBoard(str(tmp_path / "logs"), update_freq="batch")
-    history = _compiled().fit(
-        x, y, batch_size=16, epochs=2, validation_data=(x, y), callbacks=[board], verbose=0
-    )
-    train = EventAccumulator(str(tmp_path / "logs" / "train"))
-    validation = EventAccumulator(str(tmp_path / "logs" / "validation"))
-    train.Reload()
-    validation.Reload()
-    tags = set(train.Tags()["scalars"])
-    assert {"epoch_loss", "epoch_accuracy", "epoch_learning_rate", "batch_loss"} <= tags
-    assert [e.step for e in train.Scalars("epoch_loss")] == [0, 1]
-    for tag, key, events in [
-        ("epoch_loss", "loss", train),
-        ("epoch_accuracy", "accuracy", train),
-        ("epoch_loss", "val_loss", validation),
-    ]:
-        values = [e.value for e in events.Scalars(tag)]
-        assert values == pytest.approx(history.history[key], rel=1e-6), tag
-    assert [e.step for e in train.Scalars("batch_loss")] == list(range(1, 7))  # 3 per epoch
 
 
 def _trained_and_saved(path):

@@ -23,7 +23,7 @@ def test_outside_any_scope_the_default_strategy_runs_one_replica():
     assert strategy.reduce("SUM", torch.ones(3), axis=0).item() == 3.0
     # Code outside any scope is untouched: nothing is claimed, placed or hooked.
     layer = torch.nn.Linear(2, 2)
-    assert sg.distribute.scope.owner_of(layer.weight) is None
+    assert sg.distribute.machinery.scope_hooks.owner_of(layer.weight) is None
 
 
 def test_scope_contexts_and_what_it_captures():
@@ -34,7 +34,7 @@ def test_scope_contexts_and_what_it_captures():
         assert sg.distribute.in_cross_replica_context()
         assert sg.distribute.get_replica_context() is None
         inside = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-    owner = sg.distribute.scope.owner_of
+    owner = sg.distribute.machinery.scope_hooks.owner_of
     assert all(owner(p) is strategy for p in inside.parameters())
     assert all(owner(b) is strategy for b in inside.buffers())
     assert owner(outside.weight) is None
@@ -57,7 +57,7 @@ def test_distribute_module_is_the_explicit_form_of_scope():
     strategy = sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
     model = torch.nn.Linear(3, 1)
     assert strategy.distribute_module(model) is model
-    assert sg.distribute.scope.owner_of(model.weight) is strategy
+    assert sg.distribute.machinery.scope_hooks.owner_of(model.weight) is strategy
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x = sg.distribute.PerReplica([torch.ones(2, 3), 2 * torch.ones(2, 3)])
     strategy.run(lambda v: model(v).sum().backward(), args=(x,))

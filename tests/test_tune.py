@@ -208,7 +208,7 @@ def test_study_of_multiworker_trials(multiworker_study):
     trials = job.trials
     assert [t.id for t in trials] == ["1", "2", "3", "4"]
     assert len({tuple(t.parameters.values()) for t in trials}) == 4
-    cpus = launcher._usable_cpus()
+    cpus = launcher.usable_cpus()
     assert job.threads_per_task() == max(1, cpus // (2 * 2))
     for trial in trials:
         assert str(trial.state) == "SUCCEEDED"

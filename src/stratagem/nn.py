@@ -1,5 +1,8 @@
 """``sg.nn``: the loss helpers of ``tf.nn`` that distributed training needs."""
 
-from stratagem.distribute.losses import compute_average_loss, scale_regularization_loss
+from stratagem.distribute.machinery.loss_scaling import (
+    compute_average_loss,
+    scale_regularization_loss,
+)
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]

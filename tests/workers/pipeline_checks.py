@@ -95,7 +95,7 @@ def stash(on: bool) -> None:
             "inputs": watcher.inputs,
             "backward": watcher.backwards,
             "targets": targets,
-            "max_versions_in_flight": pipe._engine.max_versions_in_flight,
+            "max_versions_in_flight": pipe._runner.engine.max_versions_in_flight,
             "layers": list(pipe.module._modules),
         },
     )
@@ -122,7 +122,7 @@ def pipedream_carry() -> None:
     losses, in_flight = [], []
     for x, y in global_batches(2):
         losses.append(pipe.train_step(x, y, opt))
-        in_flight.append(pipe._engine.in_flight)
+        in_flight.append(pipe._runner.engine.in_flight)
     pipe.flush()
     weights = {n: p.detach().clone() for n, p in pipe.named_parameters()}
     save(

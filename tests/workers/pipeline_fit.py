@@ -40,7 +40,7 @@ def new_model(strategy, seed: int) -> sg.keras.Model:
 
 def own_weights(strategy, model: sg.keras.Model) -> dict[str, torch.Tensor]:
     """This rank's stage, as the strategy holds it (the layers of model.module it trains)."""
-    pipe = strategy._keras[id(model.module)].pipe
+    pipe = strategy.extended.pipeline_of(model.module)
     return {n: p.detach().clone() for n, p in pipe.named_parameters()}
 
 

@@ -7,7 +7,7 @@ streams each task's output with a prefix, stops the whole job when one task fail
 period in which the survivors may report the lost peer themselves), and restarts it when asked.
 
 Its parts: ``tasks.py`` builds each attempt's tasks (free ports, TF_CONFIGs, environments),
-``job.py`` runs one attempt (start, stream, watch, stop); this module checks the arguments and
+``attempt.py`` runs one attempt (start, stream, watch, stop); this module checks the arguments and
 runs attempts until one succeeds or the restarts run out.
 
 POSIX only (sessions, process groups, ``waitid``). It imports nothing heavy itself (no torch),
@@ -24,7 +24,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from stratagem.cluster.job import (
+from stratagem.cluster.attempt import (
     KILL_TIMEOUT_S,
     Console,
     Interrupts,
@@ -70,7 +70,7 @@ __all__ = [  # the launcher's parts, used by jobs, tuning and tests through this
 ]
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     # The CPUs this process may run on (taskset, cgroup cpusets), not all of the machine's.
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
@@ -199,7 +199,7 @@ def run_job(
     num_tasks = sum(counts.values())
     base_env = dict(os.environ if base_env is None else base_env)
     if omp_threads is None and "OMP_NUM_THREADS" not in base_env:
-        omp_threads = max(1, _usable_cpus() // num_tasks)
+        omp_threads = max(1, usable_cpus() // num_tasks)
     python = python or sys.executable
     console = console or Console(sys.stdout, sys.stderr)
     command = shlex.join([os.path.basename(python), *target])
@@ -208,7 +208,7 @@ def run_job(
     omp_note = (
         ""
         if omp_threads is None
-        else f"; OMP_NUM_THREADS={omp_threads} in each task ({plural(_usable_cpus(), 'CPU')} /"
+        else f"; OMP_NUM_THREADS={omp_threads} in each task ({plural(usable_cpus(), 'CPU')} /"
         f" {plural(num_tasks, 'task')}, to avoid oversubscription; set it to override)"
     )
 

@@ -1,6 +1,6 @@
 """The tasks of a local cluster job: their roles, free loopback addresses and TF_CONFIGs.
 
-Pure data and environment building: nothing here starts a process (``job.py`` does).
+Pure data and environment building: nothing here starts a process (``attempt.py`` does).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from stratagem.comm.communicator import Communicator, PendingOp
+from stratagem.comm.communicator import Communicator, LocalCommunicator, PendingOp
 from stratagem.comm.liveness import LivenessServer, advertised_host, probe_all
 from stratagem.comm.reduce_op import ReduceOp
 from stratagem.comm.rendezvous import Member, open_store, roll_call
@@ -261,10 +261,9 @@ class ProcessGroupCommunicator(Communicator):
         self._liveness.close("error" if _failing or sys.exc_info()[0] is not None else "ok")
         if dist.is_initialized():
             dist.destroy_process_group()
-        from stratagem.comm import runtime
-
-        if runtime.current_communicator() is self:
-            runtime.set_current_communicator(None)
+        global _live
+        if _live is self:
+            _live = None
 
 
 class GroupCommunicator(Communicator):
@@ -340,6 +339,10 @@ def _canonical(resolver: Resolver) -> str:
 
 
 _connect_lock = threading.Lock()
+# The connection this process started. torch.distributed's default group is process-wide, so
+# a second strategy (or a mesh) of the same job shares it rather than starting another.
+# Strategies hold their own communicator; this is only where ``connect`` finds the open one.
+_live: ProcessGroupCommunicator | None = None
 
 
 def default_backend(device_type: str) -> str:
@@ -349,15 +352,19 @@ def default_backend(device_type: str) -> str:
     return "gloo"
 
 
+def live_connection() -> ProcessGroupCommunicator | None:
+    """The connection ``connect`` opened in this process, while it is open."""
+    return _live
+
+
 def connect(
     resolver: Resolver, *, backend: str = "gloo", timeouts: Timeouts | None = None
 ) -> Communicator:
     """The process's communicator for this cluster, started on first use and then shared."""
-    from stratagem.comm import runtime
-
+    global _live
     with _connect_lock:
-        current = runtime.current_communicator()
-        if isinstance(current, ProcessGroupCommunicator) and not current._closed:
+        current = _live
+        if current is not None:
             if current.world_size != resolver.world_size or current.rank != resolver.rank:
                 raise RendezvousError(
                     f"this process already belongs to a job as rank {current.rank} of "
@@ -365,12 +372,11 @@ def connect(
                 )
             return current
         if resolver.world_size == 1 and resolver.rendezvous_address is None:
-            return current
-        comm = ProcessGroupCommunicator(
+            return LocalCommunicator()
+        _live = ProcessGroupCommunicator(
             resolver, backend=backend, timeouts=timeouts or Timeouts.from_env()
         )
-        runtime.set_current_communicator(comm)
-        return comm
+        return _live
 
 
 @contextlib.contextmanager

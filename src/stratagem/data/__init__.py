@@ -2,11 +2,12 @@
 
 ``sg.data.Dataset.from_tensor_slices((x, y)).shuffle(60000).shard(n, i).batch(64)`` ports
 from TensorFlow unchanged; ``sg.data.datasets.load_digits()`` gives an MNIST-shaped data set
-without a download. ``seed_scope`` is for the distribute layer (see its docstring).
+without a download. ``seed_scope`` is for the distribute layer and ``derive_seed`` for Keras's
+``fit`` (see their docstrings).
 """
 
 from stratagem.data import datasets, experimental
-from stratagem.data._shuffle import seed_scope
+from stratagem.data._shuffle import derive_seed, seed_scope
 from stratagem.data.dataset import AUTOTUNE, Dataset
 
 INFINITE_CARDINALITY = Dataset.INFINITE
@@ -18,6 +19,7 @@ __all__ = [
     "UNKNOWN_CARDINALITY",
     "Dataset",
     "datasets",
+    "derive_seed",
     "experimental",
     "seed_scope",
 ]

@@ -139,17 +139,3 @@ def to_tensor(path: Path, value: Any) -> torch.Tensor:
         f"component {path} is a {type(value).__name__}; expected a torch tensor, a numpy array, "
         "a number or a list of numbers"
     )
-
-
-def unpack_batch(data: Any) -> tuple[Any, Any, Any]:
-    """``(x, y, sample_weight)`` from a batch that is ``x``, ``(x, y)`` or ``(x, y, w)``: what
-    Keras-style training reads, whichever strategy runs it."""
-    if isinstance(data, tuple | list):
-        if len(data) == 2:
-            return data[0], data[1], None
-        if len(data) == 3:
-            return data[0], data[1], data[2]
-        if len(data) == 1:
-            return data[0], None, None
-        raise ValueError(f"a batch is x, (x, y) or (x, y, sample_weight); got {len(data)} parts")
-    return data, None, None

@@ -8,20 +8,21 @@ from stratagem.comm.cross_device_ops import (
 )
 from stratagem.comm.reduce_op import ReduceOp
 from stratagem.distribute import cluster_resolver, experimental
-from stratagem.distribute.context import (
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery.context import (
     ReplicaContext,
     get_replica_context,
     get_strategy,
     has_strategy,
     in_cross_replica_context,
 )
-from stratagem.distribute.input import InputContext, InputOptions
-from stratagem.distribute.mirrored import MirroredStrategy
-from stratagem.distribute.multi_worker_mirrored import MultiWorkerMirroredStrategy
-from stratagem.distribute.one_device import OneDeviceStrategy
-from stratagem.distribute.parameter_server import ParameterServerStrategy, Server
+from stratagem.distribute.machinery.input import InputContext, InputOptions
+from stratagem.distribute.machinery.values import PerReplica
+from stratagem.distribute.mirrored_strategy import MirroredStrategy
+from stratagem.distribute.multi_worker_mirrored_strategy import MultiWorkerMirroredStrategy
+from stratagem.distribute.one_device_strategy import OneDeviceStrategy
+from stratagem.distribute.parameter_server_strategy import ParameterServerStrategy, Server
 from stratagem.distribute.strategy import Strategy
-from stratagem.distribute.values import PerReplica
 
 __all__ = [
     "CrossDeviceOps",
@@ -39,6 +40,7 @@ __all__ = [
     "ReplicaContext",
     "Server",
     "Strategy",
+    "StrategyExtended",
     "cluster_resolver",
     "experimental",
     "get_replica_context",

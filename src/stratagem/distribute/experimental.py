@@ -49,9 +49,9 @@ class CommunicationOptions:
 
 
 # The experimental strategies (imported last: they build on the rest of sg.distribute).
-from stratagem.distribute.central_storage import CentralStorageStrategy  # noqa: E402
-from stratagem.distribute.mesh import MeshStrategy  # noqa: E402
-from stratagem.distribute.pipeline import PipelineStrategy  # noqa: E402
+from stratagem.distribute.central_storage_strategy import CentralStorageStrategy  # noqa: E402
+from stratagem.distribute.mesh_strategy import MeshStrategy  # noqa: E402
+from stratagem.distribute.pipeline_strategy import PipelineStrategy  # noqa: E402
 
 __all__ = [
     "CentralStorageStrategy",

@@ -158,7 +158,7 @@ def apply_layout_map(module: torch.nn.Module, layout_map: LayoutMap) -> torch.nn
         owner_path, _, name = path.rpartition(".")
         owner = module.get_submodule(owner_path)
         current = getattr(owner, name)
-        if getattr(current, "_sg_layout", None) == layout:
+        if translate.assigned_layout(current) == layout:
             continue
         what = f"{kind} {path!r}"
         if kind == "parameter":

@@ -30,6 +30,7 @@ from stratagem.dtensor.mesh import Mesh
 __all__ = [
     "DTensor",
     "LaidOutParameter",
+    "batch_part_to_mesh",
     "copy_to_mesh",
     "device_mesh",
     "fetch_layout",
@@ -37,6 +38,7 @@ __all__ = [
     "pack",
     "placements",
     "relayout",
+    "replica_part",
     "unpack",
 ]
 
@@ -149,9 +151,49 @@ def relayout(tensor: DTensor, layout: Layout) -> DTensor:
     return tensor.redistribute(layout.mesh.device_mesh, placements(layout))
 
 
+def batch_part_to_mesh(local: torch.Tensor, layout: Layout, rows: int) -> DTensor:
+    """One replica's rows of a global batch of ``rows`` examples → the DTensor of the whole
+    batch with ``layout`` (``Layout.batch_sharded``), without communication: each process
+    holds its own part, cut as ``torch.chunk`` cuts (DTensor's ``Shard``)."""
+    _check_layout(layout, "batch_part_to_mesh")
+    shape = torch.Size([rows, *local.shape[1:]])
+    return DTensor.from_local(
+        local.contiguous(),
+        layout.mesh.device_mesh,
+        placements(layout),
+        run_check=False,
+        shape=shape,
+        stride=torch.empty(shape, device="meta").stride(),
+    )
+
+
+def replica_part(tensor: DTensor, mesh: Mesh, batch_dim: str, rows: int | None) -> torch.Tensor:
+    """What one replica (a coordinate along ``batch_dim``) holds of a value computed on a batch
+    of ``rows`` examples split along ``batch_dim``: its rows of a tensor split along it (or of
+    one as long as the batch, which DTensor may have chosen to replicate: a batch too small to
+    split), its partial sum (or mean) of a reduction over the batch, else the whole value."""
+    index = mesh.dim_names.index(batch_dim)
+    along: Placement = tensor.placements[index]
+    if isinstance(along, Partial) and along.reduce_op not in ("sum", "avg"):
+        along = Replicate()  # a max or min: its value over the whole batch
+    if isinstance(along, Shard) and along.dim != 0:
+        along = Replicate()
+    if isinstance(along, Replicate) and tensor.dim() > 0 and tensor.shape[0] == rows:
+        along = Shard(0)  # per example: each replica takes its own rows
+    target = tuple(along if i == index else Replicate() for i in range(len(mesh.dim_names)))
+    if tuple(tensor.placements) != target:
+        tensor = tensor.redistribute(mesh.device_mesh, target)
+    return tensor.to_local()
+
+
+def assigned_layout(tensor: torch.Tensor) -> Layout | None:
+    """The layout a weight was laid out with (``layout_parameter``); None for other tensors."""
+    return getattr(tensor, "_sg_layout", None)
+
+
 def fetch_layout(tensor: torch.Tensor) -> Layout:
     """The layout of a DTensor (``dtensor.fetch_layout``); works on every DTensor."""
-    laid_out = getattr(tensor, "_sg_layout", None)
+    laid_out = assigned_layout(tensor)
     if laid_out is not None:
         return laid_out
     if not isinstance(tensor, DTensor):

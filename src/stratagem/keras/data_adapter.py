@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from stratagem import data as sg_data
-from stratagem.data._shuffle import derive_seed
 
 if TYPE_CHECKING:
     from stratagem.distribute.strategy import Strategy
@@ -129,8 +128,8 @@ class FitData:
             self._distributed = strategy.experimental_distribute_dataset(batches)
         self._shuffle = shuffle and self._examples is not None
         seed = torch.randint(0, 1 << 62, (1,), dtype=torch.int64) if self._shuffle else None
-        if seed is not None and strategy._comm.world_size > 1:
-            strategy._comm.broadcast(seed, 0, what="fit's shuffle seed")
+        if seed is not None and strategy.extended.communicator.world_size > 1:
+            strategy.extended.communicator.broadcast(seed, 0, what="fit's shuffle seed")
         self.position = DataPosition(seed=0 if seed is None else int(seed.item()))
         self.empty_pass = False  # whether the last pass to end had no batch at all
         self._iterator: Iterator[Any] | None = None
@@ -165,8 +164,23 @@ class FitData:
             return iterator
         examples = self._examples
         if self._shuffle:
-            seed = derive_seed(p.seed, p.pass_index)
+            seed = sg_data.derive_seed(p.seed, p.pass_index)
             examples = examples.shuffle(examples.cardinality(), seed=seed)
         # Batches are consecutive examples: skipping k batches is skipping k * size examples.
         batches = examples.skip(p.batch * self._batch_size).batch(self._batch_size)
         return iter(self._strategy.experimental_distribute_dataset(batches))
+
+
+def unpack_x_y_sample_weight(data: Any) -> tuple[Any, Any, Any]:
+    """``(x, y, sample_weight)`` from a batch that is ``x``, ``(x, y)`` or ``(x, y, w)``: what
+    Keras-style training reads, whichever strategy runs it (Keras's
+    ``keras.utils.unpack_x_y_sample_weight``)."""
+    if isinstance(data, tuple | list):
+        if len(data) == 2:
+            return data[0], data[1], None
+        if len(data) == 3:
+            return data[0], data[1], data[2]
+        if len(data) == 1:
+            return data[0], None, None
+        raise ValueError(f"a batch is x, (x, y) or (x, y, sample_weight); got {len(data)} parts")
+    return data, None, None

@@ -14,10 +14,8 @@ from typing import Any
 
 import torch
 
-from stratagem.comm import ReduceOp
-from stratagem.distribute import get_strategy
-from stratagem.distribute.context import current_replica
-from stratagem.distribute.strategy import Strategy
+from stratagem.distribute import ReduceOp, Strategy, get_strategy
+from stratagem.distribute.machinery.context import current_replica
 
 
 class Metric:
@@ -54,7 +52,7 @@ class Metric:
     def update_state(self, *args: Any, **kwargs: Any) -> None:
         ctx = current_replica()
         if ctx is not None:  # on a mesh, the replica's own part of global values
-            args, kwargs = ctx.strategy._replica_values((args, kwargs))
+            args, kwargs = ctx.strategy.extended.replica_values((args, kwargs))
         with torch.no_grad():
             self._accumulate(*args, **kwargs)
 
@@ -69,7 +67,9 @@ class Metric:
         for state in list(self._states.values()):
             totals += torch.stack([s.detach().to("cpu", torch.float64) for s in state])
         if across_workers:
-            self._strategy._comm.all_reduce(totals, ReduceOp.SUM, what=f"metric {self.name}")
+            self._strategy.extended.communicator.all_reduce(
+                totals, ReduceOp.SUM, what=f"metric {self.name}"
+            )
         return list(totals)
 
     def result(self) -> torch.Tensor:
@@ -120,7 +120,7 @@ class Metric:
             )
         self.reset_state()
         if holder:
-            device = self._strategy._devices[0].torch_device
+            device = self._strategy.extended.replica_devices[0]
             for s, t in zip(self._state(device), totals):
                 s.copy_(t)
 

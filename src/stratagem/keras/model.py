@@ -2,9 +2,10 @@
 
 The loops are written once, over the Strategy interface: global batches go through
 ``strategy.experimental_distribute_dataset`` (split across replicas, auto-sharded across
-workers), each step goes through the strategy (``strategy._train_batch``: by default
-``strategy.run(self.train_step, ...)``; a pipeline runs its schedule), and metrics are read in the
-cross-replica context, where ``result()`` sums every replica's state. The default strategy makes
+workers), each step goes through the strategy's ``extended.train_batch`` (by default
+``strategy.run(self.train_step, ...)``; on a pipeline, Keras's own pipelined steps run the
+schedule, ``pipeline_steps.py``), and metrics are read in the cross-replica context, where
+``result()`` sums every replica's state. The default strategy makes
 the same code single-device training. ``train_step`` and ``test_step`` are the override points.
 
 The loss follows the seeds: each replica's loss is its per-example losses summed and divided by
@@ -23,12 +24,13 @@ import numpy as np
 import torch
 
 from stratagem import nn as sg_nn
-from stratagem.data._structure import unpack_batch as unpack
-from stratagem.distribute import get_strategy
-from stratagem.distribute.strategy import Strategy
+from stratagem.distribute import ReduceOp, Strategy, get_strategy
+from stratagem.distribute.pipeline_strategy import PipelineStrategy
 from stratagem.keras import callbacks as callbacks_module
 from stratagem.keras import losses, metrics, optimizers
 from stratagem.keras.data_adapter import DataPosition, FitData, global_batches
+from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
+from stratagem.keras.pipeline_steps import KerasPipeline
 from stratagem.train import Checkpoint, latest_checkpoint
 from stratagem.train.storage import is_checkpoint
 
@@ -45,7 +47,7 @@ class Model:
         self.module = module
         self.name = name or type(module).__name__
         self.distribute_strategy: Strategy = get_strategy()
-        self.distribute_strategy._adopt_model(module)
+        self.distribute_strategy.extended.adopt_model(module)
         self.optimizer: optimizers.BoundOptimizer | None = None
         self.loss: losses.Loss | None = None
         self.compiled_metrics: list[metrics.Metric] = []
@@ -56,6 +58,7 @@ class Model:
         self._initial_step = 0  # batches of the initial epoch already done (a resumed fit)
         self._fit_data: FitData | None = None  # while fit runs
         self._example_input: torch.Tensor | None = None  # for torch.export in save()
+        self._pipeline: KerasPipeline | None = None  # this process's stages, on a pipeline
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -106,7 +109,7 @@ class Model:
         if sample_weight is not None:
             per_example = per_example * torch.as_tensor(sample_weight, device=per_example.device)
         self._loss_tracker.update_state(per_example.detach())
-        if self.distribute_strategy._average_gradients:
+        if self.distribute_strategy.extended.gradient_aggregation is ReduceOp.MEAN:
             # The strategy averages gradients over replicas (DDP's convention): a replica mean.
             return per_example.mean()
         return sg_nn.compute_average_loss(per_example)
@@ -115,13 +118,12 @@ class Model:
         """One step on one replica's part of the batch: forward, loss, backward, update."""
         assert self.optimizer is not None
         x, y, sample_weight = unpack(data)
-        self._remember_input(x)
         y_pred = self.module(x)
         loss = self.compute_loss(x, y, y_pred, sample_weight)
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
-        self._update_metrics(y, y_pred.detach(), sample_weight)
+        self.update_metrics(y, y_pred.detach(), sample_weight)
 
     def test_step(self, data: Any) -> None:
         """One evaluation step on one replica's part of the batch."""
@@ -129,23 +131,16 @@ class Model:
         with torch.no_grad():
             y_pred = self.module(x)
             self.compute_loss(x, y, y_pred, sample_weight)
-            self._update_metrics(y, y_pred, sample_weight)
+            self.update_metrics(y, y_pred, sample_weight)
 
     def predict_step(self, data: Any) -> torch.Tensor:
         x, _, _ = unpack(data)
-        self._remember_input(x)
         with torch.no_grad():
             return self.module(x)
 
-    def _remember_input(self, x: Any) -> None:
-        if self._example_input is not None:
-            return
-        x = self.distribute_strategy._replica_values(x)  # this replica's rows of a mesh's batch
-        if isinstance(x, torch.Tensor) and len(x) > 0:
-            # Two rows: torch.export specialises a dimension of size 1.
-            self._example_input = x[:1].detach().cpu().repeat(2, *([1] * (x.dim() - 1)))
-
-    def _update_metrics(self, y: Any, y_pred: torch.Tensor, sample_weight: Any) -> None:
+    def update_metrics(self, y: Any, y_pred: torch.Tensor, sample_weight: Any = None) -> None:
+        """Update the compiled metrics with one replica's batch (``train_step`` and
+        ``test_step`` call it; the loss tracker is ``compute_loss``'s)."""
         for metric in self.compiled_metrics:
             metric.update_state(y, y_pred, sample_weight)
 
@@ -156,6 +151,50 @@ class Model:
     def _reset_metrics(self) -> None:
         for m in self.metrics:
             m.reset_state()
+
+    # ------------------------------------------------------------------ one step, any strategy
+
+    def _remember_input(self, batch: Any) -> None:
+        """Two rows of the first input seen (this process's first replica's part of a
+        distributed batch): the example ``save`` exports the module with."""
+        if self._example_input is not None:
+            return
+        x, _, _ = unpack(self.distribute_strategy.experimental_local_results(batch)[0])
+        if isinstance(x, torch.Tensor) and len(x) > 0:
+            # Two rows: torch.export specialises a dimension of size 1.
+            self._example_input = x[:1].detach().cpu().repeat(2, *([1] * (x.dim() - 1)))
+
+    def _pipelined(self, batch: Any) -> KerasPipeline | None:
+        """On a pipeline, this model's stages and their steps (cut on first use); else None:
+        the strategy runs the steps."""
+        strategy = self.distribute_strategy
+        if not isinstance(strategy, PipelineStrategy):
+            return None
+        if self._pipeline is None:
+            self._pipeline = KerasPipeline.build(self, strategy, unpack(batch)[0])
+        return self._pipeline
+
+    def _train_batch(self, batch: Any) -> None:
+        self._remember_input(batch)
+        pipeline = self._pipelined(batch)
+        if pipeline is not None:
+            pipeline.train_batch(batch)
+        else:
+            self.distribute_strategy.extended.train_batch(self, batch)
+
+    def _test_batch(self, batch: Any) -> None:
+        pipeline = self._pipelined(batch)
+        if pipeline is not None:
+            pipeline.test_batch(batch)
+        else:
+            self.distribute_strategy.extended.test_batch(self, batch)
+
+    def _predict_batch(self, batch: Any) -> torch.Tensor:
+        self._remember_input(batch)
+        pipeline = self._pipelined(batch)
+        if pipeline is not None:
+            return pipeline.predict_batch(batch)
+        return self.distribute_strategy.extended.predict_batch(self, batch)
 
     # ------------------------------------------------------------------ fit
 
@@ -194,7 +233,7 @@ class Model:
         _set_training(self.module, True)
         batch_logs = any(cb.needs_batch_logs for cb in cbs.callbacks)
         self._fit_data, self._initial_epoch, self._initial_step = data, initial_epoch, 0
-        cbs.on_train_begin()  # BackupAndRestore may move the start on (see _resume_fit)
+        cbs.on_train_begin()  # BackupAndRestore may move the start on (see resume_fit)
         logs: Logs = {}
         for epoch in range(self._initial_epoch, epochs):
             step = self._initial_step if epoch == self._initial_epoch else 0
@@ -208,7 +247,7 @@ class Model:
                         break
                     continue  # steps_per_epoch goes on into the next pass over the data
                 cbs.on_train_batch_begin(step)
-                strategy._train_batch(self, batch)
+                self._train_batch(batch)
                 step += 1
                 cbs.on_train_batch_end(step - 1, self._logs() if batch_logs else {})
             if step == 0:
@@ -229,13 +268,14 @@ class Model:
         cbs.on_train_end(logs)
         return self.history
 
-    def _fit_progress(self, epoch: int, step: int) -> dict[str, torch.Tensor]:
+    def fit_progress(self, epoch: int, step: int) -> dict[str, torch.Tensor]:
         """Where the fit under way is, as tensors a checkpoint holds: ``epoch`` with ``step``
         of its batches done, the data position, and the epoch's metric totals so far (their
-        sum over all workers: a collective, called by every worker). ``_resume_fit`` reads it.
+        sum over all workers: a collective, called by every worker). For callbacks that back
+        a fit up (``BackupAndRestore``); ``resume_fit`` reads it.
         """
         if self._fit_data is None:
-            raise RuntimeError("_fit_progress is for callbacks of a fit under way; none is")
+            raise RuntimeError("fit_progress is for callbacks of a fit under way; none is")
         data = self._fit_data.position
         progress = {
             "position": torch.tensor(
@@ -246,15 +286,17 @@ class Model:
             progress[f"metric_{i}"] = metric.global_state()
         return progress
 
-    def _resume_fit(self, progress: dict[str, torch.Tensor]) -> None:
-        """Make the fit about to start go on from ``progress`` (``_fit_progress``'s, restored):
-        at its epoch and step, on the same data position, with the metric totals it had."""
+    def resume_fit(self, progress: dict[str, torch.Tensor]) -> None:
+        """Make the fit about to start go on from ``progress`` (``fit_progress``'s, restored):
+        at its epoch and step, on the same data position, with the metric totals it had. For
+        ``on_train_begin`` of callbacks that restore a backup (``BackupAndRestore``)."""
         if self._fit_data is None:
-            raise RuntimeError("_resume_fit is for on_train_begin of a fit; none is under way")
+            raise RuntimeError("resume_fit is for on_train_begin of a fit; none is under way")
         epoch, step, seed, pass_index, batch = (int(v) for v in progress["position"])
         self._initial_epoch, self._initial_step = epoch, step
         self._fit_data.seek(DataPosition(seed, pass_index, batch))
-        holder = self.distribute_strategy._comm.rank == 0
+        # One process in all holds the totals: rank 0 among the replicas' processes.
+        holder = self.distribute_strategy.extended.communicator.rank == 0
         for i, metric in enumerate(self.metrics):
             metric.load_global_state(progress[f"metric_{i}"], holder=holder)
 
@@ -296,12 +338,12 @@ class Model:
         self._reset_metrics()
         count = 0
         for batch in strategy.experimental_distribute_dataset(batches):
-            strategy._test_batch(self, batch)
+            self._test_batch(batch)
             count += 1
         if count == 0:
             raise ValueError("evaluate found no batch: the data is empty")
         logs = self._logs()
-        if _verbosity(verbose) and callbacks_module.is_chief():
+        if _verbosity(verbose) and strategy.extended.should_save_summary:
             print(callbacks_module.format_logs(logs), flush=True)
         return logs
 
@@ -312,7 +354,7 @@ class Model:
         _set_training(self.module, False)
         outputs = []
         for batch in strategy.experimental_distribute_dataset(batches):
-            outputs.append(strategy._predict_batch(self, batch).cpu())
+            outputs.append(self._predict_batch(batch).cpu())
         if not outputs:
             raise ValueError("predict found no batch: the data is empty")
         return torch.cat(outputs).numpy()
@@ -339,7 +381,7 @@ class Model:
         """Write the model as a self-describing directory (see ``sg.keras.saving``)."""
         from stratagem.keras.saving import save_model
 
-        return save_model(self, filepath)
+        return save_model(self, filepath, example_input=self._example_input)
 
     # ------------------------------------------------------------------ summary
 

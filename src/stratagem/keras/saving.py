@@ -11,12 +11,12 @@ rebuilt module's parameters are created in the scope, so they are distributed ag
 program is exported in eval mode: a loaded model predicts and evaluates as the original and can
 be trained further, but layers that act differently in training (dropout, batch norm) keep their
 eval behaviour; pass ``module=`` (a fresh instance of the original class) to get them back.
-Only the chief writes; ``save`` returns on every worker once the write is complete.
+Only the chief writes (the strategy's ``extended.should_checkpoint``); ``save`` returns on every
+worker once the write is complete.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 import os
@@ -29,10 +29,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from stratagem.comm import current_communicator, distribution_context
-from stratagem.comm.runtime import remote_state_hooks
-from stratagem.comm.tensors import is_dtensor
 from stratagem.keras import losses, optimizers
+from stratagem.train.sharded import whole_module
 
 if TYPE_CHECKING:
     from stratagem.keras.model import Model
@@ -73,48 +71,37 @@ def _loss_options(loss: losses.Loss) -> dict[str, Any]:
     return options
 
 
-def save_model(model: Model, path: str) -> str:
+def save_model(model: Model, path: str, *, example_input: torch.Tensor | None = None) -> str:
     """Write ``model`` to the directory ``path`` atomically (the chief writes; every worker
-    calls it and waits for the write); return the path."""
+    calls it and waits for the write); return the path. ``example_input`` (an input the model
+    has seen) lets ``torch.export`` trace the module."""
     path = os.fspath(path)
-    comm = current_communicator()
-    for hooks in remote_state_hooks():  # pipeline stages: each brings its layers (collective)
-        if hooks.collective:
-            optimizer = model.optimizer.torch_optimizer if model.optimizer is not None else None
-            hooks.before_write([model.module] + ([optimizer] if optimizer is not None else []))
-    module = _full_module(model.module)  # a collective for weights laid out on a mesh
-    if comm.is_chief:
-        _write_model(model, module, path)
+    extended = model.distribute_strategy.extended
+    optimizer = model.optimizer.torch_optimizer if model.optimizer is not None else None
+    # Every process: pipeline stages bring their layers (a collective), a ps's values come home.
+    extended.before_checkpoint_write([model.module] + ([optimizer] if optimizer else []))
+    module = whole_module(model.module)  # a collective for weights laid out on a mesh
+    if extended.should_checkpoint:
+        _write_model(model, module, path, example_input, extended.describe())
     # Every worker returns once the save is complete, so a load_model that follows reads it.
-    comm.barrier(what="model.save")
+    extended.barrier("model.save")
     return path
 
 
-def _full_module(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` with whole tensors: itself, or a copy whose DTensor weights (a mesh's shards)
-    are gathered, which every process must ask for. The copy exports as a plain module."""
-    if not any(is_dtensor(t) for t in [*module.parameters(), *module.buffers()]):
-        return module
-    plain = copy.deepcopy(module)
-    for submodule in plain.modules():  # the same order on every process: one gather each
-        for name, p in list(submodule._parameters.items()):
-            if is_dtensor(p):
-                full = p.detach().full_tensor()
-                submodule._parameters[name] = torch.nn.Parameter(full, p.requires_grad)
-        for name, b in list(submodule._buffers.items()):
-            if is_dtensor(b):
-                submodule._buffers[name] = b.full_tensor()
-    return plain
-
-
-def _write_model(model: Model, module: torch.nn.Module, path: str) -> None:
+def _write_model(
+    model: Model,
+    module: torch.nn.Module,
+    path: str,
+    example_input: torch.Tensor | None,
+    distribution: dict[str, Any],
+) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
     try:
         state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
         save_file(state, os.path.join(tmp, WEIGHTS_FILE))
-        exported, why = _export(model, module, os.path.join(tmp, PROGRAM_FILE))
+        exported, why = _export(example_input, module, os.path.join(tmp, PROGRAM_FILE))
         if not exported:
             warnings.warn(
                 f"model.save: no torch.export program ({why}); saved the weights, which "
@@ -136,7 +123,7 @@ def _write_model(model: Model, module: torch.nn.Module, path: str) -> None:
             "program_missing_because": why,
             "compile": _compile_config(model),
             "training": {"epochs_run": len(next(iter(history.values()), [])), "history": history},
-            "distribution": distribution_context(),
+            "distribution": distribution,
         }
         with open(os.path.join(tmp, CONFIG_FILE), "w") as f:
             json.dump(config, f, indent=2, default=str)
@@ -148,8 +135,9 @@ def _write_model(model: Model, module: torch.nn.Module, path: str) -> None:
         raise
 
 
-def _export(model: Model, module: torch.nn.Module, target: str) -> tuple[bool, str | None]:
-    example = model._example_input
+def _export(
+    example: torch.Tensor | None, module: torch.nn.Module, target: str
+) -> tuple[bool, str | None]:
     if example is None:
         return False, "the model never saw an input (fit, evaluate or predict it first)"
     was_training = module.training

@@ -3,8 +3,6 @@
 The strategy that uses these is ``sg.distribute.experimental.PipelineStrategy``.
 """
 
-from stratagem.pipeline.layout import PipelineLayout
-from stratagem.pipeline.model import PipelineModel, StepStats
 from stratagem.pipeline.pipedream import PipeDreamStage, Recorder, one_f_one_b_order
 from stratagem.pipeline.split import (
     balanced_split_points,
@@ -12,6 +10,8 @@ from stratagem.pipeline.split import (
     resolve_split_points,
     split_sequential,
 )
+from stratagem.pipeline.stage_layout import PipelineLayout
+from stratagem.pipeline.stages import PipelineModel, StepStats
 
 __all__ = [
     "PipeDreamStage",

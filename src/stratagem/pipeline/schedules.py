@@ -4,7 +4,7 @@ Each local model chunk becomes a ``PipelineStage`` (shapes inferred on the first
 schedule splits the batch into micro-batches, runs them, and leaves the summed gradients,
 divided by the number of micro-batches (``scale_grads``), in the chunk's own parameters — so
 with a mean loss they equal the unsplit model's gradients on the whole batch. A schedule is
-built for one batch size (torch fixes the micro-batch shapes at its first step); ``PipelineModel``
+built for one batch size (torch fixes the micro-batch shapes at its first step); ``StageRunner``
 keeps one per batch size it meets.
 """
 

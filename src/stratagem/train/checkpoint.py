@@ -15,8 +15,8 @@ from typing import Any, Protocol, Union, runtime_checkable
 
 import torch
 
-from stratagem.comm import current_communicator, distribution_context
-from stratagem.comm.runtime import remote_state_hooks
+from stratagem.distribute import StrategyExtended
+from stratagem.distribute.machinery.scope_hooks import strategy_for
 from stratagem.errors import CheckpointError, CheckpointMatchError
 from stratagem.train import sharded
 from stratagem.train.restore import (
@@ -59,7 +59,7 @@ Trackable = Union[
 PathLike = Union[str, "os.PathLike[str]"]
 
 
-def _kind(value: object) -> str | None:
+def kind_of(value: object) -> str | None:
     """The kind a trackable is saved as; None when it cannot be tracked."""
     if isinstance(value, Checkpoint):
         return "checkpoint"
@@ -101,7 +101,7 @@ class Checkpoint:
                 f"'_' and the names of Checkpoint's own attributes (save, write, restore, read, "
                 f"save_counter) are reserved; choose another keyword"
             )
-        if _kind(value) is None:
+        if kind_of(value) is None:
             raise TypeError(
                 f"Checkpoint cannot track {name!r}: got {type(value).__module__}."
                 f"{type(value).__qualname__}, expected {_ACCEPTED}"
@@ -160,7 +160,7 @@ class Checkpoint:
         except BaseException:
             self._rewind_counter()
             raise
-        if current_communicator().is_chief:
+        if is_writer(self):
             record_in_index(os.path.dirname(path) or ".", os.path.basename(path))
         return written
 
@@ -176,35 +176,40 @@ class Checkpoint:
         (``sg.dtensor``), where every process writes its own shards, collectively
         (``sharded.py``); and a model split into pipeline stages, whose stages first bring their
         layers to every process (a collective hook), so the chief writes the whole model.
+
+        Which process is the chief, and what state must be brought home first (a parameter
+        server's), is the business of the strategy that distributes the tracked objects
+        (``strategy.extended``: ``should_checkpoint``, ``before_checkpoint_write``).
         """
         path = os.fspath(file_path)
         if not os.path.basename(path):
             raise ValueError(f"checkpoint path {path!r} names a directory, expected a file name")
+        extended = self._extended()
         if sharded.holds_dtensors(self):
             # Weights laid out on a mesh (sg.dtensor): every process writes its own shards.
-            return sharded.write(self, path, self._meta())
-        for hooks in remote_state_hooks():  # pipeline stages: every process takes part
-            if hooks.collective:
-                hooks.before_write(self._objects())
-        if not current_communicator().is_chief:
+            return sharded.write(self, path, self._meta(extended))
+        # Every process: pipeline stages gather (a collective), a ps's state comes home.
+        extended.before_checkpoint_write(self._objects())
+        if not extended.should_checkpoint:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
             return path
-        for hooks in remote_state_hooks():  # parameter servers: their values and state, home
-            if not hooks.collective:
-                hooks.before_write(self._objects())
         state, described = self._collect()
-        meta = {**self._meta(), "trackables": described}
+        meta = {**self._meta(extended), "trackables": described}
         write_atomically(path, state, meta)
         return path
 
-    def _meta(self) -> dict[str, Any]:
+    def _extended(self) -> StrategyExtended:
+        """The contract of the strategy that distributes what this checkpoint tracks."""
+        return strategy_for(self._objects()).extended
+
+    def _meta(self, extended: StrategyExtended) -> dict[str, Any]:
         return {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "save_counter": int(self._save_counter),
             "created": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
             "torch_version": torch.__version__,
-            "distribution": distribution_context(),
+            "distribution": extended.describe(),
         }
 
     def _advance_counter(self) -> int:
@@ -220,7 +225,7 @@ class Checkpoint:
         state: dict[str, Any] = {}
         described: dict[str, Any] = {}
         for name, obj in self._trackables.items():
-            kind = _kind(obj)
+            kind = kind_of(obj)
             info: dict[str, Any] = {"kind": kind, "type": type(obj).__name__}
             if isinstance(obj, Checkpoint):
                 state[name], info["trackables"] = obj._collect()
@@ -263,8 +268,8 @@ class Checkpoint:
         self._plan(state, meta.get("trackables", {}), path, "", apply, report)
         for step in apply:
             step()
-        for hooks in remote_state_hooks():  # parameter servers: the restored state, back
-            hooks.after_restore(self._objects())
+        # Parameter servers: the restored state goes back to the ps.
+        self._extended().after_checkpoint_restore(self._objects())
         return LoadStatus(path, report.unused, report.unrestored, report.matched)
 
     def _objects(self) -> list[object]:
@@ -299,7 +304,7 @@ class Checkpoint:
                 report.unrestored.append(full)
                 continue
             saved = state[name]
-            kind = _kind(obj)
+            kind = kind_of(obj)
             saved_kind = (described.get(name) or {}).get("kind")
             if saved_kind is None:  # undescribed: a tensor can still be told from a dict
                 is_tensor = isinstance(saved, torch.Tensor)
@@ -335,3 +340,14 @@ class Checkpoint:
         if counter is not None:
             counter = check_tensor(prefix + "save_counter", self._save_counter, counter, path)
             apply.append(partial(copy_into, self._save_counter, counter))
+
+
+def is_writer(checkpoint: Checkpoint) -> bool:
+    """Whether this process writes ``checkpoint`` (the chief of the strategy of what it
+    tracks); the others only read."""
+    return checkpoint._extended().should_checkpoint
+
+
+def trackables_of(checkpoint: Checkpoint) -> dict[str, Any]:
+    """What ``checkpoint`` tracks, by name (nested checkpoints as they are)."""
+    return dict(checkpoint._trackables)

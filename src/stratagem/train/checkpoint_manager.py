@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 
-from stratagem.comm import current_communicator
 from stratagem.errors import CheckpointError
-from stratagem.train.checkpoint import Checkpoint, PathLike
+from stratagem.train.checkpoint import Checkpoint, PathLike, is_writer
 from stratagem.train.storage import (
     DEFAULT_INDEX_FILENAME,
     hidden_sibling,
@@ -154,7 +153,7 @@ class CheckpointManager:
         self._entries: list[tuple[str, float]] = []  # managed checkpoints, oldest first
         self._latest: str | None = None
         self._last_preserved = time.time()
-        if current_communicator().is_chief:
+        if is_writer(checkpoint):
             self._clean_leftovers()  # first: it may move a checkpoint back under its name
         self._load_index()
 
@@ -286,17 +285,18 @@ class CheckpointManager:
                     f"{checkpoint_number!r}"
                 ) from None
         os.makedirs(self._directory, exist_ok=True)
-        counter = self._checkpoint._advance_counter()
-        name = f"{self._checkpoint_name}-{counter if number is None else number}"
+        counter = self._checkpoint.save_counter
+        counter.add_(1)
+        name = f"{self._checkpoint_name}-{int(counter) if number is None else number}"
         try:
             path = self._checkpoint.write(os.path.join(self._directory, name))
         except BaseException:
-            self._checkpoint._rewind_counter()
+            counter.sub_(1)  # a failed save did not happen: the next one reuses its number
             raise
         self._entries = [e for e in self._entries if e[0] != name] + [(name, time.time())]
         self._latest = name
         removed = self._sweep()
-        if current_communicator().is_chief:
+        if is_writer(self._checkpoint):
             # Index first: a crash while deleting leaves extra directories, never an index
             # naming checkpoints that are gone.
             write_index(self._directory, self._entries, self._latest, self._last_preserved)

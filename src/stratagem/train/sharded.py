@@ -17,6 +17,7 @@ process has written its part. Saving and restoring are collective: every process
 
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stratagem.comm.tensors import is_dtensor
+from stratagem.comm.dtensor_check import is_dtensor
 from stratagem.errors import CheckpointError
 from stratagem.train.restore import LoadStatus, copy_into
 from stratagem.train.storage import fsync_dir, hidden_sibling, is_checkpoint, write_file
@@ -33,9 +34,9 @@ from stratagem.train.storage import fsync_dir, hidden_sibling, is_checkpoint, wr
 
 def _trackables(checkpoint: Any) -> Iterator[tuple[str, Any]]:
     """Every trackable, nested checkpoints flattened, with dotted names."""
-    from stratagem.train.checkpoint import Checkpoint
+    from stratagem.train.checkpoint import Checkpoint, trackables_of
 
-    for name, obj in checkpoint._trackables.items():
+    for name, obj in trackables_of(checkpoint).items():
         if isinstance(obj, Checkpoint):
             for inner, value in _trackables(obj):
                 yield f"{name}.{inner}", value
@@ -78,10 +79,10 @@ def _state(checkpoint: Any, root: Any) -> dict[str, Any]:
         get_optimizer_state_dict,
     )
 
-    from stratagem.train.checkpoint import Checkpoint
+    from stratagem.train.checkpoint import Checkpoint, trackables_of
 
     state: dict[str, Any] = {}
-    for name, obj in checkpoint._trackables.items():
+    for name, obj in trackables_of(checkpoint).items():
         if isinstance(obj, Checkpoint):
             state[name] = _state(obj, root)
         elif isinstance(obj, torch.nn.Module):
@@ -92,7 +93,7 @@ def _state(checkpoint: Any, root: Any) -> dict[str, Any]:
             state[name] = obj
         else:
             state[name] = obj.state_dict()
-    state["save_counter"] = checkpoint._save_counter
+    state["save_counter"] = checkpoint.save_counter
     return state
 
 
@@ -103,9 +104,9 @@ def _load(checkpoint: Any, root: Any, state: dict[str, Any], saved: dict[str, An
         set_optimizer_state_dict,
     )
 
-    from stratagem.train.checkpoint import Checkpoint
+    from stratagem.train.checkpoint import Checkpoint, trackables_of
 
-    for name, obj in checkpoint._trackables.items():
+    for name, obj in trackables_of(checkpoint).items():
         if name not in saved:
             continue
         value = state[name]
@@ -123,11 +124,11 @@ def _load(checkpoint: Any, root: Any, state: dict[str, Any], saved: dict[str, An
 
 
 def _describe(checkpoint: Any) -> dict[str, Any]:
-    from stratagem.train.checkpoint import Checkpoint, _kind
+    from stratagem.train.checkpoint import Checkpoint, kind_of, trackables_of
 
     described: dict[str, Any] = {}
-    for name, obj in checkpoint._trackables.items():
-        info: dict[str, Any] = {"kind": _kind(obj), "type": type(obj).__name__}
+    for name, obj in trackables_of(checkpoint).items():
+        info: dict[str, Any] = {"kind": kind_of(obj), "type": type(obj).__name__}
         if isinstance(obj, Checkpoint):
             info["trackables"] = _describe(obj)
         elif isinstance(obj, torch.Tensor):
@@ -202,6 +203,26 @@ def restore(checkpoint: Any, path: str, meta: dict[str, Any]) -> LoadStatus:
     except Exception as e:
         raise CheckpointError(f"cannot restore sharded checkpoint {path!r}: {e}") from e
     _load(checkpoint, checkpoint, state, saved)
-    unrestored = [name for name in checkpoint._trackables if name not in saved]
-    unused = [name for name in saved if name not in checkpoint._trackables]
+    from stratagem.train.checkpoint import trackables_of
+
+    tracked = trackables_of(checkpoint)
+    unrestored = [name for name in tracked if name not in saved]
+    unused = [name for name in saved if name not in tracked]
     return LoadStatus(path, unused, unrestored, len(saved) - len(unused))
+
+
+def whole_module(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with whole tensors: itself, or a copy whose DTensor weights (a mesh's shards)
+    are gathered, which every process must ask for. The copy exports as a plain module."""
+    if not any(is_dtensor(t) for t in [*module.parameters(), *module.buffers()]):
+        return module
+    plain = copy.deepcopy(module)
+    for submodule in plain.modules():  # the same order on every process: one gather each
+        for name, p in list(submodule._parameters.items()):
+            if is_dtensor(p):
+                full = p.detach().full_tensor()
+                submodule._parameters[name] = torch.nn.Parameter(full, p.requires_grad)
+        for name, b in list(submodule._buffers.items()):
+            if is_dtensor(b):
+                submodule._buffers[name] = b.full_tensor()
+    return plain

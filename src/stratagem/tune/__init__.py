@@ -2,9 +2,9 @@
 
 ``sg.tune.HyperparameterTuningJob(display_name, custom_job, metric_spec, parameter_spec,
 max_trial_count, parallel_trial_count).run()``; the specs ``DoubleParameterSpec``,
-``IntegerParameterSpec``, ``CategoricalParameterSpec``, ``DiscreteParameterSpec`` (also as
-``sg.tune.hyperparameter_tuning``, the seed's ``hpt``); in the trial script,
-``sg.tune.report_hyperparameter_tuning_metric(hyperparameter_metric_tag, metric_value,
+``IntegerParameterSpec``, ``CategoricalParameterSpec``, ``DiscreteParameterSpec`` (in
+``parameter_specs``, also as ``sg.tune.hyperparameter_tuning``, the seed's ``hpt``); in the trial
+script, ``sg.tune.report_hyperparameter_tuning_metric(hyperparameter_metric_tag, metric_value,
 global_step)``. The tuner (and Optuna) load on first use, so a trial script that only reports
 imports nothing heavy.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from stratagem.tune import hyperparameter_tuning
-from stratagem.tune.hyperparameter_tuning import (
+from stratagem.tune import parameter_specs
+from stratagem.tune.parameter_specs import (
     CategoricalParameterSpec,
     DiscreteParameterSpec,
     DoubleParameterSpec,
@@ -25,10 +25,15 @@ from stratagem.tune.hyperparameter_tuning import (
 from stratagem.tune.report import HyperTune, ReportError, report_hyperparameter_tuning_metric
 from stratagem.tune.trials import Measurement, Metric, Trial, TrialState
 
+# The seed's spelling, ``from google.cloud.aiplatform import hyperparameter_tuning as hpt``,
+# ported as ``from stratagem.tune import hyperparameter_tuning as hpt``: the module holding the
+# specs is ``parameter_specs``, named for what it holds; this attribute is that module.
+hyperparameter_tuning = parameter_specs
+
 _LAZY = {
     "HyperparameterTuningJob": "stratagem.tune.tuning_job",
-    "TuningConfigError": "stratagem.tune.tuning_job",
-    "TuningError": "stratagem.tune.tuning_job",
+    "TuningConfigError": "stratagem.tune.errors",
+    "TuningError": "stratagem.tune.errors",
     "TrialTable": "stratagem.tune.table",
 }
 
@@ -49,6 +54,7 @@ __all__ = [
     "TuningConfigError",
     "TuningError",
     "hyperparameter_tuning",
+    "parameter_specs",
     "report_hyperparameter_tuning_metric",
 ]
 

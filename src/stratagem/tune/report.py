@@ -5,6 +5,9 @@ it (one ``write`` of a short line in append mode, so the tuner reading it as it 
 half a report). In a multi-worker trial only the chief reports: every worker computes the same
 metric, and one study must not count it N times. Standard library only, so that reporting
 costs a trial script nothing at start-up.
+
+The tuner's side reads the reports back: ``ReportReader`` as the file grows, and
+``final_measurement`` picks a trial's value from them when it ends.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ import math
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stratagem.errors import StratagemError
 
 #: The file the tuner reads; set in every task of a trial.
 METRIC_FILE_VARIABLE = "STRATAGEM_TUNE_METRIC_FILE"
+#: How a trial's final value is picked from its reports (``final_measurement``).
+MEASUREMENT_SELECTIONS = ("best", "last")
 
 
 class ReportError(StratagemError, ValueError):
@@ -135,3 +142,23 @@ class ReportReader:
                 Report(item["tag"], float(item["value"]), item["global_step"], item["time"])
             )
         return reports
+
+
+def final_measurement(
+    reports: Sequence[Report], metric_id: str, goal: str, measurement_selection: str
+) -> dict[str, Any] | None:
+    """A trial's ``{"step_count", "metrics"}`` from its reports; None if it never reported
+    ``metric_id``. The objective's value is the ``"best"`` for ``goal`` or the ``"last"``."""
+    objective = [x for x in reports if x.tag == metric_id]
+    if not objective:
+        return None
+    if measurement_selection == "last":
+        chosen = objective[-1]
+    else:
+        pick = max if goal == "maximize" else min
+        # A NaN never wins; all NaN, and the trial fails on its non-finite value.
+        finite = [x for x in objective if math.isfinite(x.value)] or objective
+        chosen = pick(finite, key=lambda x: x.value)
+    metrics = {x.tag: x.value for x in reports}  # the last value of every other tag
+    metrics[metric_id] = chosen.value
+    return {"step_count": chosen.global_step, "metrics": metrics}

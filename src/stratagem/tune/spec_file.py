@@ -26,7 +26,7 @@ from typing import Any
 
 from stratagem.errors import StratagemError
 from stratagem.jobs import CustomJob
-from stratagem.tune.hyperparameter_tuning import spec_from_json
+from stratagem.tune.parameter_specs import spec_from_json
 from stratagem.tune.tuning_job import HyperparameterTuningJob
 
 REQUIRED = ("display_name", "custom_job", "metric_spec", "parameter_spec", "max_trial_count")

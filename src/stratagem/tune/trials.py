@@ -4,17 +4,19 @@
 Vertex AI returns protobuf messages; these are plain frozen dataclasses built from Optuna's
 stored trials, so they read the same and print readably. ``parameters`` is a dict name -> value
 (Vertex AI's is a list of ``parameter_id``/``value`` pairs; the README's porting table says so).
+Also here: the best trial of a study, and a trial's entry in ``study.json``.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import optuna
     from optuna.trial import FrozenTrial
 
 
@@ -99,3 +101,37 @@ def trial_from_optuna(frozen: FrozenTrial, metric_id: str, notes: Mapping[str, s
         error=attrs.get("error") or notes.get(str(frozen.number)),
         number=frozen.number,
     )
+
+
+def study_trials(study: optuna.Study, metric_id: str) -> list[Trial]:
+    """Every trial of ``study``, by id: ``job.trials``."""
+    notes = study.user_attrs.get("notes", {})
+    return [trial_from_optuna(t, metric_id, notes) for t in study.get_trials()]
+
+
+def study_trial(study: optuna.Study, number: int, metric_id: str) -> Trial:
+    """Trial ``number`` of ``study``, as it is now."""
+    frozen = study.get_trials(deepcopy=False)[number]
+    return trial_from_optuna(frozen, metric_id, study.user_attrs.get("notes", {}))
+
+
+def best_trial(trials: Sequence[Trial], metric_id: str, goal: str) -> Trial | None:
+    """The succeeded trial with the best final value (None before any succeeded)."""
+    done = [t for t in trials if t.final_measurement.get(metric_id) is not None]
+    done = [t for t in done if t.state == "SUCCEEDED"]
+    if not done:
+        return None
+    key = lambda t: t.final_measurement.get(metric_id)  # noqa: E731
+    return max(done, key=key) if goal == "maximize" else min(done, key=key)
+
+
+def trial_summary(trial: Trial) -> dict[str, Any]:
+    """A trial's entry in ``study.json``."""
+    return {
+        "id": trial.id,
+        "state": str(trial.state),
+        "parameters": dict(trial.parameters),
+        "final_measurement": {m.metric_id: m.value for m in trial.final_measurement.metrics},
+        "error": trial.error,
+        "job_dir": None if trial.job_dir is None else str(trial.job_dir),
+    }

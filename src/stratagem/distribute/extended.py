@@ -1,0 +1,567 @@
+"""``strategy.extended``: the contract between a strategy and everything that uses it.
+
+TensorFlow splits a strategy in two: ``tf.distribute.Strategy``, the API a training script
+calls, and ``strategy.extended`` (``StrategyExtended``), which implements it and which library
+code (Keras, checkpoints) talks to. stratagem does the same. ``Strategy`` only forwards; this
+class holds the shared mechanics and every hook a strategy may specialise, in four groups:
+
+- **placement** (``capture_parameter``, ``capture_buffer``, ``place``, ``adopt``,
+  ``adopt_model``, ``distribute_module``, ``in_scope``): what happens to parameters, buffers and
+  modules created in ``strategy.scope()`` (``machinery/scope_hooks.py`` calls the capture hooks
+  from PyTorch's global registration hooks) or handed over explicitly;
+- **steps** (``call_for_each_replica`` and its ``before_run``/``leave_run``/``after_run``,
+  ``run_replica_calls``, ``replica_view``, ``merge_call``, ``check_optimizer``,
+  ``before_optimizer_step``, ``after_optimizer_step``, and the three steps ``Model.fit`` runs:
+  ``train_batch``, ``test_batch``, ``predict_batch``; ``replica_values``,
+  ``gradient_aggregation``);
+- **process facts** (``communicator``, ``num_replicas_in_sync``, ``replica_devices``,
+  ``worker_devices``, ``parameter_devices``, ``should_checkpoint``, ``should_save_summary``,
+  ``should_init``, ``barrier``, ``describe``);
+- **checkpoint state** (``before_checkpoint_write``, ``after_checkpoint_restore``): state that
+  lives in other processes (a parameter server's) or is split between them (pipeline stages).
+
+The base class is a complete strategy of its own: N local replicas (threads when N > 1) over a
+communicator (``LocalCommunicator`` alone). A new strategy subclasses it, overrides what
+differs, and wraps it in a ``Strategy`` subclass; ``docs/architecture.md`` ("Writing a
+strategy") walks through one. Nothing outside ``distribute/`` reads a strategy's underscore
+members: this class is the whole contract.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from stratagem.comm import Communicator, ReduceOp
+from stratagem.comm.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
+from stratagem.distribute.machinery import context, scope_hooks
+from stratagem.distribute.machinery.context import ReplicaContext
+from stratagem.distribute.machinery.devices import LogicalDevice, parse_device
+from stratagem.distribute.machinery.input import (
+    DistributedDataset,
+    DistributedDatasetFromFunction,
+    InputContext,
+    InputOptions,
+    recorded_global_batch_size,
+    split_sizes,
+)
+from stratagem.distribute.machinery.replica_threads import ReplicaGroup, ReplicaView
+from stratagem.distribute.machinery.values import (
+    PerReplica,
+    local_results,
+    regroup,
+    select_replica,
+)
+
+if TYPE_CHECKING:
+    from stratagem.distribute.strategy import Strategy
+
+
+class StrategyExtended:
+    """``strategy.extended``: how a strategy places, steps, communicates and checkpoints.
+
+    ``container_strategy`` is the ``Strategy`` this extends (TF's ``_container_strategy()``);
+    ``devices`` are this process's replicas, one each (``"cpu:0"``, ``"cuda:1"``, a
+    ``torch.device``); ``comm`` reaches the other processes;
+    ``gradient_aggregation`` is ``ReduceOp.SUM`` (the seeds' convention: each replica's loss is
+    its share of the global mean) or ``ReduceOp.MEAN`` (PyTorch's: each replica's loss is its
+    own mean); ``sync_timeout`` bounds a wait at a sync point between replica threads.
+    """
+
+    def __init__(
+        self,
+        container_strategy: Strategy,
+        devices: Sequence[str | torch.device | LogicalDevice],
+        *,
+        comm: Communicator,
+        cluster_resolver: Any = None,
+        cross_device_ops: CrossDeviceOps | None = None,
+        gradient_aggregation: ReduceOp | str = ReduceOp.SUM,
+        sync_timeout: float = 60.0,
+    ) -> None:
+        aggregation = ReduceOp.parse(gradient_aggregation)
+        if aggregation not in (ReduceOp.SUM, ReduceOp.MEAN):
+            raise ValueError(
+                f"gradient_aggregation must be ReduceOp.SUM (the seeds' convention, with the loss "
+                f"divided by the global batch) or ReduceOp.MEAN (PyTorch's), got {aggregation}"
+            )
+        devices = [d if isinstance(d, LogicalDevice) else parse_device(d) for d in devices]
+        if not devices:
+            raise ValueError(f"a strategy needs at least one device, got {devices!r}")
+        scope_hooks.install_hooks()
+        self._container = container_strategy
+        self._devices = devices
+        self._comm = comm
+        self._cluster_resolver = cluster_resolver
+        self._cross_device_ops = cross_device_ops or ReductionToOneDevice()
+        self._aggregation = aggregation
+        self._captured: list[tuple[torch.Tensor, bool]] = []
+        self._sync_timeout = sync_timeout
+        self._replicas: ReplicaGroup | None = None  # replica threads, started on first use
+        # Intra-op threads per replica thread when replicas share the CPU (MirroredStrategy);
+        # between sync points one replica works alone and gets the process's threads back.
+        self._intra_op_threads: int | None = None
+        self._process_threads = torch.get_num_threads()
+        self._merge_values: list[Any] = [None] * len(devices)
+        self._merge_result: Any = None
+
+    # ================================================================== process facts
+
+    @property
+    def strategy(self) -> Strategy:
+        """The ``Strategy`` this extends (what ``ReplicaContext.strategy`` and scopes name)."""
+        return self._container
+
+    @property
+    def communicator(self) -> Communicator:
+        """Collectives among this strategy's processes (the replicas' processes)."""
+        return self._comm
+
+    @property
+    def cluster_resolver(self) -> Any:
+        return self._cluster_resolver
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self._devices) * self._comm.world_size
+
+    @property
+    def replica_devices(self) -> tuple[torch.device, ...]:
+        """The torch devices of this process's replicas, in replica order."""
+        return tuple(d.torch_device for d in self._devices)
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """TF's name: the devices this process computes on."""
+        return tuple(d.name for d in self._devices)
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """TF's name: where the variables live (the first replica's device by default)."""
+        return self.worker_devices[:1]
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this process writes checkpoints and saved models (the chief)."""
+        return self._comm.is_chief
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this process writes summaries and prints progress (the chief)."""
+        return self._comm.is_chief
+
+    @property
+    def should_init(self) -> bool:
+        return True
+
+    @property
+    def gradient_aggregation(self) -> ReduceOp:
+        """How gradients are combined across replicas: ``SUM`` or ``MEAN`` (see the class)."""
+        return self._aggregation
+
+    def barrier(self, what: str) -> None:
+        """Wait until every process of the job reaches this point (``what`` names it)."""
+        self._comm.barrier(what=what)
+
+    def describe(self) -> dict[str, Any]:
+        """What distributes this process, as plain data (checkpoints record it)."""
+        return {
+            "strategy": type(self._container).__name__,
+            "num_replicas_in_sync": self.num_replicas_in_sync,
+            "devices": list(self.worker_devices),
+            "rank": self._comm.rank,
+            "world_size": self._comm.world_size,
+        }
+
+    def variable_created_in_scope(self, v: torch.Tensor) -> bool:
+        """TF's name: whether ``v`` was created in (or handed to) this strategy's scope."""
+        return scope_hooks.owner_of(v) is self._container
+
+    # ================================================================== placement
+
+    def in_scope(self) -> contextlib.AbstractContextManager[None]:
+        """Entered on every ``strategy.scope()`` entry, inside the strategy's scope."""
+        return contextlib.nullcontext()
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor created in scope, moved to where this strategy keeps it (the first local
+        device by default)."""
+        device = self._devices[0].torch_device
+        if tensor.device == device:
+            return tensor
+        with torch.no_grad():
+            return tensor.to(device)
+
+    def capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        """A parameter registered in scope: claim it, place it, and keep it for ``adopt`` at
+        the scope's exit. Returns the parameter to register instead, or None to keep it."""
+        placed = self.place(param)
+        if placed is not param:
+            placed = torch.nn.Parameter(placed, requires_grad=param.requires_grad)
+        scope_hooks.claim(placed, self._container)
+        self._captured.append((placed, True))
+        return placed if placed is not param else None
+
+    def capture_buffer(
+        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
+    ) -> torch.Tensor | None:
+        """A buffer registered in scope; as ``capture_parameter``."""
+        placed = self.place(buffer)
+        scope_hooks.claim(placed, self._container)
+        self._captured.append((placed, False))
+        return placed if placed is not buffer else None
+
+    def adopt_captured(self) -> None:
+        """Adopt what was captured since the last call (at the outermost scope's exit)."""
+        captured, self._captured = self._captured, []
+        # A tensor re-registered under another name is captured twice; adopt it once.
+        unique = list({id(t): (t, is_param) for t, is_param in captured}.values())
+        if unique:
+            self.adopt(unique)
+
+    def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+        """New parameters (True) and buffers (False) created in scope, at the scope's exit:
+        mirror them, broadcast their initial values, shard them..."""
+
+    def adopt_model(self, module: torch.nn.Module) -> None:
+        """A whole model handed over (``sg.keras.Model(module)``) before an optimizer binds to
+        its parameters: where a strategy needs every parameter's path, not just the tensor."""
+
+    def distribute_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The explicit form of ``scope()``: distribute a module built elsewhere; returns it."""
+        with torch.no_grad():
+            for submodule in module.modules():
+                # Through torch's own dicts: registering anew would run the capture hooks again.
+                for name, p in list(submodule._parameters.items()):
+                    if p is not None and scope_hooks.owner_of(p) is None:
+                        new = self.capture_parameter(submodule, name, p)
+                        if new is not None:
+                            submodule._parameters[name] = new
+                for name, b in list(submodule._buffers.items()):
+                    if b is not None and scope_hooks.owner_of(b) is None:
+                        new = self.capture_buffer(submodule, name, b)
+                        if new is not None:
+                            submodule._buffers[name] = new
+        self.adopt_captured()
+        return module
+
+    # ================================================================== steps
+
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict | None = None
+    ) -> Any:
+        """``strategy.run``: ``fn`` once per replica; PerReplica arguments give each replica its
+        own value. With one local replica the result is fn's, as is; with several, the same
+        structure with PerReplica leaves."""
+        if context.current_replica() is not None:
+            raise RuntimeError("strategy.run cannot be called inside strategy.run")
+        args, kwargs = tuple(args), dict(kwargs or {})
+        n = len(self._devices)
+        first_id = self._comm.rank * n
+        global_batch = recorded_global_batch_size((args, kwargs))
+        self.before_run()
+        try:
+            if n == 1:
+                ctx = ReplicaContext(self._container, first_id, 0, global_batch)
+                previous = context.set_replica(ctx)
+                view = self.replica_view(0)  # empty unless it computes on copies
+                try:
+                    with ReplicaView(view) if view else contextlib.nullcontext():
+                        result = fn(*select_replica(args, 0, 1), **select_replica(kwargs, 0, 1))
+                finally:
+                    context.set_replica(previous)
+            else:
+                calls = self._replica_calls(fn, args, kwargs, global_batch)
+                result = regroup(self.run_replica_calls(calls))
+        finally:
+            self.leave_run()
+        self.after_run()
+        return result
+
+    def run_replica_calls(self, calls: list[Callable[[], Any]]) -> list[Any]:
+        """Run one call per local replica (each sets its own replica context, device and
+        view) and return their results in order: concurrently, on replica threads, so that
+        they can meet at ``merge_call``. A strategy may run them otherwise (in turn)."""
+        return self._replica_group().run(calls)
+
+    def _replica_group(self) -> ReplicaGroup:
+        if self._replicas is None:
+            self._replicas = ReplicaGroup(len(self._devices), self._sync_timeout)
+        return self._replicas
+
+    def _replica_calls(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, global_batch: int | None
+    ) -> list[Callable[[], Any]]:
+        """One call per local replica, each in its replica context, device and view."""
+        n = len(self._devices)
+        first_id = self._comm.rank * n
+        grad_enabled = torch.is_grad_enabled()
+        autocast = {
+            kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+            for kind in {d.torch_device.type for d in self._devices}
+        }
+
+        def on_replica(i: int) -> Callable[[], Any]:
+            ctx = ReplicaContext(self._container, first_id + i, i, global_batch)
+            r_args, r_kwargs = select_replica(args, i, n), select_replica(kwargs, i, n)
+            device = self._devices[i].torch_device
+
+            def call() -> Any:
+                previous = context.set_replica(ctx)
+                try:
+                    with contextlib.ExitStack() as stack:
+                        stack.enter_context(torch.set_grad_enabled(grad_enabled))
+                        for kind, (enabled, dtype) in autocast.items():
+                            stack.enter_context(torch.autocast(kind, dtype, enabled=enabled))
+                        if device.type == "cuda":
+                            stack.enter_context(torch.cuda.device(device))
+                        if self._intra_op_threads is not None:
+                            stack.callback(torch.set_num_threads, torch.get_num_threads())
+                            torch.set_num_threads(self._intra_op_threads)
+                        view = self.replica_view(i)
+                        if view:  # replica 0 of most strategies computes on the primaries
+                            stack.enter_context(ReplicaView(view))
+                        return fn(*r_args, **r_kwargs)
+                finally:
+                    context.set_replica(previous)
+
+            return call
+
+        return [on_replica(i) for i in range(n)]
+
+    def replica_view(self, replica: int) -> dict[int, torch.Tensor]:
+        """id(primary) → this replica's copy; empty where it computes on the primaries."""
+        return {}
+
+    def before_run(self) -> None:
+        """Called before each ``run``, in the cross-replica context."""
+
+    def leave_run(self) -> None:
+        """Called when ``run`` ends, also when it raises (undo what ``before_run`` set)."""
+
+    def after_run(self) -> None:
+        """Called after each ``run`` that succeeded, in the cross-replica context."""
+
+    def merge_call(self, what: str, action: Callable[[], None]) -> None:
+        """TF's merge call: in a replica context every local replica meets and ``action`` runs
+        once; in the cross-replica context ``action`` just runs. ``what`` names the meeting."""
+        ctx = context.current_replica()
+        if len(self._devices) == 1 or ctx is None or ctx.strategy is not self._container:
+            action()
+            return
+
+        def unviewed() -> None:
+            # Runs in whichever replica thread arrives last; it must see the primaries.
+            with torch._C.DisableTorchFunction(), self._all_threads():
+                action()
+
+        self._replica_group().sync(ctx.local_replica_id, what, unviewed)
+
+    @contextlib.contextmanager
+    def _all_threads(self) -> Iterator[None]:
+        """Every intra-op thread of the process, for work one replica does while others wait."""
+        if self._intra_op_threads is None:
+            yield
+            return
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self._process_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(previous)
+
+    def check_optimizer(
+        self, optimizer: torch.optim.Optimizer, num_params: int, num_outside: int
+    ) -> None:
+        """Refuse optimizers mixing this strategy's parameters with undistributed ones."""
+        if num_outside and self.num_replicas_in_sync > 1:
+            raise RuntimeError(
+                f"this optimizer updates {num_params - num_outside} parameters created in "
+                f"{type(self._container).__name__}.scope() and {num_outside} created outside "
+                "it; the outside ones would not be kept in sync. Create the whole model inside "
+                "strategy.scope(), or pass it through strategy.distribute_module()"
+            )
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called by the optimizer step pre-hook (possibly in every replica thread)."""
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called by the optimizer step post-hook (possibly in every replica thread)."""
+
+    # ------------------------------------------------------------------ sg.keras.Model's steps
+
+    def train_batch(self, model: Any, batch: Any) -> None:
+        """One ``Model.fit`` step on a distributed global batch: every replica runs the model's
+        ``train_step``. A strategy that trains otherwise (a pipeline's schedule) overrides these
+        three, so that fit, evaluate and predict stay written once."""
+        self._container.run(model.train_step, args=(batch,))
+
+    def test_batch(self, model: Any, batch: Any) -> None:
+        """One ``evaluate`` step: every replica runs the model's ``test_step``."""
+        self._container.run(model.test_step, args=(batch,))
+
+    def predict_batch(self, model: Any, batch: Any) -> torch.Tensor:
+        """One ``predict`` step: the outputs of every replica, gathered in order."""
+        result = self._container.run(model.predict_step, args=(batch,))
+        if not isinstance(result, PerReplica | torch.Tensor):
+            raise TypeError(f"predict_step must return a tensor, got {type(result).__name__}")
+        return self._container.gather(result, axis=0)
+
+    def replica_values(self, structure: Any) -> Any:
+        """Values computed in a replica, as that replica's own: the identity, except where a
+        replica computes on global tensors (a mesh) and holds a part of each."""
+        return structure
+
+    # ================================================================== reduce and gather
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """``strategy.reduce``: combine a per-replica value across all replicas (and along
+        ``axis`` first)."""
+        if context.current_replica() is not None:
+            raise RuntimeError(
+                "strategy.reduce is called in the cross-replica context (outside strategy.run); "
+                "inside run use sg.distribute.get_replica_context().all_reduce(op, value)"
+            )
+        return self._reduce_values(ReduceOp.parse(reduce_op), self._local_values(value), axis)
+
+    def _local_values(self, value: Any) -> list[torch.Tensor]:
+        values = [torch.as_tensor(v).detach() for v in local_results(value)]
+        n = len(self._devices)
+        if len(values) == 1 and n > 1:
+            values = values * n  # one value given for every replica (TF: a mirrored value)
+        if len(values) != n:
+            raise ValueError(f"got {len(values)} per-replica values for {n} local replicas")
+        return values
+
+    def _reduce_values(
+        self, op: ReduceOp, values: list[torch.Tensor], axis: int | None
+    ) -> torch.Tensor:
+        destination = self._devices[0].torch_device
+        combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
+        if axis is None:
+            count = torch.tensor(float(self.num_replicas_in_sync))
+            parts = values
+        else:
+            dims = {v.dim() for v in values}
+            if any(not -d <= axis < d for d in dims):
+                raise ValueError(f"axis {axis} is out of range for values of rank {sorted(dims)}")
+            count = torch.tensor(float(sum(v.shape[axis] for v in values)))
+            if op in (ReduceOp.SUM, ReduceOp.MEAN):
+                parts = [v.sum(axis) for v in values]
+            else:
+                reducer = torch.amax if op is ReduceOp.MAX else torch.amin
+                parts = [reducer(v, axis) for v in values if v.shape[axis] > 0]
+                if not parts:
+                    raise ValueError(f"cannot take {op.name} along axis {axis} of empty values")
+        local = self._cross_device_ops.reduce(combine, parts, destination).clone()
+        if op is ReduceOp.MEAN and not local.is_floating_point():
+            local = local.double()
+        self._comm.all_reduce(local, combine, what=f"strategy.reduce({op.name})")
+        if op is not ReduceOp.MEAN:
+            return local
+        if axis is not None:
+            self._comm.all_reduce(count, ReduceOp.SUM, what="strategy.reduce(MEAN) counts")
+        return local / count.to(local.device, local.dtype)
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """``strategy.gather``: every replica's value concatenated along ``axis`` (sizes along
+        it may differ)."""
+        if context.current_replica() is not None:
+            raise RuntimeError("strategy.gather is called outside strategy.run")
+        destination = self._devices[0].torch_device
+        values = [v.to(destination) for v in self._local_values(value)]
+        local = torch.cat(values, dim=axis)
+        comm = self._comm
+        if comm.world_size == 1:
+            return local
+        axis = axis % local.dim()
+        size = torch.tensor([local.shape[axis]], dtype=torch.int64)
+        sizes = [int(s) for s in comm.all_gather(size, what="strategy.gather sizes")]
+        pad = max(sizes) - local.shape[axis]
+        if pad:
+            shape = list(local.shape)
+            shape[axis] = pad
+            local = torch.cat([local, local.new_zeros(shape)], dim=axis)
+        pieces = comm.all_gather(local.contiguous(), what="strategy.gather")
+        return torch.cat([p.narrow(axis, 0, s) for p, s in zip(pieces, sizes)], dim=axis)
+
+    def local_results(self, value: Any) -> tuple[Any, ...]:
+        """The values of the replicas in this process, as a tuple."""
+        return local_results(value)
+
+    def replica_all_reduce(self, ctx: ReplicaContext, reduce_op: Any, value: Any) -> Any:
+        """``ReplicaContext.all_reduce``: a sync point among local replicas, then across
+        processes."""
+        op = ReduceOp.parse(reduce_op)
+
+        def reduce_one(values: list[torch.Tensor]) -> torch.Tensor:
+            return self._reduce_values(op, values, None)
+
+        structure = pytree.tree_map(torch.as_tensor, value)
+        if len(self._devices) == 1:
+            return pytree.tree_map(lambda t: reduce_one([t]).to(t.device), structure)
+        self._merge_values[ctx.local_replica_id] = structure
+
+        def action() -> None:
+            flats = [pytree.tree_flatten(v)[0] for v in self._merge_values]
+            spec = pytree.tree_flatten(self._merge_values[0])[1]
+            reduced = [reduce_one([f[k] for f in flats]) for k in range(len(flats[0]))]
+            self._merge_result = (reduced, spec)
+
+        self.merge_call("ReplicaContext.all_reduce", action)
+        reduced, spec = self._merge_result
+        device = self._devices[ctx.local_replica_id].torch_device
+        return pytree.tree_unflatten([t.to(device) for t in reduced], spec)
+
+    # ================================================================== input
+
+    def split_sizes(self, total: int, parts: int) -> list[int]:
+        """How a global batch of ``total`` examples is cut into ``parts`` replica batches."""
+        return split_sizes(total, parts)
+
+    def distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> Iterable[Any]:
+        """``experimental_distribute_dataset``: each global batch split across all replicas."""
+        return DistributedDataset(self, dataset, options)
+
+    def distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        options: InputOptions | None = None,
+    ) -> Iterable[Any]:
+        """One input pipeline per process from ``dataset_fn(input_context)``."""
+        comm = self._comm
+        ctx = InputContext(
+            num_input_pipelines=comm.world_size,
+            input_pipeline_id=comm.rank,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+        )
+        return DistributedDatasetFromFunction(self, dataset_fn, ctx, options)
+
+    def distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
+        """A PerReplica of ``value_fn(ctx)`` for each local replica (ctx has the replica id)."""
+        n = len(self._devices)
+        values = [
+            value_fn(ReplicaContext(self._container, self._comm.rank * n + i, i, None))
+            for i in range(n)
+        ]
+        return values[0] if n == 1 else PerReplica(values)
+
+    # ================================================================== checkpoint state
+
+    def before_checkpoint_write(self, objects: list[object]) -> None:
+        """Called on every process before a checkpoint or saved model of ``objects`` (modules,
+        optimizers, tensors) is written by the process that ``should_checkpoint``: bring state
+        held elsewhere home. A strategy may make it a collective (every process calls it at the
+        same point)."""
+
+    def after_checkpoint_restore(self, objects: list[object]) -> None:
+        """Called on every process after ``objects`` were restored from a checkpoint: send
+        state held elsewhere its restored values."""

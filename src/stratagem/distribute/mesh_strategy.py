@@ -1,0 +1,265 @@
+"""MeshStrategy: the Strategy interface over a DTensor mesh, for custom loops and ``Model.fit``.
+
+1. The mesh comes from ``sg.dtensor.create_mesh`` (one process per device). Its ``batch``
+   dimension (``batch_dim_name``) holds the data-parallel replicas: ``num_replicas_in_sync`` is
+   its size, a process's replica is its coordinate along it, and the processes that differ only
+   along other dimensions (``model``) are parts of one replica and see the same data.
+2. Scope: parameters created inside are laid out on the mesh by ``layout_map`` (regex paths →
+   layouts; unmatched parameters replicated; no map: all replicated, pure data parallelism).
+   Paths are known once the model is whole, so the layouts are applied when the scope ends, or
+   earlier when ``sg.keras.Model(module)`` hands the model over, before ``compile`` binds an
+   optimizer to its parameters. A custom loop creates its optimizer after the scope block.
+3. ``run(fn, args)``: each replica's part of the global batch becomes one DTensor split along
+   ``batch`` (``torch.chunk``'s cut, so ``experimental_distribute_dataset`` cuts batches that
+   way); ``fn`` computes on global tensors and DTensor decides every collective, the gradient
+   all-reduce included. Results come back per replica, as every other strategy returns them:
+   each replica's part of a result split along ``batch``, its own partial sum of a reduction
+   over the batch (``per_example_loss.sum() / global_batch``: the seeds' loss share), and the
+   same value on every replica for a replicated one. So ``strategy.reduce``, metrics, and the
+   loss convention work unchanged.
+4. ``reduce``/``gather``/metrics communicate among the replicas only (one process per
+   coordinate along ``batch``): the processes of one replica hold the same values already.
+
+Keras 3's ``keras.distribution.ModelParallel(layout_map=..., batch_dim_name="batch")`` with
+``set_distribution`` is the nearest seed-side equivalent; TF's DTensor tutorials wrote custom
+loops (``sg.dtensor`` ports those directly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
+
+from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.comm.process_group import (
+    GroupCommunicator,
+    ProcessGroupCommunicator,
+    live_connection,
+)
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery import scope_hooks
+from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.input import (
+    chunk_sizes,
+    record_global_batch_size,
+    recorded_global_batch_size,
+)
+from stratagem.distribute.strategy import Strategy
+from stratagem.dtensor import Layout, LayoutMap, Mesh, MeshError, apply_layout_map, translate
+
+
+class MeshStrategy(Strategy):
+    """``sg.distribute.experimental.MeshStrategy(mesh, layout_map=None, batch_dim_name=...)``."""
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        layout_map: LayoutMap | None = None,
+        batch_dim_name: str = "batch",
+    ) -> None:
+        extended = MeshExtended(self, mesh, layout_map, batch_dim_name)
+        super().__init__(extended)
+        self.mesh = mesh
+        self.layout_map = extended.layout_map
+        self.batch_dim_name = batch_dim_name
+
+    def __repr__(self) -> str:
+        return (
+            f"MeshStrategy({self.mesh}, batch_dim_name={self.batch_dim_name!r}, "
+            f"num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+class MeshExtended(StrategyExtended):
+    """Weights laid out by a LayoutMap; steps on global DTensors split along ``batch``."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        mesh: Mesh,
+        layout_map: LayoutMap | None,
+        batch_dim_name: str,
+    ) -> None:
+        if not isinstance(mesh, Mesh):
+            raise MeshError(
+                f"MeshStrategy needs a sg.dtensor.Mesh (sg.dtensor.create_mesh(...)), got "
+                f"{type(mesh).__name__}"
+            )
+        if not mesh.contains_dim(batch_dim_name):
+            raise MeshError(
+                f"MeshStrategy: mesh {mesh} has no dimension {batch_dim_name!r} to split batches "
+                f"along; its dimensions are {list(mesh.dim_names)} (pass batch_dim_name=)"
+            )
+        if layout_map is None:
+            layout_map = LayoutMap(mesh)
+        elif not isinstance(layout_map, LayoutMap) or layout_map.mesh != mesh:
+            raise MeshError(
+                f"MeshStrategy: layout_map must be a sg.dtensor.LayoutMap on {mesh}, got "
+                f"{layout_map!r}"
+            )
+        self.mesh = mesh
+        self.layout_map = layout_map
+        self.batch_dim_name = batch_dim_name
+        self._batch_rows: int | None = None  # the global batch of the run under way
+        self._modules_in_scope: dict[int, torch.nn.Module] = {}
+        device = torch.device(mesh.device_type)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._job = _job_communicator(mesh)
+        super().__init__(
+            container,
+            [LogicalDevice(str(device), device)],
+            comm=_replica_communicator(mesh, batch_dim_name, self._job),
+        )
+
+    def barrier(self, what: str) -> None:
+        # Every process of the job, not just the replicas: a model-parallel peer of another
+        # replica must also wait for the chief's write.
+        self._job.barrier(what=what)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "mesh": dict(zip(self.mesh.dim_names, self.mesh.shape)),
+            "batch_dim_name": self.batch_dim_name,
+        }
+
+    # ------------------------------------------------------------------ placement
+
+    def in_scope(self) -> contextlib.AbstractContextManager[Any]:
+        return self.layout_map.scope()
+
+    def distribute_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        apply_layout_map(module, self.layout_map)
+        self._claim(module)
+        return module
+
+    def adopt_model(self, module: torch.nn.Module) -> None:
+        self.distribute_module(module)
+
+    def capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        # Laid out when the scope ends (paths are known then). Claimed meanwhile, so that an
+        # optimizer created in the scope, over these soon-replaced tensors, is caught at step.
+        scope_hooks.claim(param, self.strategy)
+        self._modules_in_scope.setdefault(id(module), module)
+        return None
+
+    def capture_buffer(
+        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
+    ) -> torch.Tensor | None:
+        return None
+
+    def adopt_captured(self) -> None:
+        # The layout map's scope (inside ours) has laid the modules out by now: their DTensor
+        # weights are this strategy's too.
+        modules, self._modules_in_scope = self._modules_in_scope, {}
+        for module in modules.values():
+            self._claim(module)
+
+    def _claim(self, module: torch.nn.Module) -> None:
+        for t in [*module.parameters(), *module.buffers()]:
+            if isinstance(t, DTensor) and scope_hooks.owner_of(t) is None:
+                scope_hooks.claim(t, self.strategy)
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        stale = sum(1 for p in params if not isinstance(p, DTensor))
+        if stale:
+            raise RuntimeError(
+                f"this optimizer updates {stale} of its {len(params)} parameters as they were "
+                "before MeshStrategy laid the model out on the mesh (the scope replaces them "
+                "with DTensors when it ends); create the optimizer after the "
+                "`with strategy.scope():` block, or lay the model out first with "
+                "strategy.distribute_module(model) (sg.keras.Model does this itself)"
+            )
+
+    # ------------------------------------------------------------------ run
+
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict | None = None
+    ) -> Any:
+        """``fn`` on global DTensors split along ``batch``; results per replica (see above)."""
+        args, kwargs = self._to_mesh((tuple(args), dict(kwargs or {})))
+        try:
+            return self.replica_values(super().call_for_each_replica(fn, args, kwargs))
+        finally:
+            self._batch_rows = None
+
+    def _to_mesh(self, structure: Any) -> Any:
+        """Each tensor of this replica's batch → one DTensor of the global batch."""
+        leaves = [t for t in pytree.tree_leaves(structure) if _is_batch_part(t)]
+        if not leaves:
+            return structure
+        replicas = self.num_replicas_in_sync
+        rows = leaves[0].shape[0]
+        total = recorded_global_batch_size(structure)
+        if total is None:  # not from a distributed dataset: ask the other replicas
+            sizes = self._comm.all_gather(torch.tensor([rows]), what="the replicas' batch sizes")
+            total = int(sum(int(s) for s in sizes))
+        self._batch_rows = total
+        expected = chunk_sizes(total, replicas)[self._comm.rank]
+        device = self._devices[0].torch_device
+
+        def to_mesh(t: Any) -> Any:
+            if not _is_batch_part(t):
+                return t
+            if t.shape[0] != expected:
+                raise ValueError(
+                    f"replica {self._comm.rank} of {replicas} holds {t.shape[0]} examples of a "
+                    f"global batch of {total}; a mesh cuts a batch along "
+                    f"{self.batch_dim_name!r} as torch.chunk does, {chunk_sizes(total, replicas)}"
+                    " (strategy.experimental_distribute_dataset cuts it so)"
+                )
+            layout = Layout.batch_sharded(self.mesh, self.batch_dim_name, t.dim())
+            laid = translate.batch_part_to_mesh(t.to(device), layout, total)
+            record_global_batch_size(laid, total)
+            return laid
+
+        return pytree.tree_map(to_mesh, structure)
+
+    def replica_values(self, structure: Any) -> Any:
+        """DTensors → this replica's own value (``translate.replica_part``)."""
+        rows = self._batch_rows
+
+        def local(t: Any) -> Any:
+            if not isinstance(t, DTensor):
+                return t
+            return translate.replica_part(t, self.mesh, self.batch_dim_name, rows)
+
+        return pytree.tree_map(local, structure)
+
+    def split_sizes(self, total: int, parts: int) -> list[int]:
+        return chunk_sizes(total, parts)
+
+
+def _is_batch_part(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0
+
+
+def _job_communicator(mesh: Mesh) -> Communicator:
+    """The connection of the whole job the mesh spans (``create_mesh`` started it), or a local
+    one where stratagem started none (a mesh of one, or a group torch was given elsewhere)."""
+    job = live_connection()
+    return job if job is not None else LocalCommunicator()
+
+
+def _replica_communicator(mesh: Mesh, batch_dim_name: str, job: Communicator) -> Communicator:
+    """Collectives among the replicas: the processes along ``batch`` with this one's other
+    coordinates (every group computes the same values, so reducing within one suffices)."""
+    if mesh.dim_size(batch_dim_name) == 1:
+        return LocalCommunicator()
+    if not isinstance(job, ProcessGroupCommunicator):
+        raise MeshError(
+            f"MeshStrategy over {mesh}: torch.distributed was started outside stratagem "
+            f"({dist.get_world_size()} processes), so the job has no stratagem communicator; "
+            "let sg.dtensor.create_mesh start it (stratagem run, TF_CONFIG, torchrun or SLURM)"
+        )
+    return GroupCommunicator(job, mesh.device_mesh.get_group(batch_dim_name))

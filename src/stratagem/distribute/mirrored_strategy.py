@@ -1,0 +1,150 @@
+"""MirroredStrategy: synchronous training on several devices of one process.
+
+1. Scope: parameters and buffers created inside live on the first device (the primaries);
+   every other device gets a copy (``MirroredVariables``).
+2. ``run(fn)``: fn runs once per device, concurrently, replica 0 in the calling thread and the
+   others on replica threads that see their copies (``ReplicaView``). Each replica's part of the
+   batch is already on its device.
+3. ``optimizer.step()`` inside fn is TF's merge call: the replicas meet, one of them sums every
+   replica's gradients into the primaries (the cross-device op), replica 0 applies the update
+   while the others' step finds no gradient on their copies and does nothing, and the replicas
+   meet again to refresh the copies before going on. Outside ``run`` the same happens without
+   the meeting.
+4. After ``run``, gradients not yet summed (no step inside fn) are summed, so ``p.grad`` holds
+   the aggregate as after any backward on one device.
+
+Logical CPU devices (``["cpu:0", "cpu:1"]``) are replicas on the shared CPU, each on its own
+thread with its share of the intra-op threads; CUDA devices work the same way, with NCCL for
+the reduction when available.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from stratagem.comm import LocalCommunicator, ReduceOp
+from stratagem.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery.context import current_replica
+from stratagem.distribute.machinery.devices import LogicalDevice, default_devices, parse_devices
+from stratagem.distribute.machinery.mirrored_variables import MirroredVariables
+from stratagem.distribute.strategy import Strategy
+
+
+def _default_cross_device_ops(devices: list[LogicalDevice]) -> CrossDeviceOps:
+    if len(devices) > 1 and all(d.torch_device.type == "cuda" for d in devices):
+        return NcclAllReduce()
+    return ReductionToOneDevice()
+
+
+class MirroredStrategy(Strategy):
+    """``sg.distribute.MirroredStrategy(devices=None, cross_device_ops=None)``."""
+
+    def __init__(
+        self,
+        devices: list[str | torch.device] | None = None,
+        cross_device_ops: CrossDeviceOps | None = None,
+        *,
+        gradient_aggregation: ReduceOp | str = ReduceOp.SUM,
+    ) -> None:
+        super().__init__(
+            MirroredExtended(
+                self, devices, cross_device_ops, gradient_aggregation=gradient_aggregation
+            )
+        )
+
+
+class MirroredExtended(StrategyExtended):
+    """MirroredStrategy's ``extended``: mirrored variables, replica threads, merge calls."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        devices: list[str | torch.device] | None,
+        cross_device_ops: CrossDeviceOps | None,
+        *,
+        gradient_aggregation: ReduceOp | str = ReduceOp.SUM,
+        mirrors_on: torch.device | None = None,
+    ) -> None:
+        parsed = parse_devices(devices) if devices is not None else default_devices()
+        if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
+            raise TypeError(
+                "cross_device_ops must be an sg.distribute cross-device op (NcclAllReduce, "
+                f"HierarchicalCopyAllReduce, ReductionToOneDevice), got {cross_device_ops!r}"
+            )
+        super().__init__(
+            container,
+            parsed,
+            comm=LocalCommunicator(),
+            cross_device_ops=cross_device_ops or _default_cross_device_ops(parsed),
+            gradient_aggregation=gradient_aggregation,
+            sync_timeout=float(os.environ.get("STRATAGEM_OP_TIMEOUT", "60")),
+        )
+        self._cross_device_ops.check_devices(
+            [d.torch_device for d in parsed], [d.name for d in parsed]
+        )
+        # ``mirrors_on``: a device of their own for the primaries (CentralStorageStrategy);
+        # every replica then computes on a copy.
+        averaged = self.gradient_aggregation is ReduceOp.MEAN
+        self._mirrors = MirroredVariables(
+            parsed, grad_scale=1 / len(parsed) if averaged else None, primary_device=mirrors_on
+        )
+        self._intra_op_threads = self._threads_per_cpu_replica(parsed)
+
+    @staticmethod
+    def _threads_per_cpu_replica(devices: list[LogicalDevice]) -> int | None:
+        # Replicas sharing the CPU split its intra-op threads; otherwise each would start as
+        # many threads as there are cores and they would fight over them.
+        cpu = sum(1 for d in devices if d.torch_device.type == "cpu")
+        if cpu < 2:
+            return None
+        return max(1, torch.get_num_threads() // cpu)
+
+    # The mirrored variables --------------------------------------------------------------
+
+    def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+        for tensor, is_parameter in tensors:
+            self._mirrors.add(tensor, is_parameter=is_parameter)
+
+    def replica_view(self, replica: int) -> dict[int, torch.Tensor]:
+        return self._mirrors.view(replica)
+
+    # Around run ----------------------------------------------------------------------------
+
+    def before_run(self) -> None:
+        self._mirrors.refresh()
+        self._mirrors.scaling = True
+
+    def leave_run(self) -> None:
+        self._mirrors.scaling = False
+
+    def after_run(self) -> None:
+        if self._mirrors.pending_gradients():
+            self._reduce_gradients()
+
+    def _reduce_gradients(self) -> None:
+        self._mirrors.reduce_gradients(self._cross_device_ops)
+
+    # The merge call around optimizer.step() ------------------------------------------------
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.merge_call("optimizer.step()", self._reduce_gradients)
+        if self._on_replica_zero():
+            # The other replicas' steps find no gradient and wait: lend replica 0 their threads.
+            torch.set_num_threads(self._process_threads)
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._on_replica_zero():
+            torch.set_num_threads(self._intra_op_threads)
+        self.merge_call("the end of optimizer.step()", self._mirrors.refresh)
+
+    def _on_replica_zero(self) -> bool:
+        ctx = current_replica()
+        return (
+            self._intra_op_threads is not None
+            and ctx is not None
+            and ctx.strategy is self.strategy
+            and ctx.local_replica_id == 0
+        )

@@ -1,0 +1,163 @@
+"""MultiWorkerMirroredStrategy: synchronous data parallelism, one process per worker.
+
+1. The cluster comes from TF_CONFIG (or STRATAGEM_CONFIG), torchrun's or SLURM's variables;
+   creating the strategy joins the others (a roll call naming any missing peer) and starts a
+   process group: gloo on CPU, NCCL on CUDA.
+2. Scope: parameters and buffers created inside live on this worker's device; at the scope's
+   exit the chief's initial values are broadcast to every worker, after checking that all
+   workers built the same tensors — so workers seeded differently still start identical.
+3. Backward: gradients are summed over the workers bucket by bucket while backward still runs
+   (``GradientReducer``), and written back when backward ends; ``optimizer.step()`` then
+   applies the same update on every worker.
+4. ``run``/``reduce``/``gather``/datasets come from the Strategy base over the communicator.
+
+The chief and the workers take part; an evaluator task runs alone (a one-replica strategy);
+a ps task cannot use this strategy.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
+from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
+from stratagem.comm.bucketing import GradientReducer
+from stratagem.comm.process_group import Timeouts, connect
+from stratagem.distribute.experimental import CommunicationImplementation, CommunicationOptions
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.strategy import Strategy
+from stratagem.errors import RendezvousError
+
+
+def _worker_device(resolver: ClusterResolver) -> LogicalDevice:
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        index = resolver.local_rank % torch.cuda.device_count()
+        return LogicalDevice(f"cuda:{index}", torch.device("cuda", index))
+    return LogicalDevice("cpu:0", torch.device("cpu"))
+
+
+def _backend(options: CommunicationOptions, device: torch.device) -> str:
+    impl = options.implementation
+    if impl is CommunicationImplementation.NCCL and device.type != "cuda":
+        warnings.warn(
+            "CommunicationImplementation.NCCL needs CUDA, but this worker computes on the CPU; "
+            "using RING (gloo) instead",
+            stacklevel=3,
+        )
+        return "gloo"
+    if impl is CommunicationImplementation.RING or device.type != "cuda":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """``sg.distribute.MultiWorkerMirroredStrategy(communication_options=None)``."""
+
+    def __init__(
+        self,
+        communication_options: CommunicationOptions | None = None,
+        cluster_resolver: ClusterResolver | None = None,
+        *,
+        gradient_aggregation: ReduceOp | str = ReduceOp.SUM,
+    ) -> None:
+        super().__init__(
+            MultiWorkerMirroredExtended(
+                self,
+                communication_options,
+                cluster_resolver,
+                gradient_aggregation=gradient_aggregation,
+            )
+        )
+
+
+class MultiWorkerMirroredExtended(StrategyExtended):
+    """One replica per process; gradients all-reduced in buckets during backward."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        communication_options: CommunicationOptions | None,
+        cluster_resolver: ClusterResolver | None,
+        *,
+        gradient_aggregation: ReduceOp | str,
+    ) -> None:
+        options = communication_options or CommunicationOptions()
+        if not isinstance(options, CommunicationOptions):
+            raise TypeError(
+                "communication_options must be sg.distribute.experimental.CommunicationOptions, "
+                f"got {options!r}"
+            )
+        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        check_task_types(
+            resolver.cluster_spec(), ("chief", "worker", "evaluator"), type(container).__name__
+        )
+        device = _worker_device(resolver)
+        timeouts = Timeouts.from_env(options.timeout_seconds)
+        comm: Communicator
+        if resolver.rank is None or resolver.world_size == 1:
+            comm = LocalCommunicator()  # an evaluator, or a cluster of one
+        else:
+            comm = connect(
+                resolver, backend=_backend(options, device.torch_device), timeouts=timeouts
+            )
+        super().__init__(
+            container,
+            [device],
+            comm=comm,
+            cluster_resolver=resolver,
+            gradient_aggregation=gradient_aggregation,
+            sync_timeout=timeouts.operation,
+        )
+        self._reducer = GradientReducer(
+            comm,
+            bucket_bytes=options.bytes_per_pack or (4 << 20),
+            average=self.gradient_aggregation is ReduceOp.MEAN,
+        )
+
+    def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+        self._broadcast_initial_values([t for t, _ in tensors])
+        self._reducer.add_parameters([t for t, is_param in tensors if is_param])
+
+    def _broadcast_initial_values(self, tensors: list[torch.Tensor]) -> None:
+        comm = self._comm
+        if comm.world_size == 1:
+            return
+        signature = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+        everyone = comm.all_gather_object(signature, what="the shapes of the new parameters")
+        for rank, theirs in enumerate(everyone):
+            if theirs != signature:
+                raise RendezvousError(
+                    f"{comm.peer_name(rank)} created {len(theirs)} tensors in strategy.scope() "
+                    f"but {comm.peer_name(comm.rank)} created {len(signature)}; every worker "
+                    f"must build the same model. First difference: "
+                    f"{_first_difference(signature, theirs)}"
+                )
+        with torch.no_grad():
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in tensors:
+                by_dtype.setdefault(t.dtype, []).append(t)
+            for dtype, group in by_dtype.items():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                comm.broadcast(flat, 0, what=f"initial values of {len(group)} tensors ({dtype})")
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def after_run(self) -> None:
+        self._reducer.flush()
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._reducer.flush()
+
+
+def _first_difference(
+    mine: list[tuple[tuple[int, ...], str]], theirs: list[tuple[tuple[int, ...], str]]
+) -> str:
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            return f"tensor {i} is {a[0]} {a[1]} here and {b[0]} {b[1]} there"
+    return f"one list is longer ({len(mine)} vs {len(theirs)})"

@@ -1,0 +1,284 @@
+"""ParameterServerStrategy: parameters held by ps tasks; workers pull them and push gradients.
+
+1. The cluster has ps tasks beside the chief and workers (``stratagem run -n W --ps K``). Every
+   task joins one RPC world (``comm.rpc_world``). On a ps task, creating the strategy (or
+   ``sg.distribute.Server(...).join()``) serves the shards until every worker is done, then
+   ends the process with exit code 0: the rest of the script is for workers.
+2. Scope: each parameter created inside is cut into shards along its first dimension by the
+   ``variable_partitioner`` (whole without one), and the shards are placed on the ps tasks,
+   balanced by bytes (``partitioners.plan_shards``: every worker computes the same plan). The
+   chief's initial values create the shards; the other workers pull them, so all start equal.
+   Each worker keeps a local copy of every parameter to compute on; buffers stay local.
+3. ``optimizer.step()``: the worker pushes each ps the gradients of its shards (with the
+   optimizer's class and current hyperparameters) and gets back the shards' new values; the
+   update itself runs on the ps that owns the shard, with the optimizer state there
+   (``ps_server``). The local step then finds no gradient and does nothing. How pushes become
+   updates is the mode: ``async`` (each push applied at once; bounded staleness and a staleness
+   policy), ``sync`` (the mean of ``replicas_to_aggregate`` pushes per step), and sync with
+   ``backup_workers`` (n + b workers, the first n pushes of a step win, late ones are dropped).
+4. Each worker trains on its own batches at its own pace: ``num_replicas_in_sync`` is 1 per
+   worker, and ``strategy.reduce`` and metrics are this worker's.
+   ``experimental_distribute_dataset`` gives every worker all of the dataset (each its own pass
+   and shuffle, so that ``evaluate`` on any worker sees all of its data);
+   ``distribute_datasets_from_function`` gets an ``InputContext`` with the worker's index among
+   the W workers, to shard by it.
+"""
+
+from __future__ import annotations
+
+import atexit
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from stratagem.cluster import ClusterResolver, collective_members, resolve_cluster
+from stratagem.cluster.roles import describe_jobs
+from stratagem.comm.process_group import Timeouts
+from stratagem.comm.rpc_world import RpcWorld
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery.input import (
+    DistributedDatasetFromFunction,
+    InputContext,
+    InputOptions,
+)
+from stratagem.distribute.partitioners import Partitioner
+from stratagem.distribute.ps.client import IndependentWorker, PsClient
+from stratagem.distribute.ps.server import Server, UpdateRule
+from stratagem.distribute.strategy import Strategy
+
+MODES = ("async", "sync")
+STALENESS_POLICIES = ("apply", "scale", "drop")
+
+
+class ParameterServerStrategy(Strategy):
+    """``sg.distribute.ParameterServerStrategy(cluster_resolver=None, variable_partitioner=None,
+    mode="async", replicas_to_aggregate=None, backup_workers=0, max_staleness=None)``."""
+
+    def __init__(
+        self,
+        cluster_resolver: ClusterResolver | None = None,
+        variable_partitioner: Partitioner | None = None,
+        mode: str = "async",
+        replicas_to_aggregate: int | None = None,
+        backup_workers: int = 0,
+        max_staleness: int | None = None,
+        *,
+        staleness_policy: str = "apply",
+        max_gradient_staleness: int | None = None,
+        compression: str | None = None,
+    ) -> None:
+        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        spec = resolver.cluster_spec()
+        num_ps = spec.num_tasks("ps") if spec and "ps" in spec.jobs else 0
+        if num_ps == 0:
+            raise ValueError(
+                "ParameterServerStrategy needs ps tasks to hold the parameters; this cluster has "
+                f"{describe_jobs(spec) if spec else 'no cluster at all'}. Launch with "
+                "`stratagem run -n W --ps K script.py`, or give TF_CONFIG a 'ps' job"
+            )
+        if variable_partitioner is not None and not callable(variable_partitioner):
+            raise TypeError(
+                "variable_partitioner must be a partitioner such as "
+                "sg.distribute.experimental.partitioners.FixedShardsPartitioner(2); got "
+                f"{variable_partitioner!r}"
+            )
+        workers = collective_members(spec)
+        needed = _check_options(
+            mode,
+            len(workers),
+            replicas_to_aggregate,
+            backup_workers,
+            max_staleness,
+            staleness_policy,
+            max_gradient_staleness,
+            compression,
+        )
+        rule = UpdateRule(
+            mode=mode,
+            num_workers=len(workers),
+            replicas_to_aggregate=needed,
+            max_staleness=max_staleness,
+            staleness_policy=staleness_policy,
+            max_gradient_staleness=max_gradient_staleness,
+            compression=compression,
+        )
+        if resolver.task_type == "ps":
+            Server(resolver).join()
+            raise SystemExit(0)  # the job is done: the rest of the script is the workers'
+        extended = ParameterServerExtended(self, resolver, variable_partitioner, rule)
+        super().__init__(extended)
+        self.mode = mode
+        self._client = extended.client
+
+    def __repr__(self) -> str:
+        e = self.extended
+        assert isinstance(e, ParameterServerExtended)
+        return (
+            f"ParameterServerStrategy(mode={self.mode!r}, workers={e.num_workers}, "
+            f"ps={len(self._client.ps_names)}, worker={e.worker_index})"
+        )
+
+    def pull(self) -> None:
+        """Bring this worker's copies up to the ps's current values (e.g. before evaluating)."""
+        self._client.pull()
+
+    def training_finished(self) -> bool:
+        """Whether every worker is done (or lost): an evaluator's loop ends on it."""
+        return self._client.training_finished()
+
+    def ps_stats(self) -> list[dict[str, int]]:
+        """What each ps applied, dropped and held back so far (for tests and benchmarks)."""
+        return self._client.ps_stats()
+
+
+class ParameterServerExtended(StrategyExtended):
+    """One replica per worker; parameters sharded on the ps tasks, updated there by ``rule``."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        resolver: ClusterResolver,
+        partitioner: Partitioner | None,
+        rule: UpdateRule,
+    ) -> None:
+        timeouts = Timeouts.from_env()
+        world = RpcWorld(
+            resolver, rendezvous_timeout=timeouts.rendezvous, rpc_timeout=timeouts.operation
+        )
+        # An evaluator reads the parameters while the workers train; it pushes nothing.
+        self._evaluator = resolver.task_type == "evaluator"
+        workers = collective_members(resolver.cluster_spec())
+        me = (resolver.task_type, resolver.task_id)
+        self.worker_index = -1 if self._evaluator else workers.index(me)  # type: ignore[arg-type]
+        self.num_workers = len(workers)
+        self.client = PsClient(
+            world, rule, partitioner, worker_index=self.worker_index, chief=resolver.is_chief
+        )
+        atexit.register(self.client.finish)
+        super().__init__(
+            container,
+            ["cpu:0"],
+            comm=IndependentWorker(resolver.is_chief, world.describe(world.rank)),
+            cluster_resolver=resolver,
+        )
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        return tuple(self.client.ps_names)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "mode": self.client.rule.mode}
+
+    # Scope: shards on the ps ------------------------------------------------------------
+
+    def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+        params = [t for t, is_param in tensors if is_param]
+        if params:
+            self.client.create(params)
+
+    def check_optimizer(
+        self, optimizer: torch.optim.Optimizer, num_params: int, num_outside: int
+    ) -> None:
+        if num_outside:
+            raise RuntimeError(
+                f"this optimizer updates {num_outside} parameters created outside "
+                "ParameterServerStrategy.scope(); their updates would stay on this worker. "
+                "Create the whole model inside strategy.scope()"
+            )
+
+    # optimizer.step(): push gradients, pull values ------------------------------------
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._evaluator:
+            raise RuntimeError(
+                "an evaluator task reads the parameters (strategy.pull()) and evaluates; it "
+                "does not train: optimizer.step() is for the chief and the workers"
+            )
+        self.client.push(optimizer)
+
+    # Checkpoints: the chief's own write brings the ps's values and optimizer state home -----
+
+    def before_checkpoint_write(self, objects: list[object]) -> None:
+        if self.should_checkpoint:
+            self.client.bring_home(objects)
+
+    def after_checkpoint_restore(self, objects: list[object]) -> None:
+        self.client.send_restored(objects)
+
+    # Input: each worker its own pipeline --------------------------------------------------
+
+    def distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        options: InputOptions | None = None,
+    ) -> DistributedDatasetFromFunction:
+        ctx = InputContext(
+            num_input_pipelines=self.num_workers,
+            input_pipeline_id=self.worker_index,
+            num_replicas_in_sync=1,
+        )
+        return DistributedDatasetFromFunction(self, dataset_fn, ctx, options)
+
+
+def _check_options(
+    mode: str,
+    num_workers: int,
+    replicas_to_aggregate: int | None,
+    backup_workers: int,
+    max_staleness: int | None,
+    staleness_policy: str,
+    max_gradient_staleness: int | None,
+    compression: str | None,
+) -> int:
+    """Validate the options against the cluster; the replicas aggregated per sync step."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
+    for what, value in (
+        ("backup_workers", backup_workers),
+        ("max_staleness", max_staleness),
+        ("max_gradient_staleness", max_gradient_staleness),
+    ):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{what} must be an int; got {value!r}")
+        if value is not None and value < 0:
+            raise ValueError(f"{what} must be >= 0; got {value}")
+    if staleness_policy not in STALENESS_POLICIES:
+        raise ValueError(
+            f"staleness_policy must be one of {STALENESS_POLICIES}; got {staleness_policy!r}"
+        )
+    if staleness_policy == "drop" and max_gradient_staleness is None:
+        raise ValueError(
+            "staleness_policy='drop' needs max_gradient_staleness: gradients computed on "
+            "parameters more than that many updates old are dropped"
+        )
+    if compression not in (None, "bf16"):
+        raise ValueError(f"compression must be None or 'bf16'; got {compression!r}")
+    if mode == "async":
+        if backup_workers or replicas_to_aggregate is not None:
+            raise ValueError(
+                "backup_workers and replicas_to_aggregate are for mode='sync'; async mode "
+                "applies every push on its own"
+            )
+        return 1
+    if max_staleness is not None or staleness_policy != "apply":
+        raise ValueError("max_staleness and staleness_policy are for mode='async'")
+    if backup_workers >= num_workers:
+        raise ValueError(
+            f"backup_workers={backup_workers} leaves no worker to aggregate: the cluster has "
+            f"{num_workers} workers (chief included); each step waits for workers - backups"
+        )
+    needed = replicas_to_aggregate
+    if needed is None:
+        needed = num_workers - backup_workers
+    if isinstance(needed, bool) or not isinstance(needed, int) or needed < 1:
+        raise ValueError(f"replicas_to_aggregate must be a positive int; got {needed!r}")
+    if needed > num_workers:
+        raise ValueError(
+            f"replicas_to_aggregate={needed} is more than the {num_workers} workers (chief "
+            "included) of the cluster: no step could ever complete"
+        )
+    return needed
+
+
+__all__ = ["ParameterServerStrategy", "Server"]

@@ -1,0 +1,321 @@
+"""PipelineStrategy: pipeline parallelism, one stage per process, optionally data-parallel too.
+
+1. The cluster is resolved and the process group started as for MultiWorkerMirroredStrategy
+   (``stratagem run -n N``, TF_CONFIG, torchrun, SLURM); the job must have
+   ``num_stages x num_replicas`` processes. Rank ``r`` runs stage ``r % num_stages`` of replica
+   ``r // num_stages`` (``stratagem.pipeline.stage_layout``).
+2. ``strategy.pipeline(model, loss_fn)`` cuts an ``nn.Sequential`` at ``split_points`` (layer
+   indices or names) or balanced by parameter count or measured time, keeps this rank's stage,
+   and returns a ``PipelineModel`` whose ``train_step(x, y, optimizer)`` runs the schedule:
+   ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` (torch.distributed.pipelining), or
+   ``"PipeDream"`` (asynchronous 1F1B with weight stashing, ``stratagem.pipeline.pipedream``).
+3. With ``num_replicas > 1`` each stage's gradients are averaged over its replicas.
+4. ``sg.keras.Model`` built in ``strategy.scope()`` (the whole model, on every process) trains
+   with ``fit``, ``evaluate`` and ``predict``: Keras's pipelined steps
+   (``stratagem.keras.pipeline_steps``) cut the model on first use with ``strategy.pipeline``
+   and run the schedule; every process gets the whole global batch. Keras registers the whole
+   model (``extended.register_whole_model``), so that a checkpoint of it (``ModelCheckpoint``,
+   ``BackupAndRestore``, ``sg.train.Checkpoint``, ``model.save``) first brings every stage's
+   layers and optimizer state to every process (``before_checkpoint_write``, a collective), so
+   the chief writes the whole model, and a restore gives each stage its part.
+
+A world of one process with one stage is the null version: the same calls, micro-batches run
+one after another in this process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
+from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
+from stratagem.comm.process_group import Timeouts, connect
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery.input import DistributedDataset, InputContext, InputOptions
+from stratagem.distribute.strategy import Strategy
+from stratagem.pipeline.pipedream import Recorder
+from stratagem.pipeline.schedules import SYNCHRONOUS
+from stratagem.pipeline.settings import PipelineSettings
+from stratagem.pipeline.split import SplitPoints, resolve_split_points, split_sequential
+from stratagem.pipeline.stage_layout import PipelineLayout
+from stratagem.pipeline.stages import LossFn, PipelineModel
+
+SCHEDULES = (*SYNCHRONOUS, "PipeDream")
+
+
+class PipelineStrategy(Strategy):
+    """``sg.distribute.experimental.PipelineStrategy(num_stages=None, schedule="1F1B", ...)``.
+
+    ``num_stages``: stages per pipeline (default: the job's processes / ``num_replicas``);
+    ``num_microbatches``: micro-batches per global batch (it must divide it);
+    ``schedule``: one of ``SCHEDULES``; ``split_points``: layer indices or names starting each
+    stage after the first, or ``"parameters"`` / ``"time"`` to balance (default parameters);
+    ``num_replicas``: data-parallel copies of the pipeline; ``stages_per_rank``: model chunks
+    per process for ``"Interleaved1F1B"`` (default 2); ``weight_stashing``: PipeDream only;
+    ``drain_each_step``: PipeDream only, False keeps the warm-up micro-batches in flight from
+    one ``train_step`` to the next, as PipeDream does (``pipe.flush()`` drains; ``Model.fit``
+    drains every step).
+    """
+
+    def __init__(
+        self,
+        num_stages: int | None = None,
+        *,
+        schedule: str = "1F1B",
+        num_microbatches: int = 4,
+        split_points: SplitPoints = None,
+        num_replicas: int = 1,
+        stages_per_rank: int | None = None,
+        weight_stashing: bool = True,
+        drain_each_step: bool = True,
+        cluster_resolver: ClusterResolver | None = None,
+        timeout_seconds: float | None = None,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
+        if (
+            isinstance(num_microbatches, bool)
+            or not isinstance(num_microbatches, int)
+            or num_microbatches < 1
+        ):
+            raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+        if not drain_each_step and schedule != "PipeDream":
+            raise ValueError(
+                f"drain_each_step=False needs schedule='PipeDream' (got {schedule!r}, a "
+                "synchronous schedule, which drains at the end of every step by definition)"
+            )
+        if stages_per_rank is None:
+            stages_per_rank = 2 if schedule == "Interleaved1F1B" else 1
+        if stages_per_rank != 1 and schedule != "Interleaved1F1B":
+            raise ValueError(
+                f"stages_per_rank={stages_per_rank} needs schedule='Interleaved1F1B' (got "
+                f"{schedule!r}, which runs one stage per process)"
+            )
+        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        check_task_types(resolver.cluster_spec(), ("chief", "worker"), type(self).__name__)
+        world = resolver.world_size if resolver.rank is not None else 1
+        if num_stages is None:
+            if not isinstance(num_replicas, int) or num_replicas < 1 or world % num_replicas:
+                raise ValueError(
+                    f"num_replicas={num_replicas!r} does not divide the job's {world} processes"
+                )
+            num_stages = world // num_replicas
+        layout = PipelineLayout(num_stages, num_replicas, stages_per_rank)
+        layout.check_world(world)
+        if schedule in ("1F1B", "Interleaved1F1B") and num_microbatches < num_stages:
+            raise ValueError(
+                f"schedule={schedule!r} needs num_microbatches >= num_stages, got "
+                f"num_microbatches={num_microbatches} for {num_stages} stages (use 'GPipe', or "
+                "more micro-batches)"
+            )
+        self._layout = layout
+        self._split_points = split_points
+        timeouts = Timeouts.from_env(timeout_seconds)
+        comm: Communicator
+        if world == 1:
+            comm = LocalCommunicator()
+        else:
+            comm = connect(resolver, backend="gloo", timeouts=timeouts)
+        super().__init__(PipelineExtended(self, layout, schedule, comm, resolver))
+        self.rank = comm.rank
+        self._comm = comm
+        pipeline_group = replica_group = None
+        if world > 1 and layout.num_replicas > 1:
+            # Every rank creates every group, in the same order (torch.distributed's rule).
+            for r in range(layout.num_replicas):
+                group = dist.new_group(layout.pipeline_ranks(r))
+                if r == layout.replica_of(self.rank):
+                    pipeline_group = group
+            for s in range(layout.num_stages):
+                group = dist.new_group(layout.replica_ranks(s))
+                if s == layout.stage_of(self.rank):
+                    replica_group = group
+        self._settings = PipelineSettings(
+            layout=layout,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            weight_stashing=weight_stashing,
+            drain_each_step=drain_each_step,
+            timeout=timeouts.operation,
+            pipeline_group=pipeline_group,
+            replica_group=replica_group,
+        )
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def num_stages(self) -> int:
+        return self._layout.num_stages
+
+    @property
+    def stage_index(self) -> int:
+        return self._layout.stage_of(self.rank)
+
+    @property
+    def replica_index(self) -> int:
+        return self._layout.replica_of(self.rank)
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return self._layout
+
+    @property
+    def schedule(self) -> str:
+        return self._settings.schedule
+
+    @property
+    def num_microbatches(self) -> int:
+        return self._settings.num_microbatches
+
+    def __repr__(self) -> str:
+        return (
+            f"PipelineStrategy(num_stages={self.num_stages}, num_replicas="
+            f"{self.num_replicas_in_sync}, schedule={self.schedule!r}, num_microbatches="
+            f"{self.num_microbatches}, rank={self.rank})"
+        )
+
+    # ------------------------------------------------------------------ the pipeline
+
+    def split_points_for(
+        self, model: nn.Module, sample_input: torch.Tensor | None = None
+    ) -> list[int]:
+        """The layer indices where the chunks after the first start, for this model."""
+        points = resolve_split_points(
+            model, self._layout.num_chunks, self._split_points, sample_input
+        )
+        if self._comm.world_size > 1 and self._split_points == "time":
+            # Timings differ between processes; every rank must cut the same way: rank 0's.
+            points = self._comm.all_gather_object(points, what="the measured split points")[0]
+        return points
+
+    def pipeline(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        *,
+        sample_input: torch.Tensor | None = None,
+        recorder: Recorder | None = None,
+    ) -> PipelineModel:
+        """Split ``model`` and keep this process's stage(s); every process calls it alike.
+
+        ``loss_fn(outputs, targets)`` is a mean over its micro-batch (``F.cross_entropy``);
+        ``sample_input`` (one micro-batch) is needed with ``split_points="time"``.
+        """
+        layout = self._layout
+        points = self.split_points_for(model, sample_input)
+        chunks = split_sequential(model, points)
+        stage = layout.stage_of(self.rank)
+        mine = [(c, chunks[c]) for c in layout.chunks_of(stage)]
+        return PipelineModel(
+            mine,
+            self._settings,
+            rank=self.rank,
+            comm=self._comm,
+            loss_fn=loss_fn,
+            split_points=points,
+            recorder=recorder,
+        )
+
+
+class PipelineExtended(StrategyExtended):
+    """Stages on processes: no replicas of one model to ``run`` on (see ``_refuse``); whole
+    models whose checkpoints gather the stages."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        layout: PipelineLayout,
+        schedule: str,
+        comm: Communicator,
+        resolver: ClusterResolver,
+    ) -> None:
+        # One CPU device per process; gradients are averaged over replicas (each micro-batch's
+        # loss is a mean), which Model.compute_loss reads from gradient_aggregation.
+        super().__init__(
+            container,
+            ["cpu:0"],
+            comm=comm,
+            cluster_resolver=resolver,
+            gradient_aggregation=ReduceOp.MEAN,
+        )
+        self._layout = layout
+        self._schedule = schedule
+        # id(module) -> (the whole module, its pipeline): models whose checkpoints gather stages.
+        self._whole_models: dict[int, tuple[nn.Module, PipelineModel]] = {}
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Data-parallel copies of the pipeline (1 without data parallelism)."""
+        return self._layout.num_replicas
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "num_stages": self._layout.num_stages,
+            "schedule": self._schedule,
+        }
+
+    # ------------------------------------------------------------------ whole models
+
+    def register_whole_model(self, module: nn.Module, pipe: PipelineModel) -> None:
+        """Checkpoints of ``module`` (the whole model, kept on every process) will first gather
+        every stage's layers into it, and the optimizer state of optimizers over its parameters,
+        on every process: a collective (``before_checkpoint_write``)."""
+        self._whole_models[id(module)] = (module, pipe)
+
+    def pipeline_of(self, module: nn.Module) -> PipelineModel | None:
+        """This process's stages of a registered whole model (None if it is not one)."""
+        entry = self._whole_models.get(id(module))
+        return entry[1] if entry is not None and entry[0] is module else None
+
+    def before_checkpoint_write(self, objects: list[object]) -> None:
+        """On every process, in the same order: every stage's layers into each registered
+        whole module, and its optimizer state into an optimizer over it, so the chief writes
+        the whole model and a restore gives each stage its part."""
+        for obj in objects:
+            if isinstance(obj, nn.Module):
+                entry = self._whole_models.get(id(obj))
+                if entry is not None and entry[0] is obj:
+                    entry[1].gather_module(obj)
+            elif isinstance(obj, torch.optim.Optimizer):
+                params = {id(p) for group in obj.param_groups for p in group["params"]}
+                for module, pipe in self._whole_models.values():
+                    if any(id(p) in params for p in module.parameters()):
+                        pipe.gather_optimizer_state(module, obj)
+
+    # ------------------------------------------------------------------ the Strategy interface
+
+    def distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Every process gets each whole global batch: the first stage uses the inputs, the
+        last the targets, each replica its part (cut by the pipeline)."""
+        return DistributedDataset(self, dataset, options, split=False)
+
+    def _refuse(self, what: str) -> NoReturn:
+        raise NotImplementedError(
+            f"PipelineStrategy.{what}: a pipeline's processes hold different stages, not "
+            "replicas of one model; train with sg.keras.Model.fit in strategy.scope(), or with "
+            "strategy.pipeline(module, loss_fn) and its train_step"
+        )
+
+    def call_for_each_replica(
+        self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict | None = None
+    ) -> Any:
+        self._refuse("run")
+
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        self._refuse("reduce")
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        self._refuse("gather")
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: Any = None
+    ) -> Any:
+        self._refuse("distribute_datasets_from_function")

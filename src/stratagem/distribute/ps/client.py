@@ -1,0 +1,342 @@
+"""A worker's side of the parameter servers: its shards' plan, and every call it makes to a ps.
+
+``PsClient`` holds this worker's view of the variables (the local copies it computes on and how
+each is cut into shards on which ps), and talks to the ps tasks over RPC (``server.py``'s
+functions): create or fetch the initial values, push gradients and take back new values, pull,
+move optimizer state for checkpoints, and say goodbye at exit. ``IndependentWorker`` is a
+worker's communicator: workers never meet each other, only the ps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+
+from stratagem.comm import LocalCommunicator
+from stratagem.comm.rpc_world import RpcWorld
+from stratagem.distribute.partitioners import Partitioner, Shard, plan_shards
+from stratagem.distribute.ps import server
+from stratagem.errors import PeerLostError
+
+
+class IndependentWorker(LocalCommunicator):
+    """A worker's communicator: no collectives (workers meet only at the ps), but the job's
+    chief rule, so that checkpoints and summaries are written by the chief alone."""
+
+    def __init__(self, chief: bool, name: str) -> None:
+        super().__init__()
+        self._chief = chief
+        self._name = name
+
+    @property
+    def is_chief(self) -> bool:
+        return self._chief
+
+    def peer_name(self, rank: int) -> str:
+        return self._name
+
+
+class PsClient:
+    """This worker's variables on the ps tasks of ``world``, updated by ``rule``."""
+
+    def __init__(
+        self,
+        world: RpcWorld,
+        rule: server.UpdateRule,
+        partitioner: Partitioner | None,
+        *,
+        worker_index: int,
+        chief: bool,
+    ) -> None:
+        self._world = world
+        self.rule = rule
+        self._partitioner = partitioner
+        self._worker_index = worker_index
+        self._chief = chief
+        self._ps_names = world.names("ps")
+        self._variables: list[torch.Tensor] = []  # in creation order: the variable ids
+        self._shards: dict[int, list[Shard]] = {}  # id(param) -> its shards
+        self._versions: dict[tuple[int, tuple], int] = {}  # (ps, group keys) -> version pulled
+        self._restores = 0  # checkpoints of ours restored: every worker restores the same
+
+    @property
+    def ps_names(self) -> list[str]:
+        return list(self._ps_names)
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the variables held on the ps."""
+        return id(p) in self._shards
+
+    # ------------------------------------------------------------------ creation
+
+    def create(self, params: list[torch.Tensor]) -> None:
+        """New variables: shard them; the chief's values create the shards, the other workers
+        fetch them, so all start equal."""
+        first = len(self._variables)
+        plan = plan_shards(
+            [tuple(p.shape) for p in params],
+            [p.dtype for p in params],
+            self._partitioner,
+            len(self._ps_names),
+        )
+        per_ps: list[dict[server.ShardKey, torch.Tensor]] = [{} for _ in self._ps_names]
+        for offset, (p, shards) in enumerate(zip(params, plan)):
+            shards = [
+                Shard(first + offset, s.index, s.start, s.rows, s.nbytes, s.ps) for s in shards
+            ]
+            self._variables.append(p)
+            self._shards[id(p)] = shards
+            for s in shards:
+                per_ps[s.ps][(s.variable, s.index)] = _rows(p, s).detach().clone()
+        if self._chief:
+            self._ask(
+                server.rpc_create,
+                "the creation of the variables",
+                lambda i: (self.rule, per_ps[i]),
+            )
+        else:
+            fetched = self._ask(
+                server.rpc_fetch, "a fetch of the initial values", lambda i: (list(per_ps[i]),)
+            )
+            for i, values in enumerate(fetched):
+                self._write(list(per_ps[i]), values)
+
+    def _write(self, keys: list[server.ShardKey], values: list[torch.Tensor]) -> None:
+        """Copy shard values pulled from a ps into the local parameters."""
+        with torch.no_grad():
+            for (variable, index), value in zip(keys, values):
+                p = self._variables[variable]
+                _rows(p, self._shards[id(p)][index]).copy_(value)
+
+    # ------------------------------------------------------------------ push and pull
+
+    def push(self, optimizer: torch.optim.Optimizer) -> None:
+        """Push each ps the gradients of its shards (with the optimizer's class and current
+        hyperparameters); take back the shards' new values. The local step then finds no
+        gradient on these parameters and does nothing."""
+        cls = type(optimizer)
+        optimizer_class = (cls.__module__, cls.__qualname__)
+        # ps -> (the keys of its shards here, per param group (hyperparameters, keys), grads)
+        requests: dict[int, tuple[tuple, list[tuple[dict, list]], list[torch.Tensor]]] = {}
+        for ps in range(len(self._ps_names)):
+            groups, grads = [], []
+            for group in optimizer.param_groups:
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                keys = []
+                for p in group["params"]:
+                    for s in self._shards.get(id(p), ()):
+                        if s.ps != ps:
+                            continue
+                        keys.append((s.variable, s.index))
+                        grads.append(self._wire(_rows(p.grad, s) if p.grad is not None
+                                                else torch.zeros_like(_rows(p, s))))  # fmt: skip
+                groups.append((hyper, keys))
+            if any(keys for _, keys in groups):
+                group_keys = tuple(k for _, keys in groups for k in keys)
+                requests[ps] = (group_keys, groups, grads)
+        answers = self._ask(
+            server.rpc_push,
+            "a push",
+            lambda i: (
+                self._worker_index,
+                optimizer_class,
+                requests[i][1],
+                self._versions.get((i, requests[i][0]), 0),
+                requests[i][2],
+            ),
+            ps=list(requests),  # only those that own some of the optimizer's shards
+        )
+        for (ps, (keys, _, _)), (values, version) in zip(requests.items(), answers):
+            self._versions[(ps, keys)] = version
+            self._write(list(keys), values)
+        # The update happened on the ps: the local step must find nothing to do.
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) in self._shards:
+                    p.grad = None
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.to(torch.bfloat16) if self.rule.compression == "bf16" else t.contiguous()
+
+    def pull(self) -> None:
+        """Bring this worker's copies up to the ps's current values."""
+        keys = self._keys_per_ps(self._variables)
+        pulled = self._ask(server.rpc_read, "a pull of the parameters", lambda i: (keys[i],))
+        for mine, values in zip(keys, pulled):
+            self._write(mine, values)
+
+    def _keys_per_ps(self, params: Iterable[torch.Tensor]) -> list[list[server.ShardKey]]:
+        """The keys of these parameters' shards, ps by ps."""
+        keys: list[list[server.ShardKey]] = [[] for _ in self._ps_names]
+        for p in params:
+            for s in self._shards.get(id(p), ()):
+                keys[s.ps].append((s.variable, s.index))
+        return keys
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def ours(self, objects: list[object]) -> tuple[bool, list[torch.optim.Optimizer]]:
+        """Whether a module of ours is among ``objects``, and which optimizers of ours are."""
+        modules = any(
+            isinstance(o, torch.nn.Module) and any(id(p) in self._shards for p in o.parameters())
+            for o in objects
+        )
+        optimizers = [
+            o
+            for o in objects
+            if isinstance(o, torch.optim.Optimizer)
+            and any(id(p) in self._shards for g in o.param_groups for p in g["params"])
+        ]
+        return modules, optimizers
+
+    def bring_home(self, objects: list[object]) -> None:
+        """The ps's current values into our modules among ``objects``, and its optimizer state
+        into our optimizers among them (the chief, before it writes a checkpoint)."""
+        modules, optimizers = self.ours(objects)
+        if modules or optimizers:
+            self.pull()
+        for optimizer in optimizers:
+            keys = self._keys_per_ps(_params(optimizer))
+            held: dict = {}
+            for answer in self._ask(
+                server.rpc_optimizer_state,
+                "a request for its optimizer state",
+                lambda i, keys=keys: (keys[i],),
+            ):
+                held.update(answer)
+            for p in _params(optimizer):
+                shards = self._shards.get(id(p), [])
+                states = [held.get((s.variable, s.index)) for s in shards]
+                if shards and all(states):
+                    optimizer.state[p] = _join_state(p, shards, states)
+
+    def send_restored(self, objects: list[object]) -> None:
+        """After every worker restored the same checkpoint: the chief sends the restored values
+        and optimizer state to the ps; the others wait for that, then pull."""
+        modules, optimizers = self.ours(objects)
+        if not (modules or optimizers):
+            return
+        self._restores += 1
+        if not self._chief:
+            # Every worker restored the same file; the chief sends it to the ps. Wait for that,
+            # so that no gradient of the restored values lands on the ps's older ones.
+            self._ask(
+                server.rpc_loaded,
+                "the chief's restored values",
+                lambda i: (self._restores,),
+                timeout=0,  # no timeout: the chief may still be reading the checkpoint
+            )
+            self.pull()
+            return
+        values: list[dict] = [{} for _ in self._ps_names]
+        states: list[dict] = [{} for _ in self._ps_names]
+        if modules:
+            for p in self._variables:
+                for s in self._shards[id(p)]:
+                    values[s.ps][(s.variable, s.index)] = _rows(p, s).detach().clone()
+        for optimizer in optimizers:
+            for p in _params(optimizer):
+                state = optimizer.state.get(p)
+                for s in self._shards.get(id(p), ()) if state else ():
+                    states[s.ps][(s.variable, s.index)] = _split_state(p, s, state)
+        self._ask(server.rpc_load, "the restored values", lambda i: (values[i], states[i]))
+
+    # ------------------------------------------------------------------ the job
+
+    def training_finished(self) -> bool:
+        """Whether every worker is done (or lost)."""
+        return all(self._ask(server.rpc_workers_done, "whether the workers are done"))
+
+    def ps_stats(self) -> list[dict[str, int]]:
+        """What each ps applied, dropped and held back so far."""
+        return self._ask(server.rpc_stats, "a request for its statistics")
+
+    def finish(self) -> None:
+        """At exit: tell every ps this worker is done, then leave the RPC world."""
+        graceful = False
+        try:
+            lost = self._ask(
+                server.rpc_leave,
+                "this worker's goodbye",
+                lambda i: (self._worker_index,),
+                timeout=0,  # no timeout: the answer comes when the slowest worker is done
+            )
+            graceful = not any(lost)
+        except PeerLostError:
+            pass  # a ps that is gone needs no goodbye; the error that mattered came earlier
+        finally:
+            self._world.shutdown(graceful=graceful)
+
+    def _ask(
+        self,
+        fn: Callable[..., Any],
+        what: str,
+        args: Callable[[int], tuple] = lambda i: (),
+        *,
+        ps: list[int] | None = None,
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Call ``fn`` with ``args(i)`` on ps i, for every ps (or those in ``ps``) at once;
+        their answers, in that order. A ps that is gone is named instead of a bare RPC error."""
+        targets = list(range(len(self._ps_names))) if ps is None else ps
+        extra = {} if timeout is None else {"timeout": timeout}
+        names = [self._ps_names[i] for i in targets]
+        futures = [rpc.rpc_async(n, fn, args=args(i), **extra) for n, i in zip(names, targets)]
+        answers = []
+        for name, future in zip(names, futures):
+            try:
+                answers.append(future.wait())
+            except RuntimeError as exc:
+                rank = self._world.members.index(("ps", int(name.split(":")[1])))
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                raise PeerLostError(
+                    f"{self._world.describe(rank)} did not answer {what}: {first}. A ps that "
+                    "ends stops the job; with `stratagem run --max-restarts R` it restarts from "
+                    "the last checkpoint"
+                ) from None
+        return answers
+
+
+def _rows(t: torch.Tensor, s: Shard) -> torch.Tensor:
+    return t if t.dim() == 0 else t.narrow(0, s.start, s.rows)
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _per_row(value: Any, p: torch.Tensor) -> bool:
+    """Whether a piece of optimizer state has one row per row of its parameter (cut with it)."""
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and p.dim() > 0
+        and value.shape[0] == p.shape[0]
+    )
+
+
+def _split_state(p: torch.Tensor, s: Shard, state: dict[str, Any]) -> dict[str, Any]:
+    """A parameter's optimizer state as its shard ``s`` holds it (scalars such as ``step``
+    whole, per-row tensors such as momentum cut like the parameter)."""
+    return {n: _rows(v, s).clone() if _per_row(v, p) else v for n, v in state.items()}
+
+
+def _join_state(p: torch.Tensor, shards: list[Shard], states: list[dict]) -> dict[str, Any]:
+    """The inverse of ``_split_state``: the shards' states as the whole parameter's."""
+    joined = {}
+    for name, first in states[0].items():
+        pieces = [st[name] for st in states]
+        if (
+            isinstance(first, torch.Tensor)
+            and p.dim() > 0
+            and first.dim() > 0
+            and ([t.shape[0] for t in pieces] == [s.rows for s in shards])
+        ):
+            joined[name] = torch.cat(pieces)
+        else:
+            joined[name] = first
+    return joined

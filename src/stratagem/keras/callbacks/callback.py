@@ -1,0 +1,63 @@
+"""``Callback``, the base class of every callback, and the small helpers the callbacks and
+``Model`` share: ``Logs``, ``is_chief``, ``format_logs``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from stratagem.distribute import get_strategy
+
+if TYPE_CHECKING:
+    from stratagem.keras.model import Model
+
+Logs = dict[str, float]
+
+
+def is_chief(model: Model | None) -> bool:
+    """Whether this process prints and writes summaries for ``model``'s fit: the chief of the
+    strategy the model was built under (``extended.should_save_summary``); with no model, of
+    the current strategy."""
+    strategy = model.distribute_strategy if model is not None else get_strategy()
+    return strategy.extended.should_save_summary
+
+
+class Callback:
+    """Base class; override the hooks you need. ``self.model`` is set before training."""
+
+    def __init__(self) -> None:
+        self.model: Model | None = None
+        self.params: dict[str, Any] = {}
+
+    def set_model(self, model: Model) -> None:
+        self.model = model
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        self.params = params
+
+    @property
+    def needs_batch_logs(self) -> bool:
+        """Whether ``on_train_batch_end`` reads its logs. Computing them is a collective per
+        step under MultiWorkerMirroredStrategy, so fit does it only for callbacks that do."""
+        return type(self).on_train_batch_end is not Callback.on_train_batch_end
+
+    def on_train_begin(self, logs: Logs | None = None) -> None: ...
+    def on_train_end(self, logs: Logs | None = None) -> None: ...
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None: ...
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_test_begin(self, logs: Logs | None = None) -> None: ...
+    def on_test_end(self, logs: Logs | None = None) -> None: ...
+    def on_test_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_predict_begin(self, logs: Logs | None = None) -> None: ...
+    def on_predict_end(self, logs: Logs | None = None) -> None: ...
+    def on_predict_batch_begin(self, batch: int, logs: Logs | None = None) -> None: ...
+    def on_predict_batch_end(self, batch: int, logs: Logs | None = None) -> None: ...
+
+
+def format_logs(logs: Logs) -> str:
+    # Keras's format: 4 decimals, or scientific notation for small values (a decayed lr).
+    return " - ".join(
+        f"{k}: {v:.4f}" if v == 0 or abs(v) >= 1e-3 else f"{k}: {v:.4e}" for k, v in logs.items()
+    )

@@ -1,0 +1,181 @@
+"""``sg.keras.Model``'s fit, evaluate and predict steps on a pipeline (``PipelineStrategy``).
+
+Keras owns the pipelined step, as torchtitan's trainer does: on a pipeline, ``Model`` runs its
+steps through these instead of ``strategy.extended``'s, so that ``fit`` (its callbacks,
+History, progress bar, checkpoints) stays the one loop every strategy shares. The model is cut
+on first use with ``strategy.pipeline`` (every process gets there at the same step, with the
+same batch) and registered with the strategy, whose checkpoints then gather the stages. Every
+process gets the whole global batch; a training step
+
+1. cuts out this replica's part (as even as possible: a last, smaller batch may be uneven) and
+   pads it to a multiple of the micro-batches with copies of a real row;
+2. gives the schedule, as the targets, each row's *index* in that part: the loss looks up the
+   row's target (and sample weight) and counts real rows only, scaled so that the gradient is
+   that of the mean loss over the global batch, padding or not (``IndexedLoss``);
+3. runs the schedule; on the last stage the model's own ``compute_loss`` and metrics see the
+   outputs of the real rows, so the loss and metrics are those any other strategy logs. Every
+   process reads them through the metrics' all-reduce (the other stages add zeros), so every
+   process's callbacks see the same logs.
+
+Evaluation and prediction run forward only, one whole part per replica, no micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from stratagem.distribute.pipeline_strategy import PipelineExtended, PipelineStrategy
+from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
+from stratagem.pipeline.stages import PipelineModel
+
+_STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
+
+PerExampleLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (y_true, y_pred)
+
+
+class IndexedLoss:
+    """The pipeline's loss during ``fit``: ``loss(outputs, rows)`` of one micro-batch, where
+    ``rows`` are the micro-batch's row indices into the step's (padded) replica batch."""
+
+    def __init__(self, per_example: PerExampleLoss) -> None:
+        self._per_example = per_example
+        self._y: torch.Tensor | None = None
+        self._weights: torch.Tensor | None = None
+        self._real = 0
+        self._scale = 1.0
+
+    def set_batch(
+        self, y: torch.Tensor, weights: torch.Tensor | None, real: int, scale: float
+    ) -> None:
+        """The step's padded targets (and weights), how many leading rows are real, and the
+        factor that turns a micro-batch's sum into its share of the global mean."""
+        self._y, self._weights, self._real, self._scale = y, weights, real, scale
+
+    def __call__(self, outputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        assert self._y is not None, "IndexedLoss.set_batch was not called before the step"
+        per_example = self._per_example(self._y[rows], outputs)
+        if self._weights is not None:
+            per_example = per_example * self._weights[rows].to(per_example.dtype)
+        real = (rows < self._real).to(per_example.dtype)
+        real = real.reshape(-1, *([1] * (per_example.dim() - 1)))
+        return (per_example * real).sum() * self._scale
+
+
+def _pad(t: torch.Tensor | None, rows: int, filler: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` with copies of ``filler`` (one row) appended up to ``rows`` rows."""
+    if t is None or filler is None or t.shape[0] == rows:
+        return t
+    extra = filler.expand(rows - t.shape[0], *filler.shape[1:])
+    return torch.cat([t, extra])
+
+
+class KerasPipeline:
+    """One Keras model's pipeline: this process's stage(s) of ``model.module``, and its steps."""
+
+    def __init__(self, model: Any, pipe: PipelineModel, loss: IndexedLoss) -> None:
+        self.model = model
+        self.pipe = pipe
+        self.loss = loss
+        self._first_batch: int | None = None  # the first training batch's size (the nominal)
+
+    @classmethod
+    def build(cls, model: Any, strategy: PipelineStrategy, x: Any) -> KerasPipeline:
+        """Cut ``model.module`` into this process's stage(s), the first batch's inputs ``x``
+        giving the sample a split by measured time needs."""
+        overridden = [
+            name
+            for name in _STEP_METHODS
+            if getattr(getattr(type(model), name), "__module__", None) != "stratagem.keras.model"
+        ]
+        if overridden:
+            raise TypeError(
+                f"{type(model).__name__} overrides {overridden}: PipelineStrategy runs fit, "
+                "evaluate and predict through its schedule (the model is cut into stages on "
+                "several processes), so a custom step cannot run; subclass without overriding "
+                "these, or write the loop with strategy.pipeline(module, loss_fn)"
+            )
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"a pipeline's inputs must be tensors (the first stage's input); got {type(x)}"
+            )
+        loss = IndexedLoss(lambda y, y_pred: model.loss.call(torch.as_tensor(y), y_pred))
+        sample = x[: max(1, x.shape[0] // strategy.num_microbatches)]
+        pipe = strategy.pipeline(model.module, loss, sample_input=sample)
+        extended = strategy.extended
+        assert isinstance(extended, PipelineExtended)
+        extended.register_whole_model(model.module, pipe)
+        return cls(model, pipe, loss)
+
+    def _part(self, n: int) -> tuple[int, int]:
+        """This replica's rows ``[lo, hi)`` of a global batch of ``n`` rows."""
+        r, replicas = self.pipe.replica, self.pipe.layout.num_replicas
+        base, extra = divmod(n, replicas)
+        lo = r * base + min(r, extra)
+        return lo, lo + base + (1 if r < extra else 0)
+
+    def _check_size(self, n: int) -> None:
+        replicas, m = self.pipe.layout.num_replicas, self.pipe.num_microbatches
+        if self._first_batch is None:
+            self._first_batch = n
+        if n % (replicas * m) and n >= self._first_batch:
+            raise ValueError(
+                f"a global batch of {n} examples does not split into {replicas} replica(s) x "
+                f"{m} micro-batches: the batch size must be a multiple of num_replicas * "
+                f"num_microbatches = {replicas * m} (only a last, smaller batch may be uneven; "
+                "it is padded, and the padding does not count in the loss)"
+            )
+
+    def train_batch(self, batch: Any) -> None:
+        x, y, weights = unpack(batch)
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            raise TypeError(
+                "fit on a pipeline needs batches (x, y) or (x, y, sample_weight) of tensors; "
+                f"got x of type {type(x).__name__} and y of type {type(y).__name__}"
+            )
+        n = x.shape[0]
+        self._check_size(n)
+        pipe = self.pipe
+        replicas, m = pipe.layout.num_replicas, pipe.num_microbatches
+        lo, hi = self._part(n)
+        padded = math.ceil(math.ceil(n / replicas) / m) * m  # the same on every replica
+        w = torch.as_tensor(weights) if weights is not None else None
+        x_part = _pad(x[lo:hi], padded, x[:1])
+        y_part = _pad(y[lo:hi], padded, y[:1])
+        w_part = _pad(w[lo:hi], padded, w[:1]) if w is not None else None
+        assert x_part is not None and y_part is not None
+        self.loss.set_batch(y_part, w_part, hi - lo, m * replicas / n)
+        rows = torch.arange(padded)
+        outputs = pipe.train_replica_batch(
+            x_part if pipe.is_first_stage else None,
+            rows if pipe.is_last_stage else None,
+            self.model.optimizer.torch_optimizer,
+        )
+        if outputs is not None and hi > lo:
+            self._track(x[lo:hi], y[lo:hi], outputs[: hi - lo], w[lo:hi] if w is not None else None)
+
+    def test_batch(self, batch: Any) -> None:
+        x, y, weights = unpack(batch)
+        lo, hi = self._part(x.shape[0])
+        if hi == lo:  # a batch smaller than the replicas: this replica has no rows
+            return
+        outputs = self.pipe.forward(x[lo:hi], to_every_stage=False)
+        if outputs is not None:
+            w = torch.as_tensor(weights)[lo:hi] if weights is not None else None
+            y_part = y[lo:hi] if isinstance(y, torch.Tensor) else y
+            self._track(x[lo:hi], y_part, outputs, w)
+
+    def predict_batch(self, batch: Any) -> torch.Tensor:
+        x, _, _ = unpack(batch)
+        # Every replica predicts the whole batch, so the outputs reach every process without a
+        # gather across replicas (with replicas, predictions cost replicas x the compute).
+        return self.pipe.predict(x)
+
+    def _track(self, x: Any, y: Any, y_pred: torch.Tensor, weights: Any) -> None:
+        """The last stage: the model's loss tracker and metrics, as its own steps update them."""
+        with torch.no_grad():
+            self.model.compute_loss(x, y, y_pred, weights)
+            self.model.update_metrics(y, y_pred, weights)

@@ -1,0 +1,146 @@
+"""Checkpoints of a pipeline's stages, and gathering the stages into the whole model.
+
+A checkpoint is a directory of one file per stage, ``stage-S.pt``, written by replica 0 of the
+stage: its layers under the unsplit model's names, so that the stage files of one save together
+are the whole model's state dict. A restore gives each rank its stage's file back and refuses
+one cut differently. The gathers bring every stage's layers and optimizer state to every
+process, so that a whole-model checkpoint (``model.save``, ``ModelCheckpoint``) can be written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratagem.comm import Communicator
+from stratagem.pipeline.stage_layout import PipelineLayout
+
+
+class StageCheckpoints:
+    """Saves, restores and gathers this rank's ``module`` (its stages' layers).
+
+    ``flush`` runs what is still in flight first: it belongs to the weights being saved or
+    replaced.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        layout: PipelineLayout,
+        stage: int,
+        replica: int,
+        split_points: list[int],
+        schedule_name: str,
+        comm: Communicator,
+        flush: Callable[[], None],
+    ) -> None:
+        self.module = module
+        self.layout = layout
+        self.stage = stage
+        self.replica = replica
+        self.split_points = split_points
+        self.schedule_name = schedule_name
+        self._comm = comm
+        self._flush = flush
+
+    def _cut(self) -> dict[str, Any]:
+        """How the model was cut: a checkpoint restores only into a pipeline cut the same."""
+        return {
+            "num_stages": self.layout.num_stages,
+            "stages_per_rank": self.layout.stages_per_rank,
+            "split_points": self.split_points,
+        }
+
+    # ------------------------------------------------------------------ the whole model
+
+    def gather_module(self, whole: nn.Module) -> None:
+        """Every stage's current layers into ``whole``, on every process (collective)."""
+        mine = self.module.state_dict() if self.replica == 0 else {}
+        merged: dict[str, torch.Tensor] = {}
+        for part in self._comm.all_gather_object(mine, what="the pipeline stages' layers"):
+            merged.update(part)
+        whole.load_state_dict(merged)
+
+    def gather_optimizer_state(self, whole: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Every stage's optimizer state into ``optimizer`` over ``whole`` (collective)."""
+        by_name = dict(whole.named_parameters())
+        own = {id(p) for p in self.module.parameters()}
+        mine = {}
+        if self.replica == 0:
+            mine = {
+                n: optimizer.state[p]
+                for n, p in by_name.items()
+                if id(p) in own and p in optimizer.state
+            }
+        for part in self._comm.all_gather_object(mine, what="the pipeline stages' optimizer state"):
+            for name, state in part.items():
+                p = by_name[name]
+                if id(p) not in own:
+                    optimizer.state[p] = {
+                        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
+                    }
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(
+        self,
+        path: str,
+        optimizer: torch.optim.Optimizer | None,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> str:
+        """Write ``stage-S.pt`` into ``path`` (replica 0), atomically; return when all have."""
+        os.makedirs(path, exist_ok=True)
+        self._flush()
+        if self.replica == 0:
+            state = {
+                "model": self.module.state_dict(),
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "tensors": {k: v.detach().clone() for k, v in tensors.items()},
+                "layout": {**self._cut(), "schedule": self.schedule_name},
+            }
+            final = os.path.join(path, f"stage-{self.stage}.pt")
+            tmp = f"{final}.tmp-{os.getpid()}"
+            torch.save(state, tmp)
+            os.replace(tmp, final)
+        self._comm.barrier(what="the pipeline checkpoint's stage files")
+        return path
+
+    def restore(
+        self,
+        path: str,
+        optimizer: torch.optim.Optimizer | None,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Load this rank's stage file of ``path`` (and optimizer, and ``tensors`` in place)."""
+        self._flush()  # what is in flight belongs to the weights being replaced
+        file = os.path.join(path, f"stage-{self.stage}.pt")
+        if not os.path.exists(file):
+            raise FileNotFoundError(
+                f"no pipeline checkpoint for stage {self.stage} at {file!r} (expected the "
+                "directory PipelineModel.save wrote)"
+            )
+        state = torch.load(file, weights_only=True)
+        saved = state["layout"]
+        mine = self._cut()
+        if any(saved[k] != v for k, v in mine.items()):
+            raise ValueError(
+                f"checkpoint {path!r} was saved by a pipeline with {saved}; this one has {mine}: "
+                "restore it with the same stages and split points"
+            )
+        missing = [k for k in tensors if k not in state["tensors"]]
+        if missing or (optimizer is not None and state["optimizer"] is None):
+            raise ValueError(
+                f"checkpoint {path!r} has no {missing or 'optimizer'} (it saved tensors "
+                f"{sorted(state['tensors'])} and {'an' if state['optimizer'] else 'no'} optimizer)"
+            )
+        self.module.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():
+            for k, t in tensors.items():
+                t.copy_(state["tensors"][k])

@@ -1,0 +1,750 @@
+"""stratagem's layering and privacy, checked on its source with ``ast`` (nothing is imported).
+
+Over every ``.py`` under ``src/stratagem/``:
+
+1. a package imports only the packages of ours that LAYERS allows it; imports inside functions
+   and under ``if TYPE_CHECKING:`` count, as they are dependencies all the same;
+2. no module imports another package's private module (``stratagem.data._structure``) or private
+   name (``from stratagem.train.checkpoint import _kind``);
+3. no module reaches ``obj._x`` (``obj`` not ``self``, ``cls`` or ``super()``) where ``_x`` is a
+   private member that stratagem defines only in other modules.
+
+The checker is plain functions over source text; the last tests feed it snippets, so that it
+cannot pass by reporting nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import pytest
+
+# Each package of stratagem (a subfolder, or a top-level module: cli.py is "cli", the root
+# __init__.py is "__init__") and the packages of ours it may import. This is the one place the
+# layering is written down: a new edge is a deliberate edit here, and it must keep the table
+# acyclic. Listed top (may import most) to bottom (imports nothing of ours).
+LAYERS: dict[str, set[str]] = {
+    # Vertex-style studies: trials are jobs.
+    "tune": {"jobs", "cluster", "errors"},
+    # Vertex-style custom jobs: launch a script as a local cluster.
+    "jobs": {"cluster", "errors"},
+    # Keras on top of strategies. It asks a strategy's `extended` about the cluster (which
+    # process writes, the world), never the communicator itself: no `comm`. Its pipelined steps
+    # drive the stages `PipelineStrategy.pipeline` returns (as torchtitan's trainer owns the
+    # pipelined step): `pipeline`.
+    "keras": {"distribute", "pipeline", "train", "data", "nn", "errors"},
+    # sg.nn: layers that are aware of the strategy in scope.
+    "nn": {"distribute"},
+    # Checkpoints: a strategy's public `strategy.extended` says whether this process writes.
+    "train": {"distribute", "comm", "cluster", "errors"},
+    # Strategies: replicas, values, input pipelines, over the engines below.
+    "distribute": {"pipeline", "dtensor", "comm", "cluster", "data", "errors"},
+    # Pipeline parallelism: stages, schedules, point-to-point sends.
+    "pipeline": {"comm", "data", "errors"},
+    # DTensor's meshes and layouts.
+    "dtensor": {"comm", "cluster", "errors"},
+    # tf.data: datasets, no distribution.
+    "data": {"errors"},
+    # Process groups, collectives, RPC, rendezvous.
+    "comm": {"cluster", "errors"},
+    # Cluster specs, resolvers, the launcher: no torch.
+    "cluster": {"errors"},
+    # Leaves.
+    "config": set(),
+    "errors": set(),
+}
+# The root package's lazy loader: `sg.<name>` imports that subpackage on first use (importlib,
+# by name) and `sg.Model` is keras's Model, so the root may reach every package above; and the
+# `stratagem` command, the top, may use any package and the root. Nothing else imports them.
+LAYERS["__init__"] = set(LAYERS)
+LAYERS["cli"] = set(LAYERS)
+
+# Private names that stratagem defines and that some module also reads on an object that is not
+# stratagem's (torch's or Python's own member of the same name). Each entry is
+# (the module that reads it, the name): that module's reads of that name are not checked.
+FOREIGN_PRIVATE: set[tuple[str, str]] = set()
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+ROOT = "stratagem"
+
+
+# --- the source ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """One module of stratagem, parsed."""
+
+    path: str  # "src/stratagem/keras/model.py", as failures print it
+    module: str  # "stratagem.keras.model"; a package's __init__.py is the package's name
+    package: str  # its LAYERS key: "keras"; "cli" for cli.py; "__init__" for the root
+    is_package: bool  # an __init__.py: relative imports resolve from the module itself
+    tree: ast.Module
+
+
+def make_source(relative: str, text: str) -> Source:
+    """Parse ``text`` as the module at ``relative`` (a path under src/: "stratagem/keras/x.py")."""
+    parts = PurePosixPath(relative).with_suffix("").parts
+    assert parts[0] == ROOT, relative
+    is_package = parts[-1] == "__init__"
+    dotted = parts[:-1] if is_package else parts
+    package = "__init__" if len(parts) == 2 and is_package else parts[1]
+    return Source(
+        path=f"src/{relative}",
+        module=".".join(dotted),
+        package=package,
+        is_package=is_package,
+        tree=ast.parse(text, filename=relative),
+    )
+
+
+@functools.cache
+def load_sources() -> tuple[Source, ...]:
+    """Every module under src/stratagem/, in path order."""
+    return tuple(
+        make_source(path.relative_to(SRC).as_posix(), path.read_text(encoding="utf-8"))
+        for path in sorted((SRC / ROOT).rglob("*.py"))
+    )
+
+
+def packages_of(sources: tuple[Source, ...]) -> set[str]:
+    """The LAYERS keys that ``sources`` make up."""
+    return {source.package for source in sources}
+
+
+def is_private(name: str) -> bool:
+    """``_x`` and ``__x`` are private; ``__x__`` (a dunder) is not."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+# --- imports -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Import:
+    """One name an import statement binds from stratagem."""
+
+    line: int
+    module: str  # the module the statement names, absolute: "stratagem.data._structure"
+    name: str | None  # `from module import name`; None for `import module`
+
+    @property
+    def dotted(self) -> str:
+        """What is imported, as one dotted path: "stratagem.train.checkpoint._kind"."""
+        return self.module if self.name is None else f"{self.module}.{self.name}"
+
+
+def absolute_module(source: Source, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` names, with a relative one (``from ..x``) resolved."""
+    if node.level == 0:
+        return node.module or ""
+    base = source.module.split(".")
+    if not source.is_package:
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def imports_of(source: Source) -> list[Import]:
+    """Every import of stratagem in ``source``, wherever it stands (functions, TYPE_CHECKING),
+    in line order."""
+    found = []
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.Import):
+            found += [
+                Import(node.lineno, alias.name, None)
+                for alias in node.names
+                if alias.name == ROOT or alias.name.startswith(f"{ROOT}.")
+            ]
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute_module(source, node)
+            if module == ROOT or module.startswith(f"{ROOT}."):
+                found += [Import(node.lineno, module, alias.name) for alias in node.names]
+    return sorted(found, key=lambda imp: imp.line)
+
+
+def imported_package(imp: Import, packages: set[str]) -> str:
+    """The LAYERS key an import reaches: ``from stratagem import keras`` reaches "keras", and
+    ``import stratagem`` or ``from stratagem import __version__`` reach the root, "__init__"."""
+    parts = imp.module.split(".")
+    if len(parts) > 1:
+        return parts[1]
+    return imp.name if imp.name in packages else "__init__"
+
+
+def layer_violations(sources: tuple[Source, ...], layers: dict[str, set[str]]) -> list[str]:
+    """``file:line: P -> Q (what)`` for each import from package P of a package Q that
+    ``layers[P]`` does not allow."""
+    packages = packages_of(sources)
+    found = []
+    for source in sources:
+        allowed = layers.get(source.package, set())
+        for imp in imports_of(source):
+            target = imported_package(imp, packages)
+            if target != source.package and target not in allowed:
+                found.append(
+                    f"{source.path}:{imp.line}: {source.package} -> {target} ({imp.dotted})"
+                )
+    return found
+
+
+def private_import_violations(sources: tuple[Source, ...]) -> list[str]:
+    """``file:line: ...`` for each import of a private module or private name of another
+    package (``stratagem.data._structure`` from keras; ``from stratagem.train.checkpoint import
+    _kind`` from distribute). Within one package, private modules and names are its own."""
+    packages = packages_of(sources)
+    found = []
+    for source in sources:
+        for imp in imports_of(source):
+            target = imported_package(imp, packages)
+            if target == source.package:
+                continue
+            private = [part for part in imp.dotted.split(".")[1:] if is_private(part)]
+            if private:
+                found.append(
+                    f"{source.path}:{imp.line}: {source.package} imports {imp.dotted} "
+                    f"({private[0]} is private to {target})"
+                )
+    return found
+
+
+# --- private members -----------------------------------------------------------------------------
+
+SELVES = {"self", "cls"}
+ATTRIBUTE_FUNCTIONS = {"getattr", "hasattr", "setattr", "delattr"}
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _bound_names(statements: list[ast.stmt]) -> Iterator[str]:
+    """The names that ``statements`` (a module's or a class's body) bind at their own level:
+    defs, classes, assignments, imports; through if/try/with blocks, not into functions."""
+    for node in statements:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        yield name.id
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                yield alias.asname or alias.name.split(".")[0]
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.AsyncWith, ast.For, ast.While)):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                for item in getattr(node, field, []):
+                    yield from _bound_names(
+                        item.body if isinstance(item, ast.ExceptHandler) else [item]
+                    )
+
+
+def module_privates(source: Source) -> set[str]:
+    """The private names ``source`` binds at module level (``_x = ...``, ``def _f``)."""
+    return {name for name in _bound_names(source.tree.body) if is_private(name)}
+
+
+def _literal(node: ast.expr) -> str | None:
+    """The string a node spells out, if it is a string literal."""
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _tag(node: ast.AST) -> str | None:
+    """The attribute name that ``obj.__dict__["_x"] = ...`` or ``setattr(obj, "_x", ...)``
+    stores, else None."""
+    if (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "__dict__"
+    ):
+        return _literal(node.slice)
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "setattr"
+        and len(node.args) >= 2
+    ):
+        return _literal(node.args[1])
+    return None
+
+
+def class_privates(source: Source) -> set[str]:
+    """The private members of the objects ``source`` makes: methods and class attributes
+    (``def _x``, ``_x: int``), instance attributes (``self._x = ...``), and attributes it tags
+    other objects with by name (``obj.__dict__["_x"] = ...``, ``setattr(obj, "_x", ...)``)."""
+    names = set()
+    for node in ast.walk(source.tree):
+        if isinstance(node, ast.ClassDef):
+            names.update(_bound_names(node.body))
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in SELVES
+        ):
+            names.add(node.attr)
+        elif name := _tag(node):
+            names.add(name)
+    return {name for name in names if is_private(name)}
+
+
+def private_definitions(sources: tuple[Source, ...]) -> dict[str, set[str]]:
+    """Each private name stratagem defines (module level or in a class), and the modules that
+    define it."""
+    defined: dict[str, set[str]] = {}
+    for source in sources:
+        for name in module_privates(source) | class_privates(source):
+            defined.setdefault(name, set()).add(source.module)
+    return defined
+
+
+def class_modules(sources: tuple[Source, ...]) -> dict[str, set[str]]:
+    """Each class name stratagem defines, and the modules that define it."""
+    found: dict[str, set[str]] = {}
+    for source in sources:
+        for node in ast.walk(source.tree):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, set()).add(source.module)
+    return found
+
+
+def annotated_class(annotation: ast.expr | None) -> str | None:
+    """The one class an annotation names (``Strategy``, ``base.Strategy``, ``Strategy | None``,
+    ``"Strategy"``), or None."""
+    if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
+        try:
+            annotation = ast.parse(annotation.value, mode="eval").body
+        except SyntaxError:
+            return None
+    if isinstance(annotation, ast.BinOp) and isinstance(annotation.op, ast.BitOr):
+        sides = {annotated_class(annotation.left), annotated_class(annotation.right)} - {"None"}
+        return sides.pop() if len(sides) == 1 else None
+    if isinstance(annotation, ast.Name):
+        return annotation.id
+    if isinstance(annotation, ast.Attribute):
+        return annotation.attr
+    if isinstance(annotation, ast.Constant) and annotation.value is None:
+        return "None"
+    return None
+
+
+def _parameters(function: ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda) -> list[ast.arg]:
+    """Every parameter of ``function``."""
+    args = function.args
+    extra = [arg for arg in (args.vararg, args.kwarg) if arg is not None]
+    return [*args.posonlyargs, *args.args, *args.kwonlyargs, *extra]
+
+
+def _attribute_types(cls: ast.ClassDef) -> dict[str, str]:
+    """``{"self.x": class}`` for the attributes of ``cls`` an annotation types: ``x: C`` in the
+    class body, ``self.x: C = ...``, or ``self.x = p`` where ``p`` is a parameter ``p: C``."""
+    types = {}
+    for statement in cls.body:
+        if (
+            isinstance(statement, ast.AnnAssign)
+            and isinstance(statement.target, ast.Name)
+            and (kind := annotated_class(statement.annotation))
+        ):
+            types[f"self.{statement.target.id}"] = kind
+    for method in cls.body:
+        if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        parameters = {
+            a.arg: kind for a in _parameters(method) if (kind := annotated_class(a.annotation))
+        }
+        for node in ast.walk(method):
+            target = node.target if isinstance(node, ast.AnnAssign) else None
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target = node.targets[0]
+            if not (
+                isinstance(target, ast.Attribute)
+                and isinstance(target.value, ast.Name)
+                and target.value.id == "self"
+            ):
+                continue
+            if isinstance(node, ast.AnnAssign):
+                kind = annotated_class(node.annotation)
+            else:
+                kind = parameters.get(node.value.id) if isinstance(node.value, ast.Name) else None
+            if kind:
+                types.setdefault(f"self.{target.attr}", kind)
+    return types
+
+
+def _inherited_types(cls: ast.ClassDef, classes: dict[str, ast.ClassDef]) -> dict[str, str]:
+    """``_attribute_types`` of ``cls`` and of its bases that its own module defines."""
+    types: dict[str, str] = {}
+    for base in cls.bases:
+        if isinstance(base, ast.Name) and base.id in classes and classes[base.id] is not cls:
+            types |= _inherited_types(classes[base.id], classes)
+    return types | _attribute_types(cls)
+
+
+def _typed_nodes(
+    node: ast.AST, types: dict[str, str], classes: dict[str, ast.ClassDef]
+) -> Iterator[tuple[ast.AST, dict[str, str]]]:
+    """Every node under ``node``, with what annotations in scope say of names there:
+    ``{"strategy": "Strategy", "self._strategy": "Strategy"}`` (parameters, annotated locals,
+    attributes of the enclosing class and of its bases in ``classes``, the module's own)."""
+    yield node, types
+    if isinstance(node, ast.ClassDef):
+        types = {k: v for k, v in types.items() if not k.startswith("self.")}
+        types |= _inherited_types(node, classes)
+    elif isinstance(node, FUNCTIONS):
+        types = {k: v for k, v in types.items() if k not in {a.arg for a in _parameters(node)}}
+        types |= {a.arg: kind for a in _parameters(node) if (kind := annotated_class(a.annotation))}
+        for statement in ast.walk(node):
+            if (
+                isinstance(statement, ast.AnnAssign)
+                and isinstance(statement.target, ast.Name)
+                and (kind := annotated_class(statement.annotation))
+            ):
+                types[statement.target.id] = kind
+    for child in ast.iter_child_nodes(node):
+        yield from _typed_nodes(child, types, classes)
+
+
+def _is_self(node: ast.expr) -> bool:
+    """``self``, ``cls`` or ``super()``: an object whose private members are its own."""
+    if isinstance(node, ast.Name):
+        return node.id in SELVES
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    )
+
+
+@dataclass(frozen=True)
+class Access:
+    """One reach for a private member of an object other than ``self``/``cls``/``super()``."""
+
+    line: int
+    name: str  # "_comm"
+    text: str  # "strategy._comm", as written
+    kind: str | None  # the object's class where an annotation says it ("Strategy"), else None
+
+
+def private_accesses(source: Source) -> list[Access]:
+    """Each ``obj._x`` in ``source`` (read, call or write) and each ``getattr(obj, "_x")``
+    (or hasattr, setattr, delattr), where ``obj`` is not ``self``, ``cls`` or ``super()``."""
+    classes = {node.name: node for node in ast.walk(source.tree) if isinstance(node, ast.ClassDef)}
+    found = []
+    for node, types in _typed_nodes(source.tree, {}, classes):
+        if isinstance(node, ast.Attribute) and is_private(node.attr):
+            receiver, name, text = node.value, node.attr, ast.unparse(node)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ATTRIBUTE_FUNCTIONS
+            and len(node.args) >= 2
+            and is_private(_literal(node.args[1]) or "")
+        ):
+            receiver, name, text = node.args[0], _literal(node.args[1]), ast.unparse(node)
+        else:
+            continue
+        if not _is_self(receiver):
+            found.append(Access(node.lineno, name, text, types.get(ast.unparse(receiver))))
+    return sorted(found, key=lambda access: access.line)
+
+
+def private_member_violations(
+    sources: tuple[Source, ...], foreign: set[tuple[str, str]] | None = None
+) -> list[str]:
+    """``file:line: obj._x (_x is private to ...)`` for each reach from module M for a private
+    member ``_x`` that stratagem defines in another module. Allowed:
+
+    - a name no other module of stratagem defines: M's own, or torch's or Python's
+      (``module._parameters``, ``torch._C``, ``sys._getframe``); ``foreign`` lists (module,
+      name) pairs where a name stratagem does define is read on torch's or Python's objects;
+    - an object that an annotation types as a class of M (another instance of the same class,
+      or two classes of M cooperating);
+    - an object of unknown class, when a class of M has a member ``_x`` too (it is taken as
+      that class's). An object typed as a class of another module is never M's; nor is a name
+      M binds only at module level (``_f`` is not ``obj._f``).
+    """
+    defined = private_definitions(sources)
+    classes = class_modules(sources)
+    found = []
+    for source in sources:
+        own_classes = {name for name, modules in classes.items() if source.module in modules}
+        own_members = class_privates(source)
+        for access in private_accesses(source):
+            elsewhere = defined.get(access.name, set()) - {source.module}
+            if not elsewhere or (source.module, access.name) in (foreign or set()):
+                continue
+            if access.kind in own_classes:
+                continue
+            if access.kind not in classes and access.name in own_members:
+                continue
+            if access.kind in classes and elsewhere & classes[access.kind]:
+                elsewhere &= classes[access.kind]
+            found.append(
+                f"{source.path}:{access.line}: {access.text} ({access.name} is private to "
+                f"{', '.join(sorted(elsewhere))})"
+            )
+    return found
+
+
+# --- the table -----------------------------------------------------------------------------------
+
+
+def find_cycle(layers: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of allowed edges, as the packages along it (first one repeated at the end), or
+    None when the table is acyclic."""
+    done: set[str] = set()
+
+    def visit(package: str, path: list[str]) -> list[str] | None:
+        if package in path:
+            return [*path[path.index(package) :], package]
+        if package in done:
+            return None
+        for target in sorted(layers.get(package, set())):
+            cycle = visit(target, [*path, package])
+            if cycle:
+                return cycle
+        done.add(package)
+        return None
+
+    for package in sorted(layers):
+        cycle = visit(package, [])
+        if cycle:
+            return cycle
+    return None
+
+
+def table_problems(packages: set[str], layers: dict[str, set[str]]) -> list[str]:
+    """What is wrong with ``layers`` for the ``packages`` there are: a package it does not list
+    (a new one: say what it may import), or a package it names that does not exist."""
+    problems = [
+        f"package {package} is not in LAYERS: add it, with the packages it may import"
+        for package in sorted(packages - layers.keys())
+    ]
+    problems += [
+        f"LAYERS names {target} (in {package}'s entry), which src/stratagem/ does not have"
+        for package in sorted(layers)
+        for target in sorted(layers[package] | {package})
+        if target not in packages
+    ]
+    return problems
+
+
+def _report(title: str, found: list[str]) -> str:
+    """A failure message: the rule, then one offender a line."""
+    return f"{title} ({len(found)}):\n" + "\n".join(f"  {line}" for line in found)
+
+
+# --- stratagem's source --------------------------------------------------------------------------
+
+
+def test_every_package_is_in_the_table():
+    problems = table_problems(packages_of(load_sources()), LAYERS)
+    assert not problems, _report("LAYERS and src/stratagem/ disagree", problems)
+
+
+def test_the_table_is_acyclic():
+    cycle = find_cycle(LAYERS)
+    assert cycle is None, f"LAYERS allows a cycle: {' -> '.join(cycle)}"
+
+
+def test_imports_follow_the_layers():
+    found = layer_violations(load_sources(), LAYERS)
+    assert not found, _report("imports that LAYERS does not allow", found)
+
+
+def test_no_import_of_another_packages_private_parts():
+    found = private_import_violations(load_sources())
+    assert not found, _report("imports of another package's private module or name", found)
+
+
+def test_no_access_to_private_members_of_other_modules():
+    found = private_member_violations(load_sources(), FOREIGN_PRIVATE)
+    assert not found, _report("private members reached from another module", found)
+
+
+# --- the checker itself --------------------------------------------------------------------------
+
+
+def _sources(modules: dict[str, str]) -> tuple[Source, ...]:
+    """Synthetic sources, by path under src/stratagem/ without ".py": {"data/x": "..."}."""
+    return tuple(make_source(f"{ROOT}/{path}.py", text) for path, text in modules.items())
+
+
+@pytest.mark.parametrize(
+    "text, edge",
+    [
+        ("from stratagem.keras import Model\n", "data -> keras (stratagem.keras.Model)"),
+        ("import stratagem.keras.model\n", "data -> keras (stratagem.keras.model)"),
+        ("from stratagem import keras\n", "data -> keras (stratagem.keras)"),
+        ("import stratagem\n", "data -> __init__ (stratagem)"),
+        ("from .. import keras\n", "data -> keras (stratagem.keras)"),
+        ("from ..keras.model import Model\n", "data -> keras (stratagem.keras.model.Model)"),
+        ("def f():\n    from stratagem.comm import runtime\n", "data -> comm"),
+        (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from stratagem.distribute.strategy import Strategy\n",
+            "data -> distribute",
+        ),
+    ],
+)
+def test_checker_reports_an_upward_import(text, edge):
+    sources = _sources({"data/x": text, "data/y": "", "keras/model": "", "comm/runtime": ""})
+    found = layer_violations(sources, {"data": {"errors"}})
+    assert len(found) == 1 and found[0].startswith("src/stratagem/data/x.py:"), found
+    assert edge in found[0], found
+
+
+def test_checker_allows_listed_and_own_package_imports():
+    sources = _sources(
+        {
+            "data/x": "from stratagem.errors import InvalidArgumentError\n"
+            "from stratagem.data import y\nfrom . import y\nfrom ._z import w\n",
+            "data/y": "",
+            "data/_z": "",
+            "errors": "",
+        }
+    )
+    assert layer_violations(sources, {"data": {"errors"}}) == []
+
+
+@pytest.mark.parametrize(
+    "text, private",
+    [
+        ("from stratagem.data._structure import unpack_batch\n", "_structure"),
+        ("from stratagem.data import _structure\n", "_structure"),
+        ("import stratagem.data._structure\n", "_structure"),
+        ("from stratagem.train.checkpoint import _kind\n", "_kind"),
+        ("def f():\n    from stratagem.data._shuffle import derive_seed\n", "_shuffle"),
+    ],
+)
+def test_checker_reports_a_private_import(text, private):
+    sources = _sources({"keras/x": text, "data/_structure": "", "train/checkpoint": ""})
+    found = private_import_violations(sources)
+    assert len(found) == 1 and found[0].startswith("src/stratagem/keras/x.py:"), found
+    assert f"({private} is private to " in found[0], found
+
+
+def test_checker_allows_private_imports_within_a_package():
+    sources = _sources(
+        {
+            "data/x": "from stratagem.data._structure import unpack_batch\n"
+            "from stratagem.data import _structure\nfrom ._structure import _helper\n",
+            "data/_structure": "_helper = 1\n",
+        }
+    )
+    assert private_import_violations(sources) == []
+
+
+OWNER = """
+_registry = {}
+
+class Owner:
+    _slot: int = 0
+
+    def __init__(self):
+        self._state = 1
+
+    def _hook(self):
+        return self._state
+
+
+def tag(tensor):
+    tensor.__dict__["_tagged"] = True
+"""
+
+# Readers that define some of Owner's private names themselves, and still reach for Owner's.
+TYPED_READER = """
+class Reader:
+    def __init__(self, owner: Owner | None):
+        self._state = 0
+        self._owner = owner
+
+    def peek(self, other: Owner):
+        return other._state
+
+class SubReader(Reader):
+    def peek(self):
+        return self._owner._state
+"""
+SHADOWING_READER = """
+def _hook(value):
+    return value
+
+def f(other):
+    return other._hook()
+"""
+
+
+@pytest.mark.parametrize(
+    "text, access",
+    [
+        ("def f(other):\n    return other._state\n", "other._state"),
+        ("def f(other):\n    other._hook()\n", "other._hook"),
+        ("def f(other):\n    other._slot = 2\n", "other._slot"),
+        ("from stratagem.comm import owner\nx = owner._registry\n", "owner._registry"),
+        ("def f(other):\n    return getattr(other, '_state', None)\n", "getattr(other,"),
+        ("def f(a):\n    return a.b._state\n", "a.b._state"),
+        ("def f(t):\n    return getattr(t, '_tagged', False)\n", "getattr(t, '_tagged'"),
+        (SHADOWING_READER, "other._hook"),
+    ],
+)
+def test_checker_reports_a_private_member_of_another_module(text, access):
+    sources = _sources({"comm/owner": OWNER, "comm/reader": text})
+    found = private_member_violations(sources)
+    assert len(found) == 1 and found[0].startswith("src/stratagem/comm/reader.py:"), found
+    assert access in found[0] and "private to stratagem.comm.owner" in found[0], found
+
+
+def test_checker_reports_an_annotated_object_of_another_modules_class():
+    sources = _sources({"comm/owner": OWNER, "comm/reader": TYPED_READER})
+    found = private_member_violations(sources)
+    assert [line.split(" (")[0] for line in found] == [
+        "src/stratagem/comm/reader.py:8: other._state",
+        "src/stratagem/comm/reader.py:12: self._owner._state",
+    ], found
+    assert all("_state is private to stratagem.comm.owner" in line for line in found), found
+
+
+def test_checker_allows_own_and_foreign_private_members():
+    reader = """
+import sys
+import torch
+
+class Reader:
+    def __init__(self, other):
+        self._other = other
+        self._state = 0
+
+    def peer(self, other):
+        return self._other._other, other._state, super()._hook, type(self)._x
+
+    def same(self, other: Reader):
+        return other._hook, other._registry
+
+    @classmethod
+    def make(cls):
+        return cls._x, torch._C, sys._getframe(0), torch.nn.Module()._parameters
+
+_x = 1
+"""
+    sources = _sources({"comm/owner": OWNER, "comm/reader": reader})
+    assert private_member_violations(sources) == []
+    torchy = "def f(module):\n    return module._hook\n"
+    sources = _sources({"comm/owner": OWNER, "comm/reader": torchy})
+    assert len(private_member_violations(sources)) == 1
+    assert private_member_violations(sources, {("stratagem.comm.reader", "_hook")}) == []
+
+
+def test_checker_finds_cycles_and_unlisted_packages():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    sources = _sources({"__init__": "", "cli": "", "data/x": "", "data/__init__": "", "new": ""})
+    assert packages_of(sources) == {"__init__", "cli", "data", "new"}
+    layers = {"__init__": {"data"}, "cli": {"data", "gone"}, "data": set()}
+    problems = table_problems(packages_of(sources), layers)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("package new is not in LAYERS"), problems
+    assert problems[1].startswith("LAYERS names gone (in cli's entry)"), problems

@@ -1,0 +1,167 @@
+"""The common strategy tests: what every single-process strategy does alike, through the
+public API alone, including a toy strategy written against ``strategy.extended`` only
+(``in_turn_strategy.py``, the example of docs/architecture.md's "Writing a strategy")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import stratagem as sg
+from in_turn_strategy import InTurnStrategy
+
+
+def _strategies() -> dict[str, callable]:
+    return {
+        "default": sg.distribute.get_strategy,
+        "one_device": lambda: sg.distribute.OneDeviceStrategy("cpu:0"),
+        "mirrored": lambda: sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"]),
+        "central_storage": lambda: sg.distribute.experimental.CentralStorageStrategy(
+            ["cpu:0", "cpu:1"]
+        ),
+        "in_turn_2": lambda: InTurnStrategy(2),
+        "in_turn_3": lambda: InTurnStrategy(3),
+    }
+
+
+@pytest.fixture(params=list(_strategies()))
+def strategy(request):
+    return _strategies()[request.param]()
+
+
+def _data(n: int = 48, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    y = (x[:, 0] + x[:, 1] > 0).long() + (x[:, 2] > 1).long()
+    return x, y
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).cpu() for p in module.parameters()])
+
+
+def test_run_gives_every_replica_its_context_and_values(strategy):
+    n = strategy.num_replicas_in_sync
+    with strategy.scope():
+        ids = strategy.run(lambda: sg.distribute.get_replica_context().replica_id_in_sync_group)
+    assert sorted(int(i) for i in strategy.experimental_local_results(ids)) == list(range(n))
+    assert float(strategy.reduce("SUM", ids, axis=None)) == sum(range(n))
+    assert float(strategy.reduce("MEAN", ids, axis=None)) == pytest.approx(sum(range(n)) / n)
+    rows = strategy.run(
+        lambda: torch.full((2,), float(sg.distribute.get_replica_context().local_replica_id))
+    )
+    assert strategy.gather(rows, axis=0).tolist() == [float(i) for i in range(n) for _ in "ab"]
+
+
+def test_distributed_dataset_gives_every_example_once_per_epoch(strategy):
+    batches = sg.data.Dataset.from_tensor_slices(torch.arange(40)).batch(12)
+    seen = []
+    for batch in strategy.experimental_distribute_dataset(batches):
+        for part in strategy.experimental_local_results(batch):
+            seen.extend(int(v) for v in part)
+    assert sorted(seen) == list(range(40))
+
+
+def test_extended_facts_of_a_single_process(strategy):
+    e = strategy.extended
+    assert e.should_checkpoint and e.should_save_summary and e.should_init
+    assert e.communicator.world_size == 1
+    assert len(e.worker_devices) == len(e.replica_devices)
+    assert strategy.num_replicas_in_sync == len(e.replica_devices)
+    assert e.describe()["num_replicas_in_sync"] == strategy.num_replicas_in_sync
+    with strategy.scope():
+        inside = nn.Linear(2, 2)
+    outside = nn.Linear(2, 2)
+    owned = e.variable_created_in_scope(inside.weight)
+    assert owned == (strategy is not sg.distribute.get_strategy())  # the default owns nothing
+    assert not e.variable_created_in_scope(outside.weight)
+
+
+def _one_device_steps(x: torch.Tensor, y: torch.Tensor, steps: int, batch: int) -> nn.Module:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    for s in range(steps):
+        xb, yb = x[s * batch : (s + 1) * batch], y[s * batch : (s + 1) * batch]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+    return model
+
+
+def test_custom_loop_equals_one_device_on_the_global_batch(strategy):
+    x, y = _data(48)
+    with strategy.scope():
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    loss_fn = sg.keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction=sg.keras.losses.Reduction.NONE
+    )
+
+    def step(inputs):
+        xb, yb = inputs
+        opt.zero_grad()
+        loss = sg.nn.compute_average_loss(loss_fn(yb, model(xb)), global_batch_size=12)
+        loss.backward()
+        opt.step()
+        return loss
+
+    dataset = sg.data.Dataset.from_tensor_slices((x, y)).batch(12)
+    total = []
+    for batch in strategy.experimental_distribute_dataset(dataset):
+        total.append(float(strategy.reduce("SUM", strategy.run(step, args=(batch,)), axis=None)))
+    reference = _one_device_steps(x, y, steps=4, batch=12)
+    torch.testing.assert_close(_flat(model), _flat(reference), atol=1e-5, rtol=1e-5)
+    assert len(total) == 4
+
+
+def test_fit_evaluate_predict_equal_one_device(strategy, tmp_path):
+    x, y = _data(48)
+
+    def fitted(s):
+        with s.scope():
+            model = sg.keras.Model(_model())
+            model.compile(
+                optimizer=sg.keras.optimizers.SGD(learning_rate=0.2),
+                loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
+        history = model.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+        return model, history
+
+    model, history = fitted(strategy)
+    reference, ref_history = fitted(sg.distribute.get_strategy())
+    torch.testing.assert_close(_flat(model.module), _flat(reference.module), atol=1e-5, rtol=1e-5)
+    for key in ("loss", "accuracy"):
+        assert history.history[key] == pytest.approx(ref_history.history[key], abs=1e-5)
+    assert model.evaluate(x, y, batch_size=12, verbose=0) == pytest.approx(
+        reference.evaluate(x, y, batch_size=12, verbose=0), abs=1e-5
+    )
+    assert model.predict(x, batch_size=12).shape == (48, 3)
+
+
+def test_checkpoint_round_trip_of_a_model_built_in_scope(strategy, tmp_path):
+    with strategy.scope():
+        model = _model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    saved = _flat(model)
+    path = sg.train.Checkpoint(model=model, optimizer=opt).save(tmp_path / "ckpt")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    sg.train.Checkpoint(model=model, optimizer=opt).restore(path).assert_consumed()
+    torch.testing.assert_close(_flat(model), saved)
+
+
+def test_in_turn_replicas_cannot_meet_inside_run():
+    strategy = InTurnStrategy(2)
+    ctx_reduce = lambda: sg.distribute.get_replica_context().all_reduce("SUM", 1.0)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="one after another"):
+        strategy.run(ctx_reduce)
