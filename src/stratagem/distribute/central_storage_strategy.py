@@ -69,12 +69,9 @@ class CentralStorageExtended(MirroredExtended):
     def parameter_devices(self) -> tuple[str, ...]:
         return (self._parameter_device.name,)
 
-    def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        device = self._parameter_device.torch_device
-        if tensor.device == device:
-            return tensor
-        with torch.no_grad():
-            return tensor.to(device)
+    @property
+    def placement_device(self) -> torch.device:
+        return self._parameter_device.torch_device
 
     # The update, once, on the parameter device --------------------------------------------
 

@@ -5,10 +5,10 @@ calls, and ``strategy.extended`` (``StrategyExtended``), which implements it and
 code (Keras, checkpoints) talks to. stratagem does the same. ``Strategy`` only forwards; this
 class holds the shared mechanics and every hook a strategy may specialise, in four groups:
 
-- **placement** (``capture_parameter``, ``capture_buffer``, ``place``, ``adopt``,
-  ``adopt_model``, ``distribute_module``, ``in_scope``): what happens to parameters, buffers and
-  modules created in ``strategy.scope()`` (``machinery/scope_hooks.py`` calls the capture hooks
-  from PyTorch's global registration hooks) or handed over explicitly;
+- **placement** (``capture_parameter``, ``capture_buffer``, ``placement_device``, ``place``,
+  ``adopt``, ``adopt_model``, ``distribute_module``, ``in_scope``): what happens to parameters,
+  buffers and modules created in ``strategy.scope()`` (``machinery/scope_hooks.py`` calls the
+  capture hooks from PyTorch's global registration hooks) or handed over explicitly;
 - **steps** (``call_for_each_replica`` and its ``before_run``/``leave_run``/``after_run``,
   ``run_replica_calls``, ``replica_view``, ``merge_call``, ``check_optimizer``,
   ``before_optimizer_step``, ``after_optimizer_step``, and the three steps ``Model.fit`` runs:
@@ -187,10 +187,14 @@ class StrategyExtended:
         """Entered on every ``strategy.scope()`` entry, inside the strategy's scope."""
         return contextlib.nullcontext()
 
+    @property
+    def placement_device(self) -> torch.device:
+        """Where tensors created in scope live: the first local device by default."""
+        return self._devices[0].torch_device
+
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor created in scope, moved to where this strategy keeps it (the first local
-        device by default)."""
-        device = self._devices[0].torch_device
+        """A tensor created in scope, moved to ``placement_device`` if it is elsewhere."""
+        device = self.placement_device
         if tensor.device == device:
             return tensor
         with torch.no_grad():

@@ -279,9 +279,9 @@ class PipelineExtended(StrategyExtended):
         the whole model and a restore gives each stage its part."""
         for obj in objects:
             if isinstance(obj, nn.Module):
-                entry = self._whole_models.get(id(obj))
-                if entry is not None and entry[0] is obj:
-                    entry[1].gather_module(obj)
+                pipe = self.pipeline_of(obj)
+                if pipe is not None:
+                    pipe.gather_module(obj)
             elif isinstance(obj, torch.optim.Optimizer):
                 params = {id(p) for group in obj.param_groups for p in group["params"]}
                 for module, pipe in self._whole_models.values():

@@ -153,15 +153,10 @@ class Checkpoint:
         Also records the new checkpoint as the latest in the ``checkpoint`` index file of the
         prefix's directory, as TensorFlow does, so ``latest_checkpoint`` finds it.
         """
-        number = self._advance_counter()
-        path = f"{os.fspath(file_prefix)}-{number}"
-        try:
-            written = self.write(path)
-        except BaseException:
-            self._rewind_counter()
-            raise
+        prefix = os.fspath(file_prefix)
+        written = write_numbered(self, lambda number: f"{prefix}-{number}")
         if is_writer(self):
-            record_in_index(os.path.dirname(path) or ".", os.path.basename(path))
+            record_in_index(os.path.dirname(written) or ".", os.path.basename(written))
         return written
 
     def write(self, file_path: PathLike) -> str:
@@ -211,14 +206,6 @@ class Checkpoint:
             "torch_version": torch.__version__,
             "distribution": extended.describe(),
         }
-
-    def _advance_counter(self) -> int:
-        self._save_counter.add_(1)
-        return int(self._save_counter)
-
-    def _rewind_counter(self) -> None:
-        # A failed save did not happen: the next one reuses its number.
-        self._save_counter.sub_(1)
 
     def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(what ``state.pt`` holds, what ``meta.json`` says about it), recursively."""
@@ -340,6 +327,18 @@ class Checkpoint:
         if counter is not None:
             counter = check_tensor(prefix + "save_counter", self._save_counter, counter, path)
             apply.append(partial(copy_into, self._save_counter, counter))
+
+
+def write_numbered(checkpoint: Checkpoint, path_for: Callable[[int], str]) -> str:
+    """Advance ``save_counter`` and ``write`` to ``path_for(new count)``; return the path. A
+    failed write did not happen: the counter goes back, so the next save reuses its number."""
+    counter = checkpoint.save_counter
+    counter.add_(1)
+    try:
+        return checkpoint.write(path_for(int(counter)))
+    except BaseException:
+        counter.sub_(1)
+        raise
 
 
 def is_writer(checkpoint: Checkpoint) -> bool:

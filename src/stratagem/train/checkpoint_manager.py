@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import CheckpointError
-from stratagem.train.checkpoint import Checkpoint, PathLike, is_writer
+from stratagem.train.checkpoint import Checkpoint, PathLike, is_writer, write_numbered
 from stratagem.train.storage import (
     DEFAULT_INDEX_FILENAME,
     hidden_sibling,
@@ -285,14 +285,14 @@ class CheckpointManager:
                     f"{checkpoint_number!r}"
                 ) from None
         os.makedirs(self._directory, exist_ok=True)
-        counter = self._checkpoint.save_counter
-        counter.add_(1)
-        name = f"{self._checkpoint_name}-{int(counter) if number is None else number}"
-        try:
-            path = self._checkpoint.write(os.path.join(self._directory, name))
-        except BaseException:
-            counter.sub_(1)  # a failed save did not happen: the next one reuses its number
-            raise
+
+        def name_for(counter: int) -> str:
+            return f"{self._checkpoint_name}-{counter if number is None else number}"
+
+        path = write_numbered(
+            self._checkpoint, lambda counter: os.path.join(self._directory, name_for(counter))
+        )
+        name = name_for(int(self._checkpoint.save_counter))
         self._entries = [e for e in self._entries if e[0] != name] + [(name, time.time())]
         self._latest = name
         removed = self._sweep()

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from stratagem.comm.dtensor_check import is_dtensor
+from stratagem.distribute.machinery.scope_hooks import tensors_of
 from stratagem.errors import CheckpointError
 from stratagem.train.restore import LoadStatus, copy_into
 from stratagem.train.storage import fsync_dir, hidden_sibling, is_checkpoint, write_file
@@ -46,18 +47,7 @@ def _trackables(checkpoint: Any) -> Iterator[tuple[str, Any]]:
 
 def holds_dtensors(checkpoint: Any) -> bool:
     """Whether any trackable holds a DTensor, which makes the checkpoint a sharded one."""
-    for _, obj in _trackables(checkpoint):
-        if isinstance(obj, torch.nn.Module):
-            tensors = [*obj.parameters(), *obj.buffers()]
-        elif isinstance(obj, torch.optim.Optimizer):
-            tensors = [p for g in obj.param_groups for p in g["params"]]
-        elif isinstance(obj, torch.Tensor):
-            tensors = [obj]
-        else:
-            continue
-        if any(is_dtensor(t) for t in tensors):
-            return True
-    return False
+    return any(is_dtensor(t) for _, obj in _trackables(checkpoint) for t in tensors_of(obj))
 
 
 def _owner(optimizer: torch.optim.Optimizer, checkpoint: Any, name: str) -> torch.nn.Module:

@@ -117,6 +117,18 @@ def install_hooks() -> None:
         _installed = True
 
 
+def tensors_of(obj: object) -> list[torch.Tensor]:
+    """The tensors a trackable holds: a module's parameters and buffers, an optimizer's
+    parameters, a tensor itself; none for anything else."""
+    if isinstance(obj, torch.nn.Module):
+        return [*obj.parameters(), *obj.buffers()]
+    if isinstance(obj, torch.optim.Optimizer):
+        return [p for group in obj.param_groups for p in group["params"]]
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return []
+
+
 def strategy_for(objects: Iterable[object]) -> Strategy:
     """The strategy that distributes ``objects`` (modules, optimizers, tensors): the one that
     owns their parameters and buffers; where none does, the current one (``get_strategy()``).
@@ -126,15 +138,7 @@ def strategy_for(objects: Iterable[object]) -> Strategy:
     """
     owners: dict[int, Strategy] = {}
     for obj in objects:
-        if isinstance(obj, torch.nn.Module):
-            tensors: Iterable[torch.Tensor] = [*obj.parameters(), *obj.buffers()]
-        elif isinstance(obj, torch.optim.Optimizer):
-            tensors = [p for group in obj.param_groups for p in group["params"]]
-        elif isinstance(obj, torch.Tensor):
-            tensors = [obj]
-        else:
-            continue
-        for t in tensors:
+        for t in tensors_of(obj):
             owner = _owners.get(t)
             if owner is not None:
                 owners[id(owner)] = owner
