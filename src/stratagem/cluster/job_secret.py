@@ -1,0 +1,154 @@
+"""The job's secret: what proves that a process belongs to the job.
+
+Every process of a job holds the same secret, and everything that lets a process in checks it:
+the rendezvous store's records are sealed with it (``comm.sealed_store``) and a connection to a
+parameter server answers a challenge with it. A process without it cannot join, claim a task,
+read the job's records or send anything a task acts on.
+
+Where the secret comes from, first found wins:
+
+1. ``STRATAGEM_JOB_SECRET``: the secret itself (at least 16 characters). ``stratagem run`` makes
+   a fresh random one for each job and gives it to every task it starts.
+2. ``STRATAGEM_JOB_SECRET_FILE``: a file holding it (readable by its owner only, as an SSH key).
+3. A job whose tasks are all on this machine (loopback addresses): this user's own secret file,
+   ``$XDG_CACHE_HOME/stratagem/job-secret`` (else ``~/.cache/...``), made on first use with mode
+   0600. The processes of one user on one machine share it without any setting; other users'
+   processes cannot read it.
+
+A job on several machines without 1 or 2 is refused, unless ``STRATAGEM_INSECURE=1`` says to
+run without one (then anyone who can reach the job's ports can join it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+from stratagem.errors import ClusterConfigError
+
+SECRET_VARIABLE = "STRATAGEM_JOB_SECRET"
+SECRET_FILE_VARIABLE = "STRATAGEM_JOB_SECRET_FILE"
+INSECURE_VARIABLE = "STRATAGEM_INSECURE"
+_MIN_CHARS = 16
+
+
+def new_secret() -> str:
+    """A fresh secret for one job (256 random bits, as hex)."""
+    return secrets.token_hex(32)
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def insecure_requested() -> bool:
+    raw = os.environ.get(INSECURE_VARIABLE, "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes", "insecure"):
+        return True
+    raise ClusterConfigError(
+        f"{INSECURE_VARIABLE}={raw!r}: expected 1 (run without a job secret) or 0"
+    )
+
+
+def _checked(secret: str, where: str) -> bytes:
+    secret = secret.strip()
+    if len(secret) < _MIN_CHARS:
+        raise ClusterConfigError(
+            f"the job secret from {where} has {len(secret)} characters; expected at least "
+            f"{_MIN_CHARS} (`python -c 'import secrets; print(secrets.token_hex(32))'` makes one)"
+        )
+    return secret.encode("utf-8")
+
+
+def _read_file(path: Path, where: str) -> bytes:
+    try:
+        info = path.stat()
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ClusterConfigError(f"cannot read the job secret file {where}: {e}") from None
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ClusterConfigError(
+            f"the job secret file {where} is readable by others (mode "
+            f"{stat.S_IMODE(info.st_mode):o}); make it readable by its owner only "
+            f"(chmod 600 {path})"
+        )
+    return _checked(text, where)
+
+
+def user_secret_path() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "stratagem" / "job-secret"
+
+
+def _user_secret() -> bytes:
+    """This user's own secret for jobs on this machine, made on first use."""
+    path = user_secret_path()
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass  # another task of the job made it first: read theirs
+        except OSError as e:
+            raise ClusterConfigError(
+                f"cannot make this user's job secret file {path} ({e}); set "
+                f"{SECRET_VARIABLE} (or {SECRET_FILE_VARIABLE}) for the job instead"
+            ) from None
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(new_secret() + "\n")
+    for _ in range(100):
+        # A task that lost the race to create the file may find it still empty for a moment.
+        try:
+            return _read_file(path, str(path))
+        except ClusterConfigError:
+            if path.stat().st_size:
+                raise
+    return _read_file(path, str(path))
+
+
+def job_secret(hosts: Iterable[str], *, me: str) -> bytes | None:
+    """The secret of the job whose tasks run on ``hosts``, or None when running insecure.
+
+    ``me`` names this task in the error for a multi-machine job without a secret."""
+    raw = os.environ.get(SECRET_VARIABLE, "")
+    if raw.strip():
+        return _checked(raw, f"${SECRET_VARIABLE}")
+    path = os.environ.get(SECRET_FILE_VARIABLE, "").strip()
+    if path:
+        return _read_file(Path(path).expanduser(), f"${SECRET_FILE_VARIABLE} ({path})")
+    if insecure_requested():
+        return None
+    remote = sorted({h for h in hosts if not _is_loopback(h)})
+    if remote:
+        raise ClusterConfigError(
+            f"{me} is part of a job on several machines ({', '.join(remote)}) but has no job "
+            f"secret: set {SECRET_VARIABLE} (the same value on every machine) or "
+            f"{SECRET_FILE_VARIABLE}, or {INSECURE_VARIABLE}=1 to let anyone who can reach the "
+            "job's ports join it"
+        )
+    return _user_secret()
+
+
+def key_for(secret: bytes, purpose: str) -> bytes:
+    """A key derived from the secret for one use, so that no two uses share a key."""
+    return hmac.new(secret, b"stratagem/" + purpose.encode("utf-8"), hashlib.sha256).digest()
+
+
+def proof(secret: bytes, challenge: bytes, who: str) -> bytes:
+    """The answer to a connection's ``challenge`` by the task ``who``: HMAC-SHA256."""
+    return hmac.new(
+        key_for(secret, "connection"), challenge + b"|" + who.encode("utf-8"), hashlib.sha256
+    ).digest()
+
+
+def proof_ok(secret: bytes, challenge: bytes, who: str, answer: bytes) -> bool:
+    return hmac.compare_digest(proof(secret, challenge, who), answer)
