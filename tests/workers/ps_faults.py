@@ -6,9 +6,9 @@ argv: fault [checkpoint_dir].
   worker if the ps did not notice it is gone); the last worker SIGKILLs itself after 3 steps,
   the others train 30 steps and the chief prints what the ps applied.
 - ``lost-ps``: async; the chief checkpoints after step 10 and, in the launcher's first attempt,
-  then kills the ps (its pid asked over RPC). The next push fails naming the ps; the restarted
-  job restores step 10 (values and momentum sent back to the new ps), writes the checkpoint
-  again as the ps now holds it (``roundtrip``), and trains to step 30.
+  then kills the ps (by the pid it signed in with at the roll call). The next push fails
+  naming the ps; the restarted job restores step 10 (values and momentum sent back to the new
+  ps), writes the checkpoint again as the ps now holds it (``roundtrip``), and trains to 30.
 - ``evaluator``: an evaluator task pulls the parameters and evaluates while the workers train
   (they start once it has pulled the initial values: a file it writes), until they are done.
 """
@@ -19,7 +19,6 @@ import sys
 import time
 
 import torch
-import torch.distributed.rpc as rpc
 
 import stratagem as sg
 from workers.common import build_model
@@ -87,6 +86,6 @@ while int(step) < 30:
     if fault == "lost-ps" and int(step) == 10:
         manager.save()
         if chief and first_attempt:
-            os.kill(rpc.rpc_sync("ps:0", os.getpid), signal.SIGKILL)
+            os.kill(strategy.extended.world.pid("ps", 0), signal.SIGKILL)
 if chief:
     print(f"chief trained to step {int(step)}; ps stats {strategy.ps_stats()}", flush=True)

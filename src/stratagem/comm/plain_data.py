@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,8 +83,17 @@ def check_announced_size(size: int, *, sender: str, what: str) -> None:
 
 def encode(obj: Any, *, what: str) -> bytes:
     """``obj`` as one frame; a ``TypeError`` naming the offending part if it is not plain data."""
+    head, tensors = encode_parts(obj, what=what)
+    return b"".join([head] + [_tensor_bytes(t) for t in tensors])
+
+
+def encode_parts(obj: Any, *, what: str) -> tuple[bytes, list[torch.Tensor]]:
+    """``encode``'s frame as its head (marker, header length, header) and the tensors whose raw
+    bytes follow it, contiguous and on the CPU: a sender writes their memory as it is
+    (``tensor_buffer``) instead of copying it into one joined frame."""
     tensors: list[torch.Tensor] = []
     value = _to_json(obj, tensors, what=what, path="value")
+    tensors = [t.cpu().contiguous() for t in tensors]
     table = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
     header = json.dumps({"value": value, "tensors": table}, separators=(",", ":")).encode()
     if len(header) > MAX_HEADER_BYTES:
@@ -91,9 +101,15 @@ def encode(obj: Any, *, what: str) -> bytes:
             f"the plain data of {what} is {len(header)} bytes of JSON, more than the "
             f"{MAX_HEADER_BYTES} an object exchange carries; send large data as tensors"
         )
-    parts = [_MAGIC, len(header).to_bytes(8, "little"), header]
-    parts += [_tensor_bytes(t) for t in tensors]
-    return b"".join(parts)
+    return _MAGIC + len(header).to_bytes(8, "little") + header, tensors
+
+
+def tensor_buffer(t: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy (writable: a receiver fills a
+    tensor it allocated through it)."""
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def check(obj: Any, *, what: str) -> None:
@@ -162,10 +178,7 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 # ---------------------------------------------------------------------------------- receiving
 
 
-def decode(frame: bytes, *, sender: str, what: str) -> Any:
-    """The value in ``frame``, which ``sender`` sent for ``what``; ``PeerDataError`` if it is
-    not a frame of the schema. Nothing is unpickled or imported."""
-
+def _refuser(sender: str, what: str) -> Callable[[str], PeerDataError]:
     def refuse(why: str) -> PeerDataError:
         return PeerDataError(
             f"{sender} sent data that is not plain data during the exchange of {what}: {why}. "
@@ -173,6 +186,13 @@ def decode(frame: bytes, *, sender: str, what: str) -> Any:
             "of stratagem, or one that is not part of this job, sends such data"
         )
 
+    return refuse
+
+
+def decode(frame: bytes, *, sender: str, what: str) -> Any:
+    """The value in ``frame``, which ``sender`` sent for ``what``; ``PeerDataError`` if it is
+    not a frame of the schema. Nothing is unpickled or imported."""
+    refuse = _refuser(sender, what)
     if frame[:4] != _MAGIC:
         raise refuse(f"it starts with {bytes(frame[:16])!r}, not the frame marker {_MAGIC!r}")
     if len(frame) < 12:
@@ -196,11 +216,11 @@ def decode(frame: bytes, *, sender: str, what: str) -> Any:
         raise refuse("its value is nested too deeply") from None
 
 
-def _read_tensors(table: Any, body: memoryview, refuse: Any) -> list[torch.Tensor]:
+def _tensor_table(table: Any, refuse: Any) -> list[tuple[torch.dtype, list[int], int]]:
+    """A header's tensor table as ``(dtype, shape, bytes)`` per tensor, checked."""
     if not isinstance(table, list):
         raise refuse(f"its tensor table is a {type(table).__name__}, not a list")
-    out: list[torch.Tensor] = []
-    offset = 0
+    out = []
     for i, entry in enumerate(table):
         if (
             not isinstance(entry, list)
@@ -213,8 +233,52 @@ def _read_tensors(table: Any, body: memoryview, refuse: Any) -> list[torch.Tenso
         dtype = _DTYPES.get(entry[0])
         if dtype is None:
             raise refuse(f"tensor {i} has dtype {entry[0]!r}; expected one of {list(_DTYPES)}")
-        numel = math.prod(entry[1])
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(entry[1]) * torch.empty((), dtype=dtype).element_size()
+        out.append((dtype, entry[1], nbytes))
+    return out
+
+
+def read_frame(read_into: Callable[[memoryview], None], *, sender: str, what: str) -> Any:
+    """The value of one frame read from a stream, as ``decode`` would give it: ``read_into(b)``
+    fills the buffer ``b`` whole (or raises). The header is checked before any tensor is
+    allocated, and each tensor's bytes are read straight into the tensor that holds them: no
+    frame-sized buffer, no copy."""
+    refuse = _refuser(sender, what)
+    preamble = bytearray(12)
+    read_into(memoryview(preamble))
+    if preamble[:4] != _MAGIC:
+        raise refuse(f"it starts with {bytes(preamble)!r}, not the frame marker {_MAGIC!r}")
+    size = int.from_bytes(preamble[4:12], "little")
+    if size > MAX_HEADER_BYTES:
+        raise refuse(f"its header claims {size} bytes; a header has at most {MAX_HEADER_BYTES}")
+    raw = bytearray(size)
+    read_into(memoryview(raw))
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise refuse(f"its header is not JSON ({e})") from None
+    if not isinstance(header, dict) or set(header) != {"value", "tensors"}:
+        raise refuse("its header is not an object with exactly 'value' and 'tensors'")
+    table = _tensor_table(header["tensors"], refuse)
+    check_announced_size(12 + size + sum(n for _, _, n in table), sender=sender, what=what)
+    tensors = []
+    for dtype, shape, nbytes in table:
+        t = torch.empty(shape, dtype=dtype)
+        if nbytes:
+            read_into(tensor_buffer(t))
+        tensors.append(t)
+    try:
+        return _from_json(header["value"], tensors, refuse)
+    except RecursionError:
+        raise refuse("its value is nested too deeply") from None
+
+
+def _read_tensors(table: Any, body: memoryview, refuse: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    offset = 0
+    for i, (dtype, shape, nbytes) in enumerate(_tensor_table(table, refuse)):
+        entry = [str(dtype).removeprefix("torch."), shape]
+        numel = math.prod(shape)
         if offset + nbytes > len(body):
             raise refuse(
                 f"tensor {i} ({entry[0]} {entry[1]}) needs {nbytes} bytes but only "

@@ -1,37 +1,34 @@
-"""The RPC world of a parameter-server job: every task joins ``torch.distributed.rpc``.
+"""The world of a parameter-server job: who its members are, the roll call, who is alive.
 
 Members are the chief, the workers, the ps tasks and an evaluator (TF's order: chief, workers by
 index, ps by index, evaluator), named ``"worker:0"``, ``"ps:1"``... They meet at the first
 member's address, as the all-reduce strategies do: a roll call on our own TCPStore names any
-task that never arrives (a ps address that never answers) instead of TensorPipe's bare store
-timeout, and TensorPipe's agent then starts on that same store.
+task that never arrives (a ps address that never answers). Workers then talk to each ps over
+``comm.messages`` (plain data, on the ps's own task address, authenticated with the job's
+secret); nothing here is ``torch.distributed.rpc``, which unpickles what a peer sends.
 
 Every member also runs a liveness server (``comm.liveness``), published at the roll call, so a
-ps can tell a worker that is gone from one that is busy: a refused connection means the process
-has ended. Ending the job rests on that: a worker tells each ps it is done and waits for the
-answer, which each ps gives once every worker is done or found gone. Then every member leaves
-together through TensorPipe's graceful shutdown (a barrier, quiet), or, when a worker was lost
-and would block that barrier forever, each leaves on its own (TensorPipe then logs a warning
-for each connection a peer closes).
+task can tell a peer that is gone (its port refuses: the process ended) from one that is busy
+(it answers) and from one that is stopped or stuck (it does not answer). Ending the job rests
+on that: a worker tells each ps it is done and waits for the answer, which each ps gives once
+every worker is done or found gone; a wait on a peer that stopped answering ends after the
+operation timeout, naming it.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import socket
 import threading
-import warnings
+import time
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.autograd as dist_autograd
-import torch.distributed.rpc as rpc
 
 from stratagem.cluster import ClusterResolver
 from stratagem.cluster.address import parse_address
-from stratagem.comm.binding import pin_transport_interfaces
+from stratagem.cluster.job_secret import job_secret
 from stratagem.comm.liveness import LivenessServer, advertised_host
 from stratagem.comm.rendezvous import Member, open_store, roll_call
 from stratagem.errors import RendezvousError
@@ -53,24 +50,33 @@ def rpc_name(task_type: str, task_id: int) -> str:
     return f"{task_type}:{task_id}"
 
 
-class RpcWorld:
-    """This process's membership of the job's RPC world (started by the constructor)."""
+def world_secret(spec: Any, me: str) -> bytes | None:
+    """The job's secret (``cluster.job_secret``) for a job of cluster ``spec``."""
+    hosts = [
+        parse_address(spec.task_address(job, index))[0]
+        for job in spec.jobs
+        for index in spec.task_indices(job)
+    ]
+    return job_secret(hosts, me=me)
 
-    def __init__(
-        self, resolver: ClusterResolver, *, rendezvous_timeout: float, rpc_timeout: float
-    ) -> None:
+
+class RpcWorld:
+    """This process's membership of the job (joined by the constructor: the roll call)."""
+
+    def __init__(self, resolver: ClusterResolver, *, rendezvous_timeout: float) -> None:
         spec = resolver.cluster_spec()
         self.members = rpc_members(spec)
         me = (resolver.task_type, resolver.task_id)
         if me not in self.members:
             raise RendezvousError(
-                f"{resolver.describe()} is not a member of the job's RPC world (its chief, "
-                f"workers and ps tasks: {self.members})"
+                f"{resolver.describe()} is not a member of the job's parameter-server world (its "
+                f"chief, workers, ps tasks and evaluator: {self.members})"
             )
         self.rank = self.members.index(me)  # type: ignore[arg-type]
         self.world_size = len(self.members)
         self.name = rpc_name(*me)  # type: ignore[arg-type]
         self._spec = spec
+        self.secret = world_secret(spec, self.describe(self.rank))
         first = self.members[0]
         host, port = parse_address(spec.task_address(*first))
         base = open_store(
@@ -83,10 +89,7 @@ class RpcWorld:
         )
         store = dist.PrefixStore(f"stratagem-rpc/{resolver.attempt}/", base)
         cluster = json.dumps({j: spec.num_tasks(j) for j in sorted(spec.jobs)}, sort_keys=True)
-        own_host = advertised_host(host)
-        self._liveness = LivenessServer(own_host)
-        # gloo's and TensorPipe's listeners on this task's address too (``comm.binding``).
-        pin_transport_interfaces(own_host)
+        self._liveness = LivenessServer(advertised_host(host))
         member = Member(
             rank=self.rank,
             world_size=self.world_size,
@@ -98,37 +101,19 @@ class RpcWorld:
         )
         everyone = roll_call(store, member, timeout_s=rendezvous_timeout, peer_name=self.describe)
         self.liveness = {m.rank: m.liveness for m in everyone}
-        options = rpc.TensorPipeRpcBackendOptions(
-            rpc_timeout=rpc_timeout,
-            # Sync-mode pushes park a thread-free future each, but fetches and reads of every
-            # worker may arrive at once: leave room beyond TensorPipe's default of 16.
-            num_worker_threads=max(16, 4 * self.world_size),
-        )
-        rpc_store = dist.PrefixStore("agent/", store)
-        rpc_store.set_timeout(datetime.timedelta(seconds=rendezvous_timeout))
-        # What rpc.init_rpc does after its own rendezvous, on the store we already met on.
-        dist_autograd._init(self.rank)
-        with warnings.catch_warnings():
-            # TensorPipe's start exchanges device maps over a gloo group it builds itself and
-            # passes as a ProcessGroup, which torch then warns about in every task; not ours.
-            warnings.filterwarnings("ignore", "You are using a Backend", UserWarning)
-            rpc._init_rpc_backend(
-                rpc.BackendType.TENSORPIPE,
-                rpc_store,
-                self.name,
-                self.rank,
-                self.world_size,
-                options,
-            )
-        self._base = base  # the rank-0 store serves the agent until shutdown
-        self._rendezvous_timeout = rendezvous_timeout
+        self.pids = {m.rank: m.pid for m in everyone}
+        self._base = base  # the rank-0 store lives until this process leaves
         self._running = True
 
     def describe(self, rank: int) -> str:
-        """``"ps 0 (localhost:2223)"``: who holds an RPC rank, for error messages."""
+        """``"ps 0 (localhost:2223)"``: who holds a rank, for error messages."""
         task_type, task_id = self.members[rank]
         name = task_type if task_type == "chief" else f"{task_type} {task_id}"
-        return f"{name} ({self._spec.task_address(task_type, task_id)})"
+        return f"{name} ({self.address(rank)})"
+
+    def address(self, rank: int) -> str:
+        """The task address of member ``rank`` (where a ps serves its shards)."""
+        return self._spec.task_address(*self.members[rank])
 
     def names(self, task_type: str) -> list[str]:
         return [rpc_name(t, i) for t, i in self.members if t == task_type]
@@ -136,18 +121,35 @@ class RpcWorld:
     def ranks(self, task_type: str) -> list[int]:
         return [r for r, (t, _) in enumerate(self.members) if t == task_type]
 
-    def shutdown(self, graceful: bool) -> None:
-        """Leave the RPC world: with every other member (``graceful``), or alone."""
+    def rank_of(self, name: str) -> int:
+        """The rank of the member named ``"worker:1"``."""
+        task_type, _, task_id = name.partition(":")
+        return self.members.index((task_type, int(task_id)))
+
+    def pid(self, task_type: str, task_id: int) -> int:
+        """The process id a member signed in with (tests kill a ps by it)."""
+        return self.pids[self.members.index((task_type, task_id))]
+
+    def shutdown(self) -> None:
+        """Leave: stop answering liveness probes (peers then see this process as gone)."""
         if self._running:
             self._running = False
-            try:
-                rpc.shutdown(graceful=graceful, timeout=self._rendezvous_timeout)
-            finally:
-                self._liveness.close("ok")
+            self._liveness.close("ok")
+
+    def state(self, rank: int) -> str:
+        """``"alive"`` (its liveness server answers), ``"ended"`` (its port refuses: the
+        process is gone) or ``"silent"`` (it accepts but does not answer: stopped or stuck)."""
+        return _state(self.liveness[rank])
 
     def has_ended(self, rank: int) -> bool:
         """Whether member ``rank``'s process has ended (its liveness server refuses)."""
-        return _ended(self.liveness[rank])
+        return self.state(rank) == "ended"
+
+    def silent(self, names: list[str]) -> list[str]:
+        """Which of the members ``names`` (``"worker:1"``) do not answer their liveness probe:
+        their descriptions. Those that ended are not silent: their end is noticed elsewhere."""
+        ranks = [self.rank_of(n) for n in names if n != self.name]
+        return [self.describe(r) for r in ranks if self.state(r) == "silent"]
 
     def wait_for(
         self, ranks: list[int], done: Any, stop: threading.Event, poll_s: float = 0.25
@@ -162,14 +164,14 @@ class RpcWorld:
         return not left
 
 
-def _ended(address: str) -> bool:
-    """Whether the process behind a liveness address has ended: its port refuses connections.
-    A busy or unreachable process (a timeout) counts as alive."""
+def _state(address: str, timeout: float = 2.0) -> str:
     host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
     try:
-        with socket.create_connection((host, int(port)), timeout=2.0):
-            return False
+        with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+            conn.settimeout(max(0.01, deadline - time.monotonic()))
+            return "alive" if conn.recv(1) else "ended"
     except ConnectionRefusedError:
-        return True
+        return "ended"
     except OSError:
-        return False
+        return "silent"

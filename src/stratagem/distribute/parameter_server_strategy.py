@@ -1,9 +1,11 @@
 """ParameterServerStrategy: parameters held by ps tasks; workers pull them and push gradients.
 
 1. The cluster has ps tasks beside the chief and workers (``stratagem run -n W --ps K``). Every
-   task joins one RPC world (``comm.rpc_world``). On a ps task, creating the strategy (or
-   ``sg.distribute.Server(...).join()``) serves the shards until every worker is done, then
-   ends the process with exit code 0: the rest of the script is for workers.
+   task joins one world (``comm.rpc_world``: the roll call and liveness); workers talk to each
+   ps over ``comm.messages`` (plain data only, authenticated with the job's secret). On a ps
+   task, creating the strategy (or ``sg.distribute.Server(...).join()``) serves the shards
+   until every worker is done, then ends the process with exit code 0: the rest of the script
+   is for workers.
 2. Scope: each parameter created inside is cut into shards along its first dimension by the
    ``variable_partitioner`` (whole without one), and the shards are placed on the ps tasks,
    balanced by bytes (``partitioners.plan_shards``: every worker computes the same plan). The
@@ -150,9 +152,7 @@ class ParameterServerExtended(StrategyExtended):
         rule: UpdateRule,
     ) -> None:
         timeouts = Timeouts.from_env()
-        world = RpcWorld(
-            resolver, rendezvous_timeout=timeouts.rendezvous, rpc_timeout=timeouts.operation
-        )
+        world = RpcWorld(resolver, rendezvous_timeout=timeouts.rendezvous)
         # An evaluator reads the parameters while the workers train; it pushes nothing.
         self._evaluator = resolver.task_type == "evaluator"
         workers = collective_members(resolver.cluster_spec())
@@ -160,8 +160,14 @@ class ParameterServerExtended(StrategyExtended):
         self.worker_index = -1 if self._evaluator else workers.index(me)  # type: ignore[arg-type]
         self.num_workers = len(workers)
         self.client = PsClient(
-            world, rule, partitioner, worker_index=self.worker_index, chief=resolver.is_chief
+            world,
+            rule,
+            partitioner,
+            worker_index=self.worker_index,
+            chief=resolver.is_chief,
+            timeout=timeouts.operation,
         )
+        self.world = world
         atexit.register(self.client.finish)
         super().__init__(
             container,

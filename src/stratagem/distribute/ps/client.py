@@ -1,25 +1,28 @@
 """A worker's side of the parameter servers: its shards' plan, and every call it makes to a ps.
 
 ``PsClient`` holds this worker's view of the variables (the local copies it computes on and how
-each is cut into shards on which ps), and talks to the ps tasks over RPC (``server.py``'s
-functions): create or fetch the initial values, push gradients and take back new values, pull,
-move optimizer state for checkpoints, and say goodbye at exit. ``IndependentWorker`` is a
+each is cut into shards on which ps), and talks to the ps tasks over ``comm.messages`` (one
+connection to each ps, asking for the methods of ``server.methods``): create or fetch the
+initial values, push gradients and take back new values, pull, move optimizer state for
+checkpoints, and say goodbye at exit. ``IndependentWorker`` is a
 worker's communicator: workers never meet each other, only the ps.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
 
 from stratagem.comm import LocalCommunicator
+from stratagem.comm.messages import Connection
 from stratagem.comm.rpc_world import RpcWorld
 from stratagem.distribute.partitioners import Partitioner, Shard, plan_shards
 from stratagem.distribute.ps import server
-from stratagem.errors import PeerLostError
+from stratagem.errors import CollectiveTimeoutError, PeerLostError
 
 
 class IndependentWorker(LocalCommunicator):
@@ -50,6 +53,7 @@ class PsClient:
         *,
         worker_index: int,
         chief: bool,
+        timeout: float,
     ) -> None:
         self._world = world
         self.rule = rule
@@ -61,6 +65,22 @@ class PsClient:
         self._shards: dict[int, list[Shard]] = {}  # id(param) -> its shards
         self._versions: dict[tuple[int, tuple], int] = {}  # (ps, group keys) -> version pulled
         self._restores = 0  # checkpoints of ours restored: every worker restores the same
+        self._ps_ranks = world.ranks("ps")
+        self._connections: list[Connection] = []
+        try:
+            for rank in self._ps_ranks:
+                self._connections.append(
+                    Connection(
+                        world.address(rank),
+                        me=world.name,
+                        peer=world.describe(rank),
+                        secret=world.secret,
+                        timeout=timeout,
+                    )
+                )
+        except BaseException:
+            self._close()
+            raise
 
     @property
     def ps_names(self) -> list[str]:
@@ -94,16 +114,17 @@ class PsClient:
             for s in shards:
                 per_ps[s.ps][(s.variable, s.index)] = _rows(p, s).detach().clone()
         if self._chief:
+            rule = dataclasses.asdict(self.rule)
             self._ask(
-                server.rpc_create,
+                "create",
                 "the creation of the variables",
-                lambda i: (self.rule, first, per_ps[i]),
+                lambda i: [rule, first, server.pairs(per_ps[i])],
             )
         else:
             fetched = self._ask(
-                server.rpc_fetch,
+                "fetch",
                 "a fetch of the initial values",
-                lambda i: (first, list(per_ps[i])),
+                lambda i: [first, [list(k) for k in per_ps[i]]],
             )
             for i, values in enumerate(fetched):
                 self._write(list(per_ps[i]), values)
@@ -142,15 +163,15 @@ class PsClient:
                 group_keys = tuple(k for _, keys in groups for k in keys)
                 requests[ps] = (group_keys, groups, grads)
         answers = self._ask(
-            server.rpc_push,
+            "push",
             "a push",
-            lambda i: (
+            lambda i: [
                 self._worker_index,
-                optimizer_class,
-                requests[i][1],
+                list(optimizer_class),
+                [[hyper, [list(k) for k in keys]] for hyper, keys in requests[i][1]],
                 self._versions.get((i, requests[i][0]), 0),
                 requests[i][2],
-            ),
+            ],
             ps=list(requests),  # only those that own some of the optimizer's shards
         )
         for (ps, (keys, _, _)), (values, version) in zip(requests.items(), answers):
@@ -169,7 +190,9 @@ class PsClient:
     def pull(self) -> None:
         """Bring this worker's copies up to the ps's current values."""
         keys = self._keys_per_ps(self._variables)
-        pulled = self._ask(server.rpc_read, "a pull of the parameters", lambda i: (keys[i],))
+        pulled = self._ask(
+            "read", "a pull of the parameters", lambda i: [[list(k) for k in keys[i]]]
+        )
         for mine, values in zip(keys, pulled):
             self._write(mine, values)
 
@@ -207,11 +230,11 @@ class PsClient:
             keys = self._keys_per_ps(_params(optimizer))
             held: dict = {}
             for answer in self._ask(
-                server.rpc_optimizer_state,
+                "optimizer_state",
                 "a request for its optimizer state",
-                lambda i, keys=keys: (keys[i],),
+                lambda i, keys=keys: [[list(k) for k in keys[i]]],
             ):
-                held.update(answer)
+                held.update({(k[0], k[1]): state for k, state in answer})
             for p in _params(optimizer):
                 shards = self._shards.get(id(p), [])
                 states = [held.get((s.variable, s.index)) for s in shards]
@@ -228,12 +251,8 @@ class PsClient:
         if not self._chief:
             # Every worker restored the same file; the chief sends it to the ps. Wait for that,
             # so that no gradient of the restored values lands on the ps's older ones.
-            self._ask(
-                server.rpc_loaded,
-                "the chief's restored values",
-                lambda i: (self._restores,),
-                timeout=0,  # no timeout: the chief may still be reading the checkpoint
-            )
+            # The chief may still be reading the checkpoint: the wait lasts while it is alive.
+            self._ask("loaded", "the chief's restored values", lambda i: [self._restores])
             self.pull()
             return
         values: list[dict] = [{} for _ in self._ps_names]
@@ -247,62 +266,73 @@ class PsClient:
                 state = optimizer.state.get(p)
                 for s in self._shards.get(id(p), ()) if state else ():
                     states[s.ps][(s.variable, s.index)] = _split_state(p, s, state)
-        self._ask(server.rpc_load, "the restored values", lambda i: (values[i], states[i]))
+        self._ask(
+            "load",
+            "the restored values",
+            lambda i: [server.pairs(values[i]), server.pairs(states[i])],
+        )
 
     # ------------------------------------------------------------------ the job
 
     def training_finished(self) -> bool:
         """Whether every worker is done (or lost)."""
-        return all(self._ask(server.rpc_workers_done, "whether the workers are done"))
+        return all(self._ask("workers_done", "whether the workers are done"))
 
     def ps_stats(self) -> list[dict[str, int]]:
         """What each ps applied, dropped and held back so far."""
-        return self._ask(server.rpc_stats, "a request for its statistics")
+        return self._ask("stats", "a request for its statistics")
 
     def finish(self) -> None:
-        """At exit: tell every ps this worker is done, then leave the RPC world."""
-        graceful = False
+        """At exit: tell every ps this worker is done (the answer comes when every worker is,
+        or was lost; a wait on a worker that stopped answering ends after the operation
+        timeout, naming it), then hang up and leave."""
         try:
-            lost = self._ask(
-                server.rpc_leave,
-                "this worker's goodbye",
-                lambda i: (self._worker_index,),
-                timeout=0,  # no timeout: the answer comes when the slowest worker is done
-            )
-            graceful = not any(lost)
+            self._ask("leave", "this worker's goodbye", lambda i: [self._worker_index])
         except PeerLostError:
             pass  # a ps that is gone needs no goodbye; the error that mattered came earlier
+        except CollectiveTimeoutError as e:
+            print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
         finally:
-            self._world.shutdown(graceful=graceful)
+            self._close()
+            self._world.shutdown()
+
+    def _close(self) -> None:
+        for connection in self._connections:
+            connection.close()
 
     def _ask(
         self,
-        fn: Callable[..., Any],
+        method: str,
         what: str,
-        args: Callable[[int], tuple] = lambda i: (),
+        args: Callable[[int], list] = lambda i: [],
         *,
         ps: list[int] | None = None,
-        timeout: float | None = None,
     ) -> list[Any]:
-        """Call ``fn`` with ``args(i)`` on ps i, for every ps (or those in ``ps``) at once;
-        their answers, in that order. A ps that is gone is named instead of a bare RPC error."""
-        targets = list(range(len(self._ps_names))) if ps is None else ps
-        extra = {} if timeout is None else {"timeout": timeout}
-        names = [self._ps_names[i] for i in targets]
-        futures = [rpc.rpc_async(n, fn, args=args(i), **extra) for n, i in zip(names, targets)]
-        answers = []
-        for name, future in zip(names, futures):
-            try:
-                answers.append(future.wait())
-            except RuntimeError as exc:
-                rank = self._world.members.index(("ps", int(name.split(":")[1])))
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
-                raise PeerLostError(
-                    f"{self._world.describe(rank)} did not answer {what}: {first}. A ps that "
-                    "ends stops the job; with `stratagem run --max-restarts R` it restarts from "
-                    "the last checkpoint"
-                ) from None
-        return answers
+        """Ask ``method`` with ``args(i)`` of ps i, for every ps (or those in ``ps``) at once;
+        their answers, in that order. A ps that is gone or stuck is named, with the operation."""
+        targets = sorted(range(len(self._ps_names)) if ps is None else ps)
+        connections = [self._connections[i] for i in targets]
+        for connection in connections:  # in ps order: two threads asking never deadlock
+            connection.lock.acquire()
+        try:
+            ids = [c.send(method, args(i), what=what) for c, i in zip(connections, targets)]
+            return [
+                c.receive(
+                    rid,
+                    what=what,
+                    silent=self._world.silent,
+                    peer_ended=lambda rank=self._ps_ranks[i]: self._world.has_ended(rank),
+                )
+                for c, i, rid in zip(connections, targets, ids)
+            ]
+        except PeerLostError as e:
+            raise PeerLostError(
+                f"{e}. A ps that ends stops the job; with `stratagem run --max-restarts R` it "
+                "restarts from the last checkpoint"
+            ) from None
+        finally:
+            for connection in connections:
+                connection.lock.release()
 
 
 def _rows(t: torch.Tensor, s: Shard) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """What a ps task holds and does: variable shards, their optimizer, and each mode's update
 rule; and ``Server`` (``sg.distribute.Server``), which serves them until the workers are done.
 
-Workers reach a ps through RPC (the module-level functions at the end run on the ps, on
-TensorPipe's threads). One ``_Group`` per optimizer a worker pushes for: the shards it updates
+Workers reach a ps through ``comm.messages``: ``methods`` is the fixed table of what they may
+ask (each runs on the thread of the asking worker's connection, its arguments plain data). One
+``_Group`` per optimizer a worker pushes for: the shards it updates
 on this ps, a torch optimizer of the worker's class over them (its state lives here, beside the
 shards), a version (updates applied), and per mode:
 
@@ -26,7 +27,8 @@ import contextlib
 import importlib
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +36,11 @@ import torch
 from torch.futures import Future
 
 from stratagem.cluster import ClusterResolver, collective_members, resolve_cluster
+from stratagem.cluster.address import parse_address
+from stratagem.comm.messages import Later, MessageServer
 from stratagem.comm.process_group import Timeouts
-from stratagem.comm.rpc_world import RpcWorld, rpc_name
+from stratagem.comm.rpc_world import RpcWorld, rpc_members, rpc_name, world_secret
+from stratagem.errors import CollectiveTimeoutError, PeerDataError
 
 ShardKey = tuple[int, int]  # (variable, shard index)
 Reply = tuple[list[torch.Tensor], int]  # (values of the group's shards, version)
@@ -63,6 +68,7 @@ class _Group:
     total: list[torch.Tensor] | None = None  # sync: the sum of this version's gradients so far
     count: int = 0
     waiting: list[Future] = field(default_factory=list)  # sync: contributors to this version
+    contributors: set[int] = field(default_factory=set)  # sync: workers pushed for this version
     clocks: dict[int, int] = field(default_factory=dict)  # steps pushed, per worker
     parked: list[tuple[int, Future]] = field(default_factory=list)  # bounded staleness
 
@@ -228,6 +234,7 @@ class ShardStore:
             for t, g in zip(group.total, grads):
                 t.add_(g.to(t.dtype))
         group.count += 1
+        group.contributors.add(worker)
         group.waiting.append(reply)
         self._step_if_complete(group)
 
@@ -237,6 +244,7 @@ class ShardStore:
             return
         count, waiting, total = group.count, group.waiting, group.total
         group.total, group.count, group.waiting = None, 0, []
+        group.contributors = set()
         assert total is not None
         self.stats.applied += count
         self._apply(group, total, 1.0 / count)
@@ -296,6 +304,28 @@ class ShardStore:
             else:
                 reply.set_result(self._values(group))
         group.parked = still
+
+    def push_waits_for(self, keys: Sequence[ShardKey]) -> tuple[list[int], int]:
+        """Whose push a parked reply for the shards ``keys`` waits for (worker indices), and
+        the update it waits for: in sync mode the workers still training that have not pushed
+        for this version; in async mode with bounded staleness the slowest workers."""
+        with self._lock:
+            group = self._groups.get(tuple(keys))
+            left = set(self._left)
+        if group is None:
+            return [], 0
+        with group.lock:
+            training = [w for w in range(self.num_workers) if w not in left]
+            if self.rule is not None and self.rule.mode == "sync":
+                return [w for w in training if w not in group.contributors], group.version + 1
+            clocks = {w: group.clocks.get(w, 0) for w in training}
+            slowest = min(clocks.values(), default=0)
+            return [w for w, c in clocks.items() if c == slowest], group.version + 1
+
+    def still_training(self) -> list[int]:
+        """The workers that have neither finished nor been lost."""
+        with self._lock:
+            return [w for w in range(self.num_workers) if w not in self._left]
 
     # --- checkpoints (the chief's) -----------------------------------------------------
 
@@ -412,78 +442,115 @@ def _import(path: tuple[str, str]) -> type:
     return obj
 
 
-# --- what workers call on a ps (torch.distributed.rpc runs these on the ps's threads) -------
-
-_STORE: ShardStore | None = None
+# --- what workers may ask a ps: the fixed table, over plain data ---------------------------
 
 
-def serve(name: str, num_workers: int) -> ShardStore:
-    """Make this process a ps: the store the RPC functions below use."""
-    global _STORE
-    _STORE = ShardStore(name, num_workers)
-    return _STORE
+def _key(raw: Any) -> ShardKey:
+    if not (isinstance(raw, list | tuple) and len(raw) == 2 and all(type(n) is int for n in raw)):
+        raise PeerDataError(f"a shard key is [variable, shard], two ints; got {raw!r}")
+    return (raw[0], raw[1])
 
 
-def _store() -> ShardStore:
-    if _STORE is None:
-        raise RuntimeError("this process is not a ps task (no ShardStore is served here)")
-    return _STORE
+def _keys(raw: Any) -> list[ShardKey]:
+    if not isinstance(raw, list):
+        raise PeerDataError(f"shard keys come as a list; got {type(raw).__name__}")
+    return [_key(k) for k in raw]
 
 
-def rpc_create(rule: UpdateRule, first: int, shards: dict[ShardKey, torch.Tensor]) -> None:
-    _store().create(rule, first, shards)
+def _pairs(raw: Any) -> dict[ShardKey, Any]:
+    """A ``{shard key: value}`` dict, sent as a list of ``[key, value]`` pairs (plain data's
+    dicts have str keys)."""
+    if not isinstance(raw, list) or not all(isinstance(p, list) and len(p) == 2 for p in raw):
+        raise PeerDataError("shard values come as a list of [key, value] pairs")
+    return {_key(k): v for k, v in raw}
 
 
-@torch.distributed.rpc.functions.async_execution
-def rpc_fetch(first: int, keys: list[ShardKey]) -> Future:
-    """The shards' values, once the chief has created them (workers wait here)."""
-    store = _store()
-    return store.when_created(first).then(lambda _: store.read(keys))
+def pairs(values: dict[ShardKey, Any]) -> list[list[Any]]:
+    """``_pairs``'s inverse: what a worker sends for a dict keyed by shard."""
+    return [[list(k), v] for k, v in values.items()]
 
 
-@torch.distributed.rpc.functions.async_execution
-def rpc_push(
-    worker: int,
-    optimizer_class: tuple[str, str],
-    groups: list[tuple[dict[str, Any], list[ShardKey]]],
-    version: int,
-    grads: list[torch.Tensor],
-) -> Future:
-    return _store().push(worker, optimizer_class, groups, version, grads)
+def _rule(raw: Any) -> UpdateRule:
+    fields = set(UpdateRule.__dataclass_fields__)
+    if not isinstance(raw, dict) or set(raw) != fields:
+        raise PeerDataError(f"an update rule has the fields {sorted(fields)}; got {raw!r}")
+    return UpdateRule(**raw)
 
 
-def rpc_read(keys: list[ShardKey]) -> list[torch.Tensor]:
-    return _store().read(keys)
+def methods(store: ShardStore, worker_names: list[str]) -> dict[str, Callable[..., Any]]:
+    """What workers may ask ``store``'s ps, by name (``comm.messages`` refuses anything else).
+    ``worker_names[i]`` names the task of worker index i (``"worker:1"``), the chief first."""
 
+    def human(name: str) -> str:
+        task_type, _, index = name.partition(":")
+        return task_type if task_type == "chief" else f"{task_type} {index}"
 
-def rpc_optimizer_state(keys: list[ShardKey]) -> dict[ShardKey, dict[str, Any]]:
-    return _store().optimizer_state(keys)
+    chief = worker_names[0]
 
+    def waits_for_chief(why: str) -> Callable[[], tuple[str, list[str]]]:
+        return lambda: (f"{why} ({human(chief)})", [chief])
 
-def rpc_load(values: dict[ShardKey, torch.Tensor], states: dict[ShardKey, dict[str, Any]]) -> None:
-    _store().load(values, states)
+    def create(rule: Any, first: int, shards: Any) -> None:
+        store.create(_rule(rule), int(first), _pairs(shards))
 
+    def fetch(first: int, keys: Any) -> Later:
+        wanted = _keys(keys)
+        return Later(
+            store.when_created(int(first)),
+            waits_for_chief("the fetch waits for the chief's creation of the variables"),
+            lambda _: store.read(wanted),
+        )
 
-@torch.distributed.rpc.functions.async_execution
-def rpc_leave(worker: int) -> Future:
-    """A worker is done; answered once every worker is, with whether any was lost."""
-    return _store().leave(worker)
+    def push(worker: int, optimizer_class: Any, groups: Any, version: int, grads: Any) -> Later:
+        if not (isinstance(optimizer_class, list) and len(optimizer_class) == 2):
+            raise PeerDataError(f"an optimizer class is [module, name]; got {optimizer_class!r}")
+        parsed = [(dict(hyper), _keys(keys)) for hyper, keys in groups]
+        all_keys = [k for _, keys in parsed for k in keys]
+        reply = store.push(int(worker), tuple(optimizer_class), parsed, int(version), grads)
 
+        def waiting() -> tuple[str, list[str]]:
+            workers, update = store.push_waits_for(all_keys)
+            names = [worker_names[w] for w in workers]
+            whose = " and ".join(f"{human(n)}'s" for n in names) or "another worker's"
+            return f"the push waits for {whose} gradient for update {update}", names
 
-def rpc_stats() -> dict[str, int]:
-    stats = _store().stats
-    return {"applied": stats.applied, "dropped": stats.dropped, "steps": stats.steps,
-            "waits": stats.waits}  # fmt: skip
+        return Later(reply, waiting)
 
+    def still_training(why: str) -> Callable[[], tuple[str, list[str]]]:
+        def waiting() -> tuple[str, list[str]]:
+            names = [worker_names[w] for w in store.still_training()]
+            return f"{why} ({', '.join(human(n) for n in names)})", names
 
-@torch.distributed.rpc.functions.async_execution
-def rpc_loaded(count: int) -> Future:
-    """Answered once the chief has sent ``count`` restores (the other workers wait here)."""
-    return _store().loaded(count)
+        return waiting
 
+    def leave(worker: int) -> Later:
+        return Later(
+            store.leave(int(worker)),
+            still_training("the goodbye waits for the workers still training to finish"),
+        )
 
-def rpc_workers_done() -> bool:
-    return _store().workers_done()
+    def loaded(count: int) -> Later:
+        return Later(
+            store.loaded(int(count)),
+            waits_for_chief("this worker waits for the chief's restored values"),
+        )
+
+    def stats() -> dict[str, int]:
+        s = store.stats
+        return {"applied": s.applied, "dropped": s.dropped, "steps": s.steps, "waits": s.waits}
+
+    return {
+        "create": create,
+        "fetch": fetch,
+        "push": push,
+        "read": lambda keys: store.read(_keys(keys)),
+        "optimizer_state": lambda keys: pairs(store.optimizer_state(_keys(keys))),
+        "load": lambda values, states: store.load(_pairs(values), _pairs(states)),
+        "loaded": loaded,
+        "leave": leave,
+        "stats": stats,
+        "workers_done": store.workers_done,
+    }
 
 
 class Server:
@@ -503,24 +570,59 @@ class Server:
         # Creating the first torch optimizer imports torch._dynamo (seconds); do it now, while
         # the workers start, rather than inside the first push they wait on.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)])
-        num_workers = len(collective_members(resolver.cluster_spec()))
-        self.store = serve(rpc_name("ps", resolver.task_id or 0), num_workers)
-        self._world = RpcWorld(
-            resolver, rendezvous_timeout=timeouts.rendezvous, rpc_timeout=timeouts.operation
+        spec = resolver.cluster_spec()
+        workers = [rpc_name(t, i) for t, i in collective_members(spec)]
+        name = rpc_name("ps", resolver.task_id or 0)
+        self.store = ShardStore(name, len(workers))
+        self._timeout = timeouts.operation
+        me = f"ps {resolver.task_id or 0} ({spec.task_address('ps', resolver.task_id or 0)})"
+        host, port = parse_address(spec.task_address("ps", resolver.task_id or 0))
+        # Listening before the roll call: a worker connects as soon as it has passed it.
+        self.server = MessageServer(
+            host,
+            port,
+            name=me,
+            secret=world_secret(spec, me),
+            clients=[rpc_name(t, i) for t, i in rpc_members(spec) if t != "ps"],
+            methods=methods(self.store, workers),
+            handshake_timeout=timeouts.operation,
+            note_every=min(5.0, max(0.25, timeouts.operation / 4)),
         )
+        try:
+            self._world = RpcWorld(resolver, rendezvous_timeout=timeouts.rendezvous)
+        except BaseException:
+            self.server.close()
+            raise
 
     def join(self) -> None:
-        """Serve until every worker is done or lost, then leave the RPC world."""
-        workers = self._world.ranks("chief") + self._world.ranks("worker")
+        """Serve until every worker is done or lost, then until every task connected to this
+        ps has hung up (or ended, or stopped answering for the operation timeout)."""
+        world = self._world
+        workers = world.ranks("chief") + world.ranks("worker")
         index = {rank: i for i, rank in enumerate(workers)}  # the strategy's worker index
+        quiet_since: dict[int, float] = {}
+
+        def silent_too_long(rank: int, doing: str) -> None:
+            since = quiet_since.setdefault(rank, time.monotonic())
+            if time.monotonic() - since > self._timeout:
+                raise CollectiveTimeoutError(
+                    f"{world.describe(world.rank)} waits for {world.describe(rank)} to {doing}: "
+                    f"it has not answered its liveness probe for {self._timeout:.0f} s (stopped "
+                    "or stuck; STRATAGEM_OP_TIMEOUT sets the wait)"
+                )
 
         def done(rank: int) -> bool:
             if self.store.has_left(index[rank]):
                 return True
-            if not self._world.has_ended(rank):
+            state = world.state(rank)
+            if state == "alive":
+                quiet_since.pop(rank, None)
+                return False
+            if state == "silent":
+                silent_too_long(rank, "finish training")
                 return False
             print(
-                f"{self._world.describe(rank)} ended without saying it was done (lost); "
+                f"{world.describe(rank)} ended without saying it was done (lost); "
                 "training goes on without it",
                 file=sys.stderr,
                 flush=True,
@@ -528,6 +630,18 @@ class Server:
             self.store.leave(index[rank], lost=True)
             return True
 
-        self._world.wait_for(workers, done, threading.Event())
-        # Everyone alive is done: all leave together, unless a lost worker would block that.
-        self._world.shutdown(graceful=not self.store.lost_any)
+        try:
+            world.wait_for(workers, done, threading.Event())
+            # The workers' goodbyes are answered; the evaluator may still be reading.
+            quiet_since.clear()
+            while True:
+                ranks = {world.rank_of(n) for n in self.server.open_connections()}
+                states = {r: world.state(r) for r in ranks}
+                if all(s == "ended" for s in states.values()):
+                    break
+                for rank in [r for r, s in states.items() if s == "silent"]:
+                    silent_too_long(rank, "hang up")
+                time.sleep(0.1)
+        finally:
+            self.server.close()
+            world.shutdown()

@@ -1,0 +1,467 @@
+"""Requests and replies between the tasks of a job, over TCP, carrying plain data only.
+
+A parameter-server task serves its operations to the workers through a ``MessageServer``; each
+worker keeps one ``Connection`` to each ps. Nothing a peer sends is unpickled or imported:
+every message is one frame of ``plain_data`` (JSON and raw tensor bytes in a fixed schema), and
+a request can only name a method of the server's fixed table.
+
+Opening a connection, before any request is read:
+
+    server: b"SGM1" | 1 byte: 1 when the job has a secret, else 0 | 32 random bytes (challenge)
+    client: 2 bytes: the length of its task name | the name (UTF-8) | with a secret, 32 bytes:
+            ``job_secret.proof(secret, challenge, name)``
+    server: b"\\x01" (accepted), or b"\\x00" | 2 bytes: length | why (UTF-8), and it hangs up
+
+Then the client sends requests ``{"id": n, "method": name, "args": [...]}``, one at a time, and
+the server answers ``{"id": n, "result": value}`` or ``{"id": n, "error": [type, message]}``.
+While a reply waits on other tasks (a sync push waits for the other workers' gradients; a
+goodbye for the slowest worker to finish), the server says so every few seconds
+(``{"id": n, "waiting": [why, [task names]]}``): the client checks that those tasks still
+answer their liveness probe, and only a wait on tasks that stopped answering ends, after the
+operation timeout, with a ``CollectiveTimeoutError`` naming them.
+
+A frame outside the schema or a method outside the table is refused with a ``PeerDataError``
+(sent back, and printed by the server), and that connection is closed; the server goes on
+serving the others. Tensors travel as their own memory: sent with one ``sendmsg`` of the
+frame's parts, received straight into the tensors that will hold them.
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.futures import Future
+
+from stratagem.cluster.address import parse_address
+from stratagem.cluster.job_secret import proof, proof_ok
+from stratagem.comm import plain_data
+from stratagem.comm.binding import bind_address, bind_hint
+from stratagem.errors import (
+    CollectiveTimeoutError,
+    PeerDataError,
+    PeerLostError,
+    RendezvousError,
+)
+
+_HELLO = b"SGM1"
+_CHALLENGE_BYTES = 32
+_PROOF_BYTES = 32
+_MAX_NAME_BYTES = 256
+_IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
+
+# Errors a server's method may raise that the caller gets back as the same type (any other is a
+# RuntimeError); their messages say what went wrong on the server.
+_ERROR_TYPES: dict[str, type[Exception]] = {
+    t.__name__: t
+    for t in (
+        KeyError,
+        ValueError,
+        TypeError,
+        RuntimeError,
+        ImportError,
+        AttributeError,
+        PeerDataError,
+        CollectiveTimeoutError,
+    )
+}
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer hung up (its process may have ended)."""
+
+
+@dataclass
+class Later:
+    """A reply that comes later: ``value(result)`` once ``future`` is done. Meanwhile
+    ``waiting()`` says what the reply waits for: why, and the names of the tasks it waits on."""
+
+    future: Future
+    waiting: Callable[[], tuple[str, list[str]]]
+    value: Callable[[Any], Any] = field(default=lambda result: result)
+
+
+# ---------------------------------------------------------------------------------- the wire
+
+
+def _reader(sock: socket.socket) -> Callable[[memoryview], None]:
+    def read_into(buffer: memoryview) -> None:
+        got, size = 0, len(buffer)
+        while got < size:
+            n = sock.recv_into(buffer[got:], size - got, socket.MSG_WAITALL)
+            if n == 0:
+                raise ConnectionClosed("the connection was closed")
+            got += n
+
+    return read_into
+
+
+def _read_exact(sock: socket.socket, size: int) -> bytes:
+    buffer = bytearray(size)
+    _reader(sock)(memoryview(buffer))
+    return bytes(buffer)
+
+
+def _send_all(sock: socket.socket, buffers: list[Any]) -> None:
+    """Write every buffer, in order, without joining them into one copy."""
+    views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def send_frame(sock: socket.socket, value: Any, *, what: str) -> None:
+    head, tensors = plain_data.encode_parts(value, what=what)
+    _send_all(sock, [head] + [plain_data.tensor_buffer(t) for t in tensors])
+
+
+# ---------------------------------------------------------------------------------- server
+
+
+class MessageServer:
+    """Serves ``methods`` to the job's tasks named in ``clients``, on ``host:port`` (a thread per
+    connection). ``name`` describes this server in what it prints and sends."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        name: str,
+        secret: bytes | None,
+        clients: Collection[str],
+        methods: Mapping[str, Callable[..., Any]],
+        handshake_timeout: float,
+        note_every: float,
+    ) -> None:
+        try:
+            family, bind = bind_address(host, port)
+        except OSError as e:
+            raise RendezvousError(
+                f"{name} cannot listen on {host}:{port}: {host!r} does not resolve ({e})"
+            ) from None
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        # A restarted task takes its address back while the old connections linger in TIME_WAIT.
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((bind, port))
+        except OSError as e:
+            self._sock.close()
+            raise RendezvousError(
+                f"{name} cannot listen on its address {host}:{port} ({bind}): "
+                f"{e.strerror or e}{bind_hint(host, bind)}"
+            ) from None
+        self._sock.listen(64)
+        self.name = name
+        self._secret = secret
+        self._clients = frozenset(clients)
+        self._methods = dict(methods)
+        self._handshake_timeout = handshake_timeout
+        self._note_every = note_every
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, str] = {}  # connection -> the task on it
+        self.refused = 0  # connections and requests refused (for tests)
+        self._thread = threading.Thread(target=self._accept, name=f"{name} server", daemon=True)
+        self._thread.start()
+
+    def open_connections(self) -> list[str]:
+        """The tasks with a connection open now."""
+        with self._lock:
+            return sorted(self._open.values())
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._lock:
+            for conn in list(self._open):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, address = self._sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(
+                target=self._serve, args=(conn, f"{address[0]}:{address[1]}"), daemon=True
+            ).start()
+
+    def _refuse(self, who: str, why: str) -> None:
+        with self._lock:
+            self.refused += 1
+        print(f"[{self.name}] refused {who}: {why}", file=sys.stderr, flush=True)
+
+    def _handshake(self, conn: socket.socket, peer: str) -> str | None:
+        """The task name the client proved, or None (refused and told why)."""
+        challenge = secrets.token_bytes(_CHALLENGE_BYTES)
+        conn.sendall(_HELLO + (b"\x01" if self._secret else b"\x00") + challenge)
+        size = int.from_bytes(_read_exact(conn, 2), "little")
+        why = None
+        if not 0 < size <= _MAX_NAME_BYTES:
+            who = f"a connection from {peer}"
+            why = f"it announced a task name of {size} bytes (1 to {_MAX_NAME_BYTES})"
+        else:
+            raw = _read_exact(conn, size)
+            name = raw.decode("utf-8", errors="replace")
+            who = f"a connection from {peer} claiming to be {name!r}"
+            answer = _read_exact(conn, _PROOF_BYTES) if self._secret else b""
+            if self._secret and not proof_ok(self._secret, challenge, name, answer):
+                why = (
+                    "its proof of the job secret is wrong (a process that is not part of this "
+                    "job, or one given another STRATAGEM_JOB_SECRET)"
+                )
+            elif name not in self._clients:
+                why = f"{name!r} is not a task this server serves ({sorted(self._clients)})"
+        if why is not None:
+            self._refuse(who, f"PeerDataError: {why}")
+            reason = f"{self.name} refused the connection: {why}".encode()[:4096]
+            try:
+                conn.sendall(b"\x00" + len(reason).to_bytes(2, "little") + reason)
+            except OSError:
+                pass
+            return None
+        conn.sendall(b"\x01")
+        return name
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self._handshake_timeout)
+            try:
+                who = self._handshake(conn, peer)
+            except (OSError, UnicodeError) as e:
+                self._refuse(f"a connection from {peer}", f"its opening failed ({e})")
+                return
+            if who is None:
+                return
+            conn.settimeout(None)  # a worker may be quiet between steps for as long as it likes
+            with self._lock:
+                self._open[conn] = who
+            try:
+                self._requests(conn, f"{who} ({peer})")
+            finally:
+                with self._lock:
+                    self._open.pop(conn, None)
+
+    def _requests(self, conn: socket.socket, sender: str) -> None:
+        read_into = _reader(conn)
+        what = f"a request to {self.name}"
+        while True:
+            try:
+                request = plain_data.read_frame(read_into, sender=sender, what=what)
+                rid, method = _check_request(request, self._methods, sender=sender, what=what)
+            except (OSError, ConnectionError):
+                return  # the client hung up (or its process ended)
+            except PeerDataError as e:
+                self._refuse(f"a request from {sender}", f"PeerDataError: {e}")
+                try:
+                    send_frame(conn, {"id": -1, "error": ["PeerDataError", str(e)]}, what=what)
+                except OSError:
+                    pass
+                return
+            try:
+                reply = {"id": rid, "result": self._call(conn, rid, method, request["args"])}
+                send_frame(conn, reply, what=f"the reply of {self.name}")
+            except OSError:
+                return
+            except Exception as e:
+                error = {"id": rid, "error": [type(e).__name__, str(e)]}
+                try:
+                    send_frame(conn, error, what=f"the reply of {self.name}")
+                except OSError:
+                    return
+
+    def _call(self, conn: socket.socket, rid: int, method: Callable[..., Any], args: list) -> Any:
+        result = method(*args)
+        if not isinstance(result, Later):
+            return result
+        done = threading.Event()
+        result.future.add_done_callback(lambda _: done.set())
+        while not done.wait(self._note_every):
+            why, tasks = result.waiting()
+            send_frame(conn, {"id": rid, "waiting": [why, tasks]}, what="a note")
+        return result.value(result.future.wait())
+
+
+def _check_request(
+    request: Any, methods: Mapping[str, Any], *, sender: str, what: str
+) -> tuple[int, Callable[..., Any]]:
+    if (
+        not isinstance(request, dict)
+        or set(request) != {"id", "method", "args"}
+        or type(request["id"]) is not int
+        or not isinstance(request["method"], str)
+        or not isinstance(request["args"], list)
+    ):
+        raise PeerDataError(
+            f"{sender} sent {what} that is not {{'id': int, 'method': str, 'args': list}}: "
+            f"{_shorten(request)}"
+        )
+    method = methods.get(request["method"])
+    if method is None:
+        raise PeerDataError(
+            f"{sender} asked for the method {_shorten(request['method'])}, which is not one "
+            f"this server has ({', '.join(sorted(methods))})"
+        )
+    return request["id"], method
+
+
+def _shorten(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+# ---------------------------------------------------------------------------------- client
+
+
+class Connection:
+    """This task's connection to one server: ``call`` a method, or ``send`` then ``receive``
+    to have several servers work at once. ``peer`` describes the server in errors."""
+
+    def __init__(
+        self, address: str, *, me: str, peer: str, secret: bytes | None, timeout: float
+    ) -> None:
+        self.peer = peer
+        self._timeout = timeout
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise PeerLostError(f"{me} cannot connect to {peer}: {e.strerror or e}") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            hello = _read_exact(sock, len(_HELLO) + 1 + _CHALLENGE_BYTES)
+            if hello[: len(_HELLO)] != _HELLO:
+                raise PeerDataError(f"{peer} opened with {hello[:8]!r}, not a stratagem hello")
+            challenged = hello[len(_HELLO)] == 1
+            name = me.encode()
+            answer = len(name).to_bytes(2, "little") + name
+            if challenged:
+                if secret is None:
+                    raise RendezvousError(
+                        f"{peer} asks for a proof of the job secret, and {me} runs without one "
+                        "(STRATAGEM_INSECURE=1): every task of a job must use the same secret"
+                    )
+                answer += proof(secret, hello[len(_HELLO) + 1 :], me)
+            sock.sendall(answer)
+            if _read_exact(sock, 1) != b"\x01":
+                size = int.from_bytes(_read_exact(sock, 2), "little")
+                why = _read_exact(sock, size).decode(errors="replace")
+                raise RendezvousError(f"{me} was refused by {peer}: {why}")
+        except (OSError, ConnectionError) as e:
+            sock.close()
+            raise PeerLostError(
+                f"{me} lost its connection to {peer} while opening it: {e}"
+            ) from None
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._next = 0
+        self.lock = threading.Lock()  # one request at a time; callers hold it send to receive
+
+    def close(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+    def call(self, method: str, args: list, *, what: str, **kwargs: Any) -> Any:
+        with self.lock:
+            return self.receive(self.send(method, args, what=what), what=what, **kwargs)
+
+    def send(self, method: str, args: list, *, what: str) -> int:
+        self._next += 1
+        request = {"id": self._next, "method": method, "args": args}
+        self._sock.settimeout(self._timeout)
+        try:
+            send_frame(self._sock, request, what=what)
+        except OSError as e:
+            raise self._lost(what, e) from None
+        return self._next
+
+    def receive(
+        self,
+        rid: int,
+        *,
+        what: str,
+        silent: Callable[[list[str]], list[str]],
+        peer_ended: Callable[[], bool],
+    ) -> Any:
+        """The reply to request ``rid``. ``silent(tasks)`` says which of the tasks a waiting
+        server named do not answer their liveness probe; ``peer_ended()`` whether the server's
+        own process has ended."""
+        start = time.monotonic()
+        deadline = start + self._timeout
+        stuck: tuple[str, list[str]] | None = None
+        read_into = _reader(self._sock)
+        while True:
+            self._sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                message = plain_data.read_frame(read_into, sender=self.peer, what=what)
+            except TimeoutError:
+                raise self._timed_out(what, time.monotonic() - start, stuck, peer_ended) from None
+            except (OSError, ConnectionError) as e:
+                raise self._lost(what, e) from None
+            if not isinstance(message, dict) or message.get("id") not in (rid, -1):
+                raise PeerDataError(f"{self.peer} answered {what} with {_shorten(message)}")
+            if "waiting" in message:
+                why, tasks = message["waiting"]
+                gone_quiet = silent(list(tasks))
+                if gone_quiet:
+                    stuck = (str(why), gone_quiet)
+                else:  # a legitimate wait, on tasks that are alive and working
+                    stuck = None
+                    deadline = time.monotonic() + self._timeout
+                continue
+            if "error" in message:
+                kind, text = message["error"]
+                error = _ERROR_TYPES.get(kind, RuntimeError)
+                raise error(f"{self.peer} could not do {what}: {text}")
+            return message["result"]
+
+    def _lost(self, what: str, e: BaseException) -> PeerLostError:
+        self.close()
+        return PeerLostError(
+            f"{self.peer} did not answer {what}: the connection closed ({e}); its process ended"
+        )
+
+    def _timed_out(
+        self,
+        what: str,
+        waited: float,
+        stuck: tuple[str, list[str]] | None,
+        peer_ended: Callable[[], bool],
+    ) -> Exception:
+        self.close()
+        if peer_ended():
+            return PeerLostError(f"{self.peer} did not answer {what}: its process ended")
+        if stuck is not None:
+            why, tasks = stuck
+            return CollectiveTimeoutError(
+                f"{what} to {self.peer} did not complete in {waited:.0f} s: {why}, and "
+                f"{' and '.join(tasks)} has not answered its liveness probe for "
+                f"{self._timeout:.0f} s (stopped or stuck; STRATAGEM_OP_TIMEOUT sets the wait)"
+            )
+        return CollectiveTimeoutError(
+            f"{self.peer} did not answer {what} in {waited:.0f} s: its process is alive but "
+            "does not answer (stopped or stuck; STRATAGEM_OP_TIMEOUT sets the wait)"
+        )
