@@ -278,3 +278,163 @@ def test_a_forged_pickle_in_an_object_exchange_runs_nothing(tmp_path: Path) -> N
     assert "the shapes of the new parameters" in victim.stderr
     assert not marker.exists()
     assert not os.path.exists(tmp_path / "worker0" / "marker")
+
+
+# ------------------------------------------------------------------ a parameter server's transport
+
+PS_SCRIPT = WORKERS / "ps_target.py"
+JOB_SECRET = "job-secret-of-the-test-" + "0123456789abcdef"
+
+
+def _hello(sock: socket.socket) -> bytes:
+    """Read the ps's opening; its challenge."""
+    hello = _read_exact(sock, 37)
+    assert hello[:4] == b"SGM1" and hello[4] == 1, hello  # a job with a secret challenges
+    return hello[5:]
+
+
+def _read_exact(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _verdict(sock: socket.socket) -> str:
+    """``accepted``, or the reason the ps gave for refusing the connection."""
+    first = _read_exact(sock, 1)
+    if first == b"\x01":
+        return "accepted"
+    assert first == b"\x00", first
+    size = int.from_bytes(_read_exact(sock, 2), "little")
+    return _read_exact(sock, size).decode()
+
+
+def _opened(address: str, secret: str) -> socket.socket:
+    """A connection through the opening, proving ``secret`` as worker 0."""
+    from stratagem.cluster.job_secret import proof
+
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    challenge = _hello(sock)
+    name = b"worker:0"
+    sock.sendall(len(name).to_bytes(2, "little") + name)
+    sock.sendall(proof(secret.encode(), challenge, "worker:0"))
+    assert _verdict(sock) == "accepted"
+    return sock
+
+
+def _reply(sock: socket.socket) -> object:
+    def read_into(buffer: memoryview) -> None:
+        data = _read_exact(sock, len(buffer))
+        if len(data) < len(buffer):
+            raise ConnectionError("closed")
+        buffer[:] = data
+
+    return plain_data.read_frame(read_into, sender="ps 0", what="a reply")
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _attack_ps(address: str, live: bytes, marker: Path) -> dict[str, str]:
+    """Each attack on its own connection; what the ps answered to each."""
+    from stratagem.comm.messages import Connection
+
+    host, port = address.rsplit(":", 1)
+    answers: dict[str, str] = {}
+
+    def raw(name: str, data: bytes) -> None:
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            _hello(sock)
+            sock.sendall(data)
+            answers[name] = _verdict(sock)
+
+    # Without the job's secret: refused before any request is read.
+    raw("a pickle instead of the opening", live)
+    raw("garbage", b"\xff\xfeGET / HTTP/1.1\r\n\r\n" + bytes(range(256)))
+    raw("no proof of the secret", (8).to_bytes(2, "little") + b"worker:0" + bytes(32))
+    for name, secret in (("a wrong secret", b"a-wrong-secret-0123456789"), ("no secret", None)):
+        try:
+            Connection(address, me="worker:0", peer="ps 0", secret=secret, timeout=30)
+        except RendezvousError as e:
+            answers[name] = str(e)
+        else:
+            answers[name] = "accepted"
+    # With the secret (a peer that is part of the job, or one that stole the secret): the schema
+    # and the method table still hold.
+    with _opened(address, JOB_SECRET) as sock:
+        sock.sendall(live)
+        answers["a pickled request"] = json.dumps(_reply(sock))
+        assert _closed(sock)
+    with _opened(address, JOB_SECRET) as sock:
+        request = {"id": 1, "method": "system", "args": [f"touch {marker}"]}
+        head, _ = plain_data.encode_parts(request, what="an attack")
+        sock.sendall(head)
+        answers["a method not in the table"] = json.dumps(_reply(sock))
+        assert _closed(sock)
+    with _opened(address, JOB_SECRET) as sock:
+        request = {"id": 1, "method": "read", "args": [[[0, 0]]]}
+        forged = _frame(request, [["object", [len(live)]]], live)
+        sock.sendall(forged)
+        answers["a pickled tensor"] = json.dumps(_reply(sock))
+        assert _closed(sock)
+    return answers
+
+
+@pytest.mark.multiprocess
+def test_a_parameter_server_refuses_what_is_not_its_jobs_plain_requests(tmp_path: Path) -> None:
+    """Pickles, garbage, connections without the secret's proof and requests outside the ps's
+    method table, sent to the ps of a running job: each refused and named, the payload never
+    runs, and the ps goes on serving the job, which finishes with exit 0."""
+    marker = tmp_path / "marker"
+    live = _live_pickle(marker)
+    worker, ps = (f"localhost:{p}" for p in free_ports(2))
+    cluster = {"worker": [worker], "ps": [ps]}
+    processes = []
+    try:
+        for task, index in (("ps", 0), ("worker", 0)):
+            config = {"cluster": cluster, "task": {"type": task, "index": index}}
+            env = child_env({"TF_CONFIG": json.dumps(config), "STRATAGEM_JOB_SECRET": JOB_SECRET})
+            argv = [sys.executable, str(PS_SCRIPT), str(tmp_path)]
+            processes.append(Process(argv, env, tmp_path, f"{task}{index}"))
+        ready = tmp_path / "ready"
+        for _ in range(2400):  # the worker has built its model on the ps (at most 120 s)
+            if ready.exists() or any(p.proc.poll() is not None for p in processes):
+                break
+            threading.Event().wait(0.05)
+        assert ready.exists(), [p.proc.poll() for p in processes]
+        answers = _attack_ps(ps, live, marker)
+        (tmp_path / "go").touch()
+        ps_result, worker_result = (p.wait(120) for p in processes)
+    finally:
+        for p in processes:
+            p.kill_group()
+    refused = "ps 0 (" + ps + ") refused the connection"
+    for name in ("a pickle instead of the opening", "garbage", "no proof of the secret"):
+        assert answers[name].startswith(refused), (name, answers[name])
+    assert "its proof of the job secret is wrong" in answers["no proof of the secret"]
+    assert "its proof of the job secret is wrong" in answers["a wrong secret"]
+    assert "runs without one" in answers["no secret"]
+    for name in ("a pickled request", "a method not in the table", "a pickled tensor"):
+        assert '"error": ["PeerDataError"' in answers[name], (name, answers[name])
+    assert "not one this server has" in answers["a method not in the table"]
+    assert "not the frame marker" in answers["a pickled request"]
+    assert "'object'" in answers["a pickled tensor"]
+    assert not marker.exists()
+    worker_result.check("worker 0")
+    ps_result.check("ps 0")
+    assert "trained; ps stats [{'applied': 5, 'dropped': 0, 'steps': 5" in worker_result.stdout
+    # The ps named every attack it refused; "no secret" was refused by the client itself, and
+    # the ps saw only its connection close during the opening.
+    lines = [x for x in ps_result.stderr.splitlines() if f"[ps 0 ({ps})] refused" in x]
+    assert len(lines) == 8, ps_result.stderr
+    assert sum("PeerDataError" in x for x in lines) == 7, ps_result.stderr
+    assert sum("its opening failed" in x for x in lines) == 1, ps_result.stderr
