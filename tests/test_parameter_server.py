@@ -261,6 +261,21 @@ def test_a_lost_ps_is_named_and_the_restarted_job_resumes_from_the_checkpoint(tm
 
 
 @pytest_multiprocess
+def test_a_stopped_worker_in_sync_mode_is_named_by_the_push_that_waits_for_it(tmp_path):
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2", "--ps", "1"]
+    argv += [str(WORKERS / "ps_faults.py"), "stopped-worker"]
+    env = child_env({"STRATAGEM_OP_TIMEOUT": "3"})
+    result = Process(argv, env, tmp_path, "launcher", merge_output=True).wait(timeout=120)
+    output = result.stdout
+    assert result.returncode != 0, output
+    # Not "ps 0 did not answer a push": the ps is fine, worker 1 is stopped.
+    assert "CollectiveTimeoutError: a push to ps 0 (localhost:" in output, output
+    assert "the push waits for worker 1's gradient for update 4, and worker 1 (localhost:" in output
+    assert "has not answered its liveness probe for 3 s (stopped or stuck" in output, output
+    assert "did not answer a push" not in output, output
+
+
+@pytest_multiprocess
 def test_model_fit_under_sync_parameter_servers(tmp_path):
     argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2", "--ps", "1"]
     argv += [str(WORKERS / "ps_fit.py")]

@@ -9,6 +9,8 @@ argv: fault [checkpoint_dir].
   then kills the ps (by the pid it signed in with at the roll call). The next push fails
   naming the ps; the restarted job restores step 10 (values and momentum sent back to the new
   ps), writes the checkpoint again as the ps now holds it (``roundtrip``), and trains to 30.
+- ``stopped-worker``: sync; the last worker stops itself (SIGSTOP) after 3 steps: the others'
+  next push waits for its gradient, and ends after the operation timeout naming it.
 - ``evaluator``: an evaluator task pulls the parameters and evaluates while the workers train
   (they start once it has pulled the initial values: a file it writes), until they are done.
 """
@@ -34,7 +36,8 @@ def wait_for(path, timeout=120.0):
 
 fault = sys.argv[1]
 bound = 1 if fault == "lost-worker" else None
-strategy = sg.distribute.ParameterServerStrategy(mode="async", max_staleness=bound)
+mode = "sync" if fault == "stopped-worker" else "async"
+strategy = sg.distribute.ParameterServerStrategy(mode=mode, max_staleness=bound)
 resolver = strategy.cluster_resolver
 chief = strategy.extended.should_checkpoint
 last = resolver.cluster_spec().num_tasks("worker") - 1
@@ -78,6 +81,8 @@ first_attempt = os.environ.get("STRATAGEM_RESTART_COUNT") == "0"
 while int(step) < 30:
     if fault == "lost-worker" and resolver.task_id == last and int(step) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "stopped-worker" and resolver.task_id == last and int(step) == 3:
+        os.kill(os.getpid(), signal.SIGSTOP)
     x, y = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
     optimizer.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()

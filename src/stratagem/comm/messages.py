@@ -171,6 +171,7 @@ class MessageServer:
         self._note_every = note_every
         self._lock = threading.Lock()
         self._open: dict[socket.socket, str] = {}  # connection -> the task on it
+        self._closed = False
         self.refused = 0  # connections and requests refused (for tests)
         self._thread = threading.Thread(target=self._accept, name=f"{name} server", daemon=True)
         self._thread.start()
@@ -187,6 +188,7 @@ class MessageServer:
             pass
         self._sock.close()
         with self._lock:
+            self._closed = True
             for conn in list(self._open):
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
@@ -237,7 +239,6 @@ class MessageServer:
             except OSError:
                 pass
             return None
-        conn.sendall(b"\x01")
         return name
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
@@ -251,11 +252,16 @@ class MessageServer:
                 return
             if who is None:
                 return
-            conn.settimeout(None)  # a worker may be quiet between steps for as long as it likes
-            with self._lock:
+            with self._lock:  # before it is accepted: a close from now on hangs it up
+                if self._closed:
+                    return
                 self._open[conn] = who
             try:
+                conn.sendall(b"\x01")
+                conn.settimeout(None)  # a worker may be quiet between steps as long as it likes
                 self._requests(conn, f"{who} ({peer})")
+            except OSError:
+                pass  # it hung up as it was accepted
             finally:
                 with self._lock:
                     self._open.pop(conn, None)
@@ -377,6 +383,11 @@ class Connection:
         self._next = 0
         self.lock = threading.Lock()  # one request at a time; callers hold it send to receive
 
+    @property
+    def closed(self) -> bool:
+        """Whether this connection was closed (by ``close``, or after a lost or silent peer)."""
+        return self._sock.fileno() < 0
+
     def close(self) -> None:
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -391,8 +402,8 @@ class Connection:
     def send(self, method: str, args: list, *, what: str) -> int:
         self._next += 1
         request = {"id": self._next, "method": method, "args": args}
-        self._sock.settimeout(self._timeout)
         try:
+            self._sock.settimeout(self._timeout)
             send_frame(self._sock, request, what=what)
         except OSError as e:
             raise self._lost(what, e) from None
@@ -431,6 +442,8 @@ class Connection:
                 else:  # a legitimate wait, on tasks that are alive and working
                     stuck = None
                     deadline = time.monotonic() + self._timeout
+                if time.monotonic() >= deadline:  # notes keep coming: the clock decides
+                    raise self._timed_out(what, time.monotonic() - start, stuck, peer_ended)
                 continue
             if "error" in message:
                 kind, text = message["error"]

@@ -286,8 +286,11 @@ class PsClient:
         """At exit: tell every ps this worker is done (the answer comes when every worker is,
         or was lost; a wait on a worker that stopped answering ends after the operation
         timeout, naming it), then hang up and leave."""
+        # A ps whose connection broke (it ended, or stopped answering) gets no goodbye: that
+        # error was raised already.
+        open_ps = [i for i, c in enumerate(self._connections) if not c.closed]
         try:
-            self._ask("leave", "this worker's goodbye", lambda i: [self._worker_index])
+            self._ask("leave", "this worker's goodbye", lambda i: [self._worker_index], ps=open_ps)
         except PeerLostError:
             pass  # a ps that is gone needs no goodbye; the error that mattered came earlier
         except CollectiveTimeoutError as e:

@@ -602,13 +602,18 @@ class Server:
         index = {rank: i for i, rank in enumerate(workers)}  # the strategy's worker index
         quiet_since: dict[int, float] = {}
 
+        # Twice the operation timeout: a worker whose push waits on the silent one has the
+        # first word (it names the worker and what it waits for); the ps's bound is for waits
+        # no worker sees, such as the end of an async job.
+        patience = 2 * self._timeout
+
         def silent_too_long(rank: int, doing: str) -> None:
             since = quiet_since.setdefault(rank, time.monotonic())
-            if time.monotonic() - since > self._timeout:
+            if time.monotonic() - since > patience:
                 raise CollectiveTimeoutError(
                     f"{world.describe(world.rank)} waits for {world.describe(rank)} to {doing}: "
-                    f"it has not answered its liveness probe for {self._timeout:.0f} s (stopped "
-                    "or stuck; STRATAGEM_OP_TIMEOUT sets the wait)"
+                    f"it has not answered its liveness probe for {patience:.0f} s (stopped or "
+                    "stuck; twice STRATAGEM_OP_TIMEOUT)"
                 )
 
         def done(rank: int) -> bool:

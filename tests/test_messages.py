@@ -1,0 +1,161 @@
+"""comm.messages, in one process: a ps's method table served over loopback to connections, with
+the job secret's challenge, and every wait bounded and named (issue 14)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.futures import Future
+
+from cluster_utils import free_ports
+from stratagem.comm.messages import Connection, Later, MessageServer
+from stratagem.distribute.ps.server import ShardStore, UpdateRule, methods, pairs
+from stratagem.errors import CollectiveTimeoutError, PeerLostError, RendezvousError
+
+SECRET = b"a-secret-of-the-test-0123456789"
+WORKERS = ["worker:0", "worker:1"]
+
+
+@contextmanager
+def _served(table: dict, *, secret: bytes | None = SECRET) -> Iterator[tuple[str, MessageServer]]:
+    port = free_ports(1)[0]
+    server = MessageServer(
+        "localhost",
+        port,
+        name="ps 0",
+        secret=secret,
+        clients=WORKERS,
+        methods=table,
+        handshake_timeout=5,
+        note_every=0.05,
+    )
+    try:
+        yield f"localhost:{port}", server
+    finally:
+        server.close()
+
+
+def _connect(address: str, me: str = "worker:0", timeout: float = 5.0, **kw) -> Connection:
+    return Connection(address, me=me, peer="ps 0", secret=kw.pop("secret", SECRET), timeout=timeout)
+
+
+def _never_ended() -> bool:
+    return False
+
+
+def _sync_store() -> ShardStore:
+    store = ShardStore("ps:0", 2)
+    store.create(UpdateRule("sync", 2, 2), 0, {(0, 0): torch.zeros(3)})
+    return store
+
+
+def _push(connection: Connection, worker: int, silent) -> object:  # type: ignore[no-untyped-def]
+    args = [worker, ["torch.optim", "SGD"], [[{"lr": 1.0}, [[0, 0]]]], 0, [torch.ones(3)]]
+    return connection.call("push", args, what="a push", silent=silent, peer_ended=_never_ended)
+
+
+def test_a_ps_table_answers_with_tensors_and_errors_keep_their_type() -> None:
+    store = ShardStore("ps:0", 1)
+    with _served(methods(store, WORKERS[:1])) as (address, _):
+        c = _connect(address)
+        kw = {"silent": lambda names: [], "peer_ended": _never_ended}
+        rule = {**UpdateRule("async", 1, 1, compression="bf16").__dict__}
+        values = {(0, 0): torch.arange(4.0), (1, 0): torch.tensor(2.5)}
+        c.call("create", [rule, 0, pairs(values)], what="the creation", **kw)
+        got = c.call("fetch", [0, [[0, 0], [1, 0]]], what="a fetch", **kw)
+        assert [t.dtype for t in got] == [torch.bfloat16, torch.bfloat16]
+        assert got[0].tolist() == [0.0, 1.0, 2.0, 3.0] and got[1].shape == ()
+        with pytest.raises(KeyError, match=r"ps 0 could not do a pull: .*holds no shard \(9, 9\)"):
+            c.call("read", [[[9, 9]]], what="a pull", **kw)
+        # The connection serves on after an error of the method's own.
+        assert c.call("stats", [], what="its statistics", **kw)["steps"] == 0
+        c.close()
+
+
+def test_a_connection_must_prove_the_secret_and_a_task_of_the_job() -> None:
+    with _served({"stats": lambda: 1}) as (address, server):
+        with pytest.raises(RendezvousError, match="proof of the job secret is wrong"):
+            _connect(address, secret=b"another-secret-0123456789")
+        with pytest.raises(RendezvousError, match="'ps:1' is not a task this server serves"):
+            _connect(address, me="ps:1")
+        assert server.refused == 2
+    with _served({"stats": lambda: 1}, secret=None) as (address, _):  # STRATAGEM_INSECURE=1
+        c = _connect(address, secret=None)
+        assert c.call("stats", [], what="x", silent=list, peer_ended=_never_ended) == 1
+        c.close()
+
+
+def test_a_sync_push_waiting_for_a_stopped_worker_names_that_worker() -> None:
+    """Worker 1 does not answer its liveness probe: worker 0's push ends after the operation
+    timeout with a CollectiveTimeoutError naming worker 1, not the ps."""
+    with _served(methods(_sync_store(), WORKERS)) as (address, _):
+        c = _connect(address, timeout=0.5)
+        asked: list[list[str]] = []
+
+        def silent(names: list[str]) -> list[str]:
+            asked.append(names)
+            return ["worker 1 (localhost:1)"]
+
+        with pytest.raises(CollectiveTimeoutError) as info:
+            _push(c, 0, silent)
+        message = str(info.value)
+        assert message.startswith("a push to ps 0 did not complete in"), message
+        assert "the push waits for worker 1's gradient for update 1" in message
+        assert "worker 1 (localhost:1) has not answered its liveness probe" in message
+        assert asked and all(names == ["worker:1"] for names in asked)
+
+
+def test_a_wait_on_live_workers_outlasts_the_timeout() -> None:
+    """While worker 1 answers its probe, worker 0's push waits past the operation timeout; it
+    completes when worker 1 pushes (after ten notes, twice the timeout's worth)."""
+    with _served(methods(_sync_store(), WORKERS)) as (address, _):
+        first, second = _connect(address, timeout=0.25), _connect(address, "worker:1")
+        notes = threading.Semaphore(0)
+        late: list[object] = []
+
+        def alive(names: list[str]) -> list[str]:
+            notes.release()
+            return []
+
+        def push_later() -> None:
+            for _ in range(10):
+                notes.acquire()
+            late.append(_push(second, 1, alive))
+
+        thread = threading.Thread(target=push_later)
+        thread.start()
+        values, version = _push(first, 0, alive)  # type: ignore[misc]
+        thread.join(timeout=30)
+        assert version == 1 and values[0].tolist() == [-1.0, -1.0, -1.0]
+        assert late and late[0][1] == 1  # type: ignore[index]
+
+
+def test_a_ps_that_stops_answering_or_ends_is_named() -> None:
+    release = threading.Event()
+
+    def stuck() -> int:
+        release.wait(30)  # no notes: as a SIGSTOPped ps sends none
+        return 0
+
+    def later() -> Later:
+        return Later(Future(), lambda: ("", []))
+
+    with _served({"stuck": stuck, "later": later}) as (address, server):
+        c = _connect(address, timeout=0.3)
+        with pytest.raises(
+            CollectiveTimeoutError, match=r"ps 0 did not answer a pull in \d+ s: its"
+        ):
+            c.call("stuck", [], what="a pull", silent=list, peer_ended=_never_ended)
+        c = _connect(address, timeout=0.3)
+        with pytest.raises(PeerLostError, match="ps 0 did not answer a pull: its process ended"):
+            c.call("stuck", [], what="a pull", silent=list, peer_ended=lambda: True)
+        c = _connect(address, timeout=30)
+        c.send("later", [], what="a push")
+        server.close()  # the ps's connections close with it
+        with pytest.raises(PeerLostError, match="ps 0 did not answer a push: the connection clo"):
+            c.receive(1, what="a push", silent=list, peer_ended=_never_ended)
+        release.set()
