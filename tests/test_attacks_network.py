@@ -324,6 +324,7 @@ def _opened(address: str, secret: str) -> socket.socket:
     sock.sendall(len(name).to_bytes(2, "little") + name)
     sock.sendall(proof(secret.encode(), challenge, "worker:0"))
     assert _verdict(sock) == "accepted"
+    sock.sendall(b"\x00")  # no shared memory: every frame's tensors come on the socket
     return sock
 
 
@@ -334,6 +335,7 @@ def _reply(sock: socket.socket) -> object:
             raise ConnectionError("closed")
         buffer[:] = data
 
+    assert _read_exact(sock, 1) == b"\x00"  # a frame whose tensors follow on the socket
     return plain_data.read_frame(read_into, sender="ps 0", what="a reply")
 
 
@@ -371,19 +373,29 @@ def _attack_ps(address: str, live: bytes, marker: Path) -> dict[str, str]:
     # With the secret (a peer that is part of the job, or one that stole the secret): the schema
     # and the method table still hold.
     with _opened(address, JOB_SECRET) as sock:
-        sock.sendall(live)
+        sock.sendall(b"\x00" + live)
         answers["a pickled request"] = json.dumps(_reply(sock))
+        assert _closed(sock)
+    with _opened(address, JOB_SECRET) as sock:
+        sock.sendall(live)  # no frame kind: the pickle's first byte is none
+        answers["a pickle instead of a frame"] = json.dumps(_reply(sock))
+        assert _closed(sock)
+    with _opened(address, JOB_SECRET) as sock:
+        # A shared-memory segment that was never offered, named outside /dev/shm/sg-*.
+        name = b"../../tmp/x"
+        sock.sendall(b"\x02" + bytes([len(name)]) + name + bytes(24))
+        answers["a shared-memory segment unasked"] = json.dumps(_reply(sock))
         assert _closed(sock)
     with _opened(address, JOB_SECRET) as sock:
         request = {"id": 1, "method": "system", "args": [f"touch {marker}"]}
         head, _ = plain_data.encode_parts(request, what="an attack")
-        sock.sendall(head)
+        sock.sendall(b"\x00" + head)
         answers["a method not in the table"] = json.dumps(_reply(sock))
         assert _closed(sock)
     with _opened(address, JOB_SECRET) as sock:
         request = {"id": 1, "method": "read", "args": [[[0, 0]]]}
         forged = _frame(request, [["object", [len(live)]]], live)
-        sock.sendall(forged)
+        sock.sendall(b"\x00" + forged)
         answers["a pickled tensor"] = json.dumps(_reply(sock))
         assert _closed(sock)
     return answers
@@ -423,8 +435,17 @@ def test_a_parameter_server_refuses_what_is_not_its_jobs_plain_requests(tmp_path
     assert "its proof of the job secret is wrong" in answers["no proof of the secret"]
     assert "its proof of the job secret is wrong" in answers["a wrong secret"]
     assert "runs without one" in answers["no secret"]
-    for name in ("a pickled request", "a method not in the table", "a pickled tensor"):
+    sent_with_the_secret = (
+        "a pickled request",
+        "a pickle instead of a frame",
+        "a shared-memory segment unasked",
+        "a method not in the table",
+        "a pickled tensor",
+    )
+    for name in sent_with_the_secret:
         assert '"error": ["PeerDataError"' in answers[name], (name, answers[name])
+    assert "a frame of kind b" in answers["a pickle instead of a frame"]
+    assert "announced a shared-memory segment unasked" in answers["a shared-memory segment unasked"]
     assert "not one this server has" in answers["a method not in the table"]
     assert "not the frame marker" in answers["a pickled request"]
     assert "'object'" in answers["a pickled tensor"]
@@ -435,6 +456,6 @@ def test_a_parameter_server_refuses_what_is_not_its_jobs_plain_requests(tmp_path
     # The ps named every attack it refused; "no secret" was refused by the client itself, and
     # the ps saw only its connection close during the opening.
     lines = [x for x in ps_result.stderr.splitlines() if f"[ps 0 ({ps})] refused" in x]
-    assert len(lines) == 8, ps_result.stderr
-    assert sum("PeerDataError" in x for x in lines) == 7, ps_result.stderr
+    assert len(lines) == 10, ps_result.stderr
+    assert sum("PeerDataError" in x for x in lines) == 9, ps_result.stderr
     assert sum("its opening failed" in x for x in lines) == 1, ps_result.stderr

@@ -159,3 +159,39 @@ def test_a_ps_that_stops_answering_or_ends_is_named() -> None:
         with pytest.raises(PeerLostError, match="ps 0 did not answer a push: the connection clo"):
             c.receive(1, what="a push", silent=list, peer_ended=_never_ended)
         release.set()
+
+
+def test_a_shared_memory_segment_is_only_a_file_of_ours_in_dev_shm(tmp_path) -> None:
+    from stratagem.comm import shared_segment
+    from stratagem.errors import PeerDataError
+
+    def announce(name: bytes, size: int = 16) -> object:
+        data = bytes([len(name)]) + name + size.to_bytes(8, "little") + bytes(16)
+        offset = 0
+
+        def read(n: int) -> bytes:
+            nonlocal offset
+            offset += n
+            return data[offset - n : offset]
+
+        return read
+
+    for name, why in (
+        (b"../../etc/passwd", "not sg-<hex>"),
+        (b"sg-" + b"0" * 32, "cannot be opened"),
+    ):
+        with pytest.raises(PeerDataError, match=why):
+            shared_segment.ReceiveSegment(announce(name), peer="worker 1", check=True)
+    if not shared_segment.available():
+        pytest.skip("no /dev/shm")
+    segment = shared_segment.SendSegment(4096)
+    try:
+        # A segment of ours, but smaller than announced, or without the token it was offered
+        # with: refused.
+        name = segment.announce[1 : 1 + segment.announce[0]]
+        with pytest.raises(PeerDataError, match="not a file of this user of 8192 bytes"):
+            shared_segment.ReceiveSegment(announce(name, 8192), peer="worker 1", check=True)
+        with pytest.raises(PeerDataError, match="does not hold its token"):
+            shared_segment.ReceiveSegment(announce(name, 4096), peer="worker 1", check=True)
+    finally:
+        segment.close()

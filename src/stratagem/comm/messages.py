@@ -41,7 +41,7 @@ from torch.futures import Future
 
 from stratagem.cluster.address import parse_address
 from stratagem.cluster.job_secret import proof, proof_ok
-from stratagem.comm import plain_data
+from stratagem.comm import plain_data, shared_segment
 from stratagem.comm.binding import bind_address, bind_hint
 from stratagem.errors import (
     CollectiveTimeoutError,
@@ -121,9 +121,98 @@ def _send_all(sock: socket.socket, buffers: list[Any]) -> None:
                 sent = 0
 
 
-def send_frame(sock: socket.socket, value: Any, *, what: str) -> None:
-    head, tensors = plain_data.encode_parts(value, what=what)
-    _send_all(sock, [head] + [plain_data.tensor_buffer(t) for t in tensors])
+class _Channel:
+    """One side of a connection after its opening: frames out and in, each after a kind byte
+    (0: its tensors follow on the socket; 1: they are in the sender's shared-memory segment;
+    2: a new, larger segment is announced first, then as 1)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sending: shared_segment.SendSegment | None = None
+        self.receiving: shared_segment.ReceiveSegment | None = None
+        self._read_into = _reader(sock)
+
+    def offer_segment(self) -> None:
+        """Offer a segment for what this side sends; the other side confirms it could open it."""
+        if not shared_segment.available():
+            self.sock.sendall(b"\x00")
+            return
+        segment = shared_segment.SendSegment(1 << 20)
+        try:
+            self.sock.sendall(b"\x01" + segment.announce)
+            confirmed = _read_exact(self.sock, 1) == b"\x01"
+        except BaseException:
+            segment.close()
+            raise
+        if confirmed:
+            self.sending = segment
+        else:
+            segment.close()
+
+    def accept_segment(self, peer: str) -> bool:
+        """Read the other side's offer; open its segment if there is one (True if so)."""
+        if _read_exact(self.sock, 1) != b"\x01":
+            return False
+        try:
+            self.receiving = shared_segment.ReceiveSegment(
+                lambda n: _read_exact(self.sock, n), peer=peer, check=True
+            )
+        except PeerDataError:
+            self.sock.sendall(b"\x00")  # another machine, or another /dev/shm: the socket
+            return False
+        self.sock.sendall(b"\x01")
+        return True
+
+    def send(self, value: Any, *, what: str) -> None:
+        head, tensors = plain_data.encode_parts(value, what=what)
+        buffers = [plain_data.tensor_buffer(t) for t in tensors if t.numel()]
+        if self.sending is not None and shared_segment.tensor_bytes(tensors) >= (
+            shared_segment.MIN_BYTES
+        ):
+            announce = self.sending.write(buffers)
+            prefix = b"\x01" if announce is None else b"\x02" + announce
+            _send_all(self.sock, [prefix, head])
+        else:
+            _send_all(self.sock, [b"\x00", head, *buffers])
+
+    def receive(self, *, sender: str, what: str) -> Any:
+        kind = _read_exact(self.sock, 1)
+        if kind == b"\x00":
+            return plain_data.read_frame(self._read_into, sender=sender, what=what)
+        if kind == b"\x02":
+            if self.receiving is None:
+                raise PeerDataError(f"{sender} announced a shared-memory segment unasked")
+            self.receiving.close()
+            self.receiving = None
+            self.receiving = shared_segment.ReceiveSegment(
+                lambda n: _read_exact(self.sock, n), peer=sender, check=False
+            )
+        elif kind != b"\x01" or self.receiving is None:
+            raise PeerDataError(
+                f"{sender} sent a frame of kind {kind!r} during {what}; expected 0 (tensors on "
+                "the socket)" + (" or 1 or 2 (in shared memory)" if self.receiving else "")
+            )
+        return plain_data.read_frame(
+            self._read_into,
+            sender=sender,
+            what=what,
+            read_tensors_into=self.receiving.reader(),
+        )
+
+    def close(self) -> None:
+        for segment in (self.sending, self.receiving):
+            if segment is not None:
+                segment.close()
+        self.sending = self.receiving = None
+
+
+def _same_machine(sock: socket.socket) -> bool:
+    """Whether the two ends of a connection have the same address (then they may share
+    memory: the opening checks that they do)."""
+    try:
+        return sock.getpeername()[0] == sock.getsockname()[0]
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------------------- server
@@ -256,45 +345,51 @@ class MessageServer:
                 if self._closed:
                     return
                 self._open[conn] = who
+            channel = _Channel(conn)
             try:
                 conn.sendall(b"\x01")
+                # Shared memory for the tensors, both ways, when the client offers it.
+                if channel.accept_segment(f"{who} ({peer})"):
+                    channel.offer_segment()
                 conn.settimeout(None)  # a worker may be quiet between steps as long as it likes
-                self._requests(conn, f"{who} ({peer})")
-            except OSError:
-                pass  # it hung up as it was accepted
+                self._requests(channel, f"{who} ({peer})")
+            except (OSError, ConnectionError):
+                pass  # it hung up
+            except PeerDataError as e:
+                self._refuse(f"a connection from {who} ({peer})", f"PeerDataError: {e}")
             finally:
+                channel.close()
                 with self._lock:
                     self._open.pop(conn, None)
 
-    def _requests(self, conn: socket.socket, sender: str) -> None:
-        read_into = _reader(conn)
+    def _requests(self, channel: _Channel, sender: str) -> None:
         what = f"a request to {self.name}"
         while True:
             try:
-                request = plain_data.read_frame(read_into, sender=sender, what=what)
+                request = channel.receive(sender=sender, what=what)
                 rid, method = _check_request(request, self._methods, sender=sender, what=what)
             except (OSError, ConnectionError):
                 return  # the client hung up (or its process ended)
             except PeerDataError as e:
                 self._refuse(f"a request from {sender}", f"PeerDataError: {e}")
                 try:
-                    send_frame(conn, {"id": -1, "error": ["PeerDataError", str(e)]}, what=what)
+                    channel.send({"id": -1, "error": ["PeerDataError", str(e)]}, what=what)
                 except OSError:
                     pass
                 return
             try:
-                reply = {"id": rid, "result": self._call(conn, rid, method, request["args"])}
-                send_frame(conn, reply, what=f"the reply of {self.name}")
+                reply = {"id": rid, "result": self._call(channel, rid, method, request["args"])}
+                channel.send(reply, what=f"the reply of {self.name}")
             except OSError:
                 return
             except Exception as e:
                 error = {"id": rid, "error": [type(e).__name__, str(e)]}
                 try:
-                    send_frame(conn, error, what=f"the reply of {self.name}")
+                    channel.send(error, what=f"the reply of {self.name}")
                 except OSError:
                     return
 
-    def _call(self, conn: socket.socket, rid: int, method: Callable[..., Any], args: list) -> Any:
+    def _call(self, channel: _Channel, rid: int, method: Callable[..., Any], args: list) -> Any:
         result = method(*args)
         if not isinstance(result, Later):
             return result
@@ -302,7 +397,7 @@ class MessageServer:
         result.future.add_done_callback(lambda _: done.set())
         while not done.wait(self._note_every):
             why, tasks = result.waiting()
-            send_frame(conn, {"id": rid, "waiting": [why, tasks]}, what="a note")
+            channel.send({"id": rid, "waiting": [why, tasks]}, what="a note")
         return result.value(result.future.wait())
 
 
@@ -371,6 +466,13 @@ class Connection:
                 size = int.from_bytes(_read_exact(sock, 2), "little")
                 why = _read_exact(sock, size).decode(errors="replace")
                 raise RendezvousError(f"{me} was refused by {peer}: {why}")
+            channel = _Channel(sock)
+            if _same_machine(sock):
+                channel.offer_segment()
+                if channel.sending is not None:
+                    channel.accept_segment(peer)
+            else:
+                sock.sendall(b"\x00")
         except (OSError, ConnectionError) as e:
             sock.close()
             raise PeerLostError(
@@ -380,6 +482,7 @@ class Connection:
             sock.close()
             raise
         self._sock = sock
+        self._channel = channel
         self._next = 0
         self.lock = threading.Lock()  # one request at a time; callers hold it send to receive
 
@@ -394,6 +497,7 @@ class Connection:
         except OSError:
             pass
         self._sock.close()
+        self._channel.close()
 
     def call(self, method: str, args: list, *, what: str, **kwargs: Any) -> Any:
         with self.lock:
@@ -404,7 +508,7 @@ class Connection:
         request = {"id": self._next, "method": method, "args": args}
         try:
             self._sock.settimeout(self._timeout)
-            send_frame(self._sock, request, what=what)
+            self._channel.send(request, what=what)
         except OSError as e:
             raise self._lost(what, e) from None
         return self._next
@@ -423,11 +527,10 @@ class Connection:
         start = time.monotonic()
         deadline = start + self._timeout
         stuck: tuple[str, list[str]] | None = None
-        read_into = _reader(self._sock)
         while True:
             self._sock.settimeout(max(0.01, deadline - time.monotonic()))
             try:
-                message = plain_data.read_frame(read_into, sender=self.peer, what=what)
+                message = self._channel.receive(sender=self.peer, what=what)
             except TimeoutError:
                 raise self._timed_out(what, time.monotonic() - start, stuck, peer_ended) from None
             except (OSError, ConnectionError) as e:

@@ -238,11 +238,18 @@ def _tensor_table(table: Any, refuse: Any) -> list[tuple[torch.dtype, list[int],
     return out
 
 
-def read_frame(read_into: Callable[[memoryview], None], *, sender: str, what: str) -> Any:
+def read_frame(
+    read_into: Callable[[memoryview], None],
+    *,
+    sender: str,
+    what: str,
+    read_tensors_into: Callable[[memoryview], None] | None = None,
+) -> Any:
     """The value of one frame read from a stream, as ``decode`` would give it: ``read_into(b)``
     fills the buffer ``b`` whole (or raises). The header is checked before any tensor is
     allocated, and each tensor's bytes are read straight into the tensor that holds them: no
-    frame-sized buffer, no copy."""
+    frame-sized buffer, no copy. ``read_tensors_into``, when given, fills the tensors instead
+    (their bytes came another way, such as shared memory)."""
     refuse = _refuser(sender, what)
     preamble = bytearray(12)
     read_into(memoryview(preamble))
@@ -265,7 +272,7 @@ def read_frame(read_into: Callable[[memoryview], None], *, sender: str, what: st
     for dtype, shape, nbytes in table:
         t = torch.empty(shape, dtype=dtype)
         if nbytes:
-            read_into(tensor_buffer(t))
+            (read_tensors_into or read_into)(tensor_buffer(t))
         tensors.append(t)
     try:
         return _from_json(header["value"], tensors, refuse)

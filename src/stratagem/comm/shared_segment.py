@@ -1,0 +1,165 @@
+"""Tensor bytes through shared memory, between two processes of one machine.
+
+Over a TCP connection a tensor is copied into the kernel and out again, through loopback's
+small buffers; TensorPipe, which the parameter servers used before, hands same-machine tensors
+over with one copy. A ``comm.messages`` connection between processes of one machine therefore
+carries the bytes of large tensors in a file of ``/dev/shm`` that the sender writes and the
+receiver maps: each side owns the segment it sends through (mode 0600: this user's processes
+only). The frame itself (the schema, the tensors' dtypes and shapes) still travels on the
+socket, so nothing in the segment is more than raw bytes.
+
+A segment is announced as ``name length (1 byte) | name | size (8 bytes) | token (16 bytes)``;
+the receiver opens it by name (``sg-`` and 32 hex digits, nothing else), checks that it is a
+regular file of this user at least that large, and, at the connection's opening, that it holds
+the token (the two processes do share ``/dev/shm``), then unlinks the name: the mappings live
+on. A frame's tensors are written from the segment's start: a connection carries one request or
+one reply at a time, so the receiver has copied them out before the sender writes again.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from stratagem.errors import PeerDataError
+
+DIRECTORY = Path("/dev/shm")
+_NAME = re.compile(r"sg-[0-9a-f]{32}")
+_TOKEN_BYTES = 16
+MIN_BYTES = 64 << 10  # frames with fewer tensor bytes go on the socket
+
+
+def available() -> bool:
+    return DIRECTORY.is_dir() and os.access(DIRECTORY, os.W_OK)
+
+
+class SendSegment:
+    """The segment this side writes its frames' tensor bytes into (grown when one needs more)."""
+
+    def __init__(self, size: int) -> None:
+        self._map: mmap.mmap | None = None
+        self._names: list[Path] = []
+        self.announce = self._create(size)
+
+    def _create(self, size: int) -> bytes:
+        name = f"sg-{secrets.token_hex(16)}"
+        path = DIRECTORY / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        self._names.append(path)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if self._map is not None:
+            self._map.close()
+        self._map = mapping
+        token = secrets.token_bytes(_TOKEN_BYTES)
+        mapping[:_TOKEN_BYTES] = token
+        return bytes([len(name)]) + name.encode() + size.to_bytes(8, "little") + token
+
+    def write(self, buffers: list[memoryview]) -> bytes | None:
+        """Write the tensors' bytes from the start; the announcement of a new, larger segment
+        when the current one was too small (the receiver must open it first), else None."""
+        assert self._map is not None
+        needed = sum(len(b) for b in buffers)
+        announce = None
+        if needed > len(self._map):
+            self.close_names()
+            announce = self._create(max(needed, 2 * len(self._map)))
+        view = memoryview(self._map)
+        offset = 0
+        try:
+            for b in buffers:
+                view[offset : offset + len(b)] = b
+                offset += len(b)
+        finally:
+            view.release()
+        return announce
+
+    def close_names(self) -> None:
+        """Remove the names the receiver has not removed yet (it may never have opened them)."""
+        for path in self._names:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+        self._names = []
+
+    def close(self) -> None:
+        self.close_names()
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+class ReceiveSegment:
+    """The peer's segment, mapped read-only; ``reader()`` copies a frame's tensors out."""
+
+    def __init__(self, announce_read: Callable[[int], bytes], *, peer: str, check: bool) -> None:
+        size = announce_read(1)[0]
+        name = announce_read(size).decode("ascii", errors="replace")
+        nbytes = int.from_bytes(announce_read(8), "little")
+        token = announce_read(_TOKEN_BYTES)
+        if not _NAME.fullmatch(name):
+            raise PeerDataError(f"{peer} named the shared-memory segment {name!r}, not sg-<hex>")
+        path = DIRECTORY / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise PeerDataError(
+                f"{peer}'s shared-memory segment {name} cannot be opened: {e}"
+            ) from None
+        try:
+            info = os.fstat(fd)
+            if (
+                not stat.S_ISREG(info.st_mode)
+                or info.st_uid != os.getuid()
+                or info.st_size < nbytes
+                or nbytes <= 0
+            ):
+                raise PeerDataError(
+                    f"{peer}'s shared-memory segment {name} is not a file of this user of "
+                    f"{nbytes} bytes"
+                )
+            self._map = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+            self._view = memoryview(self._map)
+        finally:
+            os.close(fd)
+        try:
+            path.unlink()  # both sides hold their mapping; the name is no longer needed
+        except OSError:
+            pass
+        if check and self._map[:_TOKEN_BYTES] != token:
+            raise PeerDataError(f"{peer}'s shared-memory segment {name} does not hold its token")
+
+    def reader(self) -> Callable[[memoryview], None]:
+        offset = 0
+        view = self._view
+
+        def read_into(buffer: memoryview) -> None:
+            nonlocal offset
+            if offset + len(buffer) > len(view):
+                raise PeerDataError(
+                    f"a frame's tensors need more than the {len(view)} bytes of the peer's "
+                    "shared-memory segment"
+                )
+            buffer[:] = view[offset : offset + len(buffer)]
+            offset += len(buffer)
+
+        return read_into
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
