@@ -55,6 +55,7 @@ _CHALLENGE_BYTES = 32
 _PROOF_BYTES = 32
 _MAX_NAME_BYTES = 256
 _IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
+_BUFFER_BYTES = 64 << 10
 
 # Errors a server's method may raise that the caller gets back as the same type (any other is a
 # RuntimeError); their messages say what went wrong on the server.
@@ -130,7 +131,35 @@ class _Channel:
         self.sock = sock
         self.sending: shared_segment.SendSegment | None = None
         self.receiving: shared_segment.ReceiveSegment | None = None
-        self._read_into = _reader(sock)
+        self._read_direct = _reader(sock)
+        # What arrived beyond the last read: one recv brings a frame's kind, preamble and
+        # header at once (each recv that must wait is a trip through the scheduler).
+        self._buffer = bytearray(_BUFFER_BYTES)
+        self._start = self._end = 0
+
+    def _read_into(self, out: memoryview) -> None:
+        """Fill ``out`` from the buffered bytes, then the socket (large reads go straight into
+        ``out``; only frames are read this way, after the opening)."""
+        have = self._end - self._start
+        if have:
+            k = min(have, len(out))
+            out[:k] = self._buffer[self._start : self._start + k]
+            self._start += k
+            if k == len(out):
+                return
+            out = out[k:]
+        if len(out) >= _BUFFER_BYTES // 2:
+            self._read_direct(out)
+            return
+        view = memoryview(self._buffer)
+        self._start = self._end = 0
+        while self._end < len(out):
+            n = self.sock.recv_into(view[self._end :])
+            if n == 0:
+                raise ConnectionClosed("the connection was closed")
+            self._end += n
+        out[:] = view[: len(out)]
+        self._start = len(out)
 
     def offer_segment(self) -> None:
         """Offer a segment for what this side sends; the other side confirms it could open it."""
@@ -176,7 +205,9 @@ class _Channel:
             _send_all(self.sock, [b"\x00", head, *buffers])
 
     def receive(self, *, sender: str, what: str) -> Any:
-        kind = _read_exact(self.sock, 1)
+        first = bytearray(1)
+        self._read_into(memoryview(first))
+        kind = bytes(first)
         if kind == b"\x00":
             return plain_data.read_frame(self._read_into, sender=sender, what=what)
         if kind == b"\x02":
@@ -185,7 +216,7 @@ class _Channel:
             self.receiving.close()
             self.receiving = None
             self.receiving = shared_segment.ReceiveSegment(
-                lambda n: _read_exact(self.sock, n), peer=sender, check=False
+                self._read_bytes, peer=sender, check=False
             )
         elif kind != b"\x01" or self.receiving is None:
             raise PeerDataError(
@@ -198,6 +229,11 @@ class _Channel:
             what=what,
             read_tensors_into=self.receiving.reader(),
         )
+
+    def _read_bytes(self, size: int) -> bytes:
+        out = bytearray(size)
+        self._read_into(memoryview(out))
+        return bytes(out)
 
     def close(self) -> None:
         for segment in (self.sending, self.receiving):
