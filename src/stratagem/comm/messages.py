@@ -297,6 +297,7 @@ class MessageServer:
         self._lock = threading.Lock()
         self._open: dict[socket.socket, str] = {}  # connection -> the task on it
         self._closed = False
+        self._threads: list[threading.Thread] = []
         self.refused = 0  # connections and requests refused (for tests)
         self._thread = threading.Thread(target=self._accept, name=f"{name} server", daemon=True)
         self._thread.start()
@@ -306,7 +307,10 @@ class MessageServer:
         with self._lock:
             return sorted(self._open.values())
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 5.0) -> None:
+        """Stop listening, hang up every connection, and wait (up to ``wait_s``) for their
+        threads to end: a thread still inside torch when the interpreter exits aborts the
+        process ("terminate called without an active exception")."""
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -314,11 +318,16 @@ class MessageServer:
         self._sock.close()
         with self._lock:
             self._closed = True
+            threads = list(self._threads)
             for conn in list(self._open):
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+        deadline = time.monotonic() + wait_s
+        for thread in [self._thread, *threads]:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _accept(self) -> None:
         while True:
@@ -326,9 +335,15 @@ class MessageServer:
                 conn, address = self._sock.accept()
             except OSError:
                 return  # closed
-            threading.Thread(
+            thread = threading.Thread(
                 target=self._serve, args=(conn, f"{address[0]}:{address[1]}"), daemon=True
-            ).start()
+            )
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
 
     def _refuse(self, who: str, why: str) -> None:
         with self._lock:
@@ -432,6 +447,8 @@ class MessageServer:
         done = threading.Event()
         result.future.add_done_callback(lambda _: done.set())
         while not done.wait(self._note_every):
+            if self._closed:
+                raise ConnectionClosed(f"{self.name} closed")
             why, tasks = result.waiting()
             channel.send({"id": rid, "waiting": [why, tasks]}, what="a note")
         return result.value(result.future.wait())
