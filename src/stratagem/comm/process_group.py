@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from stratagem.cluster.job_secret import job_secret, task_hosts
 from stratagem.comm.binding import pin_transport_interfaces
 from stratagem.comm.communicator import Communicator, LocalCommunicator, PendingOp
 from stratagem.comm.liveness import LivenessServer, advertised_host, probe_all
@@ -127,6 +128,8 @@ class ProcessGroupCommunicator(Communicator):
         host, port = resolver.rendezvous_address
         hosts_store = self.rank == 0 and not resolver.agent_store
         owner = resolver.peer_name(0) if not resolver.agent_store else "the torchrun agent"
+        # Known before anything listens: a multi-machine job without a secret stops here.
+        secret = job_secret([host, *task_hosts(resolver.cluster_spec())], me=self._me)
         base = open_store(
             host,
             port,
@@ -134,6 +137,7 @@ class ProcessGroupCommunicator(Communicator):
             timeout_s=timeouts.rendezvous,
             owner=owner,
             me=self._me,
+            secret=secret,
         )
         # One namespace per attempt: torchrun's agent store outlives restarts of the workers.
         self._store = dist.PrefixStore(f"stratagem/{resolver.attempt}/", base)

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from stratagem.cluster.address import format_address
 from stratagem.comm.binding import bind_address, bind_hint
+from stratagem.comm.sealed_store import sealed
 from stratagem.errors import RendezvousError
 
 # Poll interval while waiting for peers; short enough to feel instant, long enough not to spin.
@@ -97,18 +99,22 @@ def open_store(
     timeout_s: float,
     owner: str,
     me: str,
-) -> dist.TCPStore:
-    """Host (``is_server``) or join the job's TCPStore at host:port."""
+    secret: bytes | None,
+) -> dist.Store:
+    """Host (``is_server``) or join the job's TCPStore at host:port, sealed with the job's
+    ``secret`` (``comm.sealed_store``; None: a job the user runs insecure)."""
     td = datetime.timedelta(seconds=timeout_s)
     if is_server:
         sock = listen_socket(host, port, owner=owner)
         # TCPStore takes over the socket; keep our object from closing it when collected.
         fd = sock.detach()
-        return dist.TCPStore(
+        base = dist.TCPStore(
             host, port, None, True, td, wait_for_workers=False, master_listen_fd=fd
         )
-    wait_for_port(host, port, time.monotonic() + timeout_s, owner=owner, me=me)
-    return dist.TCPStore(host, port, None, False, td)
+    else:
+        wait_for_port(host, port, time.monotonic() + timeout_s, owner=owner, me=me)
+        base = dist.TCPStore(host, port, None, False, td)
+    return sealed(base, secret, where=f"{owner} ({format_address(host, port)})")
 
 
 def _encode(m: Member) -> str:

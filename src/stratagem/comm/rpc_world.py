@@ -31,6 +31,7 @@ import torch.distributed.rpc as rpc
 
 from stratagem.cluster import ClusterResolver
 from stratagem.cluster.address import parse_address
+from stratagem.cluster.job_secret import job_secret, task_hosts
 from stratagem.comm.binding import pin_transport_interfaces
 from stratagem.comm.liveness import LivenessServer, advertised_host
 from stratagem.comm.rendezvous import Member, open_store, roll_call
@@ -80,6 +81,7 @@ class RpcWorld:
             timeout_s=rendezvous_timeout,
             owner=self.describe(0),
             me=self.describe(self.rank),
+            secret=job_secret(task_hosts(spec), me=self.describe(self.rank)),
         )
         store = dist.PrefixStore(f"stratagem-rpc/{resolver.attempt}/", base)
         cluster = json.dumps({j: spec.num_tasks(j) for j in sorted(spec.jobs)}, sort_keys=True)
