@@ -267,3 +267,33 @@ def _wait_keys(store: dist.TCPStore, count: int) -> None:
     while store.num_keys() < count:
         assert time.monotonic() < deadline, f"worker 0 wrote {store.num_keys()} keys in 60 s"
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-secret", "impostor"])
+def test_each_connection_proves_the_job_secret(tmp_path: Path, same: bool) -> None:
+    """gloo's connections carry no credentials; after start-up each pair of tasks answers a
+    challenge with the secret over its own connection. An impostor (another secret) on the
+    other end is named by each side."""
+    script = WORKERS / "peer_check.py"
+    rendezvous = tmp_path / "filestore"
+    secrets = [SECRET, SECRET if same else OTHER]
+    processes = [
+        Process(
+            [sys.executable, str(script), str(i), str(rendezvous)],
+            child_env({"SECRET": secrets[i]}),
+            tmp_path,
+            f"task{i}",
+        )
+        for i in range(2)
+    ]
+    try:
+        results = [p.wait(60) for p in processes]
+    finally:
+        for p in processes:
+            p.kill_group()
+    for i, r in enumerate(results):
+        r.check(f"task {i}")
+        if same:
+            assert r.stdout.strip() == "CHECKED", r.stdout
+        else:
+            assert f"REFUSED the connection from task {i} to task {1 - i} failed" in r.stdout

@@ -29,6 +29,7 @@ from stratagem.cluster.job_secret import job_secret, task_hosts
 from stratagem.comm.binding import pin_transport_interfaces
 from stratagem.comm.communicator import Communicator, LocalCommunicator, PendingOp
 from stratagem.comm.liveness import LivenessServer, advertised_host, probe_all
+from stratagem.comm.peer_check import check_peers
 from stratagem.comm.reduce_op import ReduceOp
 from stratagem.comm.rendezvous import Member, open_store, roll_call
 from stratagem.errors import CollectiveTimeoutError, PeerLostError, RendezvousError
@@ -165,6 +166,10 @@ class ProcessGroupCommunicator(Communicator):
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeouts.operation),
         )
+        if secret is not None:
+            check_peers(
+                secret, rank=self.rank, world_size=self.world_size, peer_name=self.peer_name
+            )
         # Everyone is past the store now: the rendezvous host may leave whenever it is done.
         self.barrier(what="the end of start-up")
         global _previous_excepthook
