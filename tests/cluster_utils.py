@@ -140,6 +140,11 @@ class Process:
         with open(self._out.name) as f:
             return f.read()
 
+    def errors_so_far(self) -> str:
+        self._err.flush()
+        with open(self._err.name) as f:
+            return f.read()
+
 
 class Cluster:
     """N processes of one script, each with its TF_CONFIG, stopped on exit whatever happens."""

@@ -15,6 +15,7 @@ import collections
 import contextlib
 import datetime
 import os
+import re
 import socket
 import sys
 import threading
@@ -26,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from stratagem.cluster.job_secret import job_secret, task_hosts
+from stratagem.comm import error_report
 from stratagem.comm.binding import pin_transport_interfaces
 from stratagem.comm.communicator import Communicator, LocalCommunicator, PendingOp
-from stratagem.comm.liveness import LivenessServer, advertised_host, probe_all
+from stratagem.comm.liveness import SILENT, LivenessServer, advertised_host, probe_all
 from stratagem.comm.peer_check import check_peers
 from stratagem.comm.reduce_op import ReduceOp
 from stratagem.comm.rendezvous import Member, open_store, roll_call
@@ -90,16 +92,6 @@ class _Pending(PendingOp):
 
 # Set when the interpreter is exiting because of an uncaught exception: the exit handshake then
 # says "error" and does not wait for the others.
-_failing = False
-_previous_excepthook = sys.excepthook
-
-
-def _flag_failure(*args: Any) -> None:
-    global _failing
-    _failing = True
-    _previous_excepthook(*args)
-
-
 class ProcessGroupCommunicator(Communicator):
     """Collectives among the chief and workers of a cluster, over torch.distributed."""
 
@@ -172,10 +164,7 @@ class ProcessGroupCommunicator(Communicator):
             )
         # Everyone is past the store now: the rendezvous host may leave whenever it is done.
         self.barrier(what="the end of start-up")
-        global _previous_excepthook
-        if sys.excepthook is not _flag_failure:
-            _previous_excepthook = sys.excepthook
-            sys.excepthook = _flag_failure
+        error_report.install(self._me)
         atexit.register(self.shutdown)
 
     # ----------------------------------------------------------------- naming and errors
@@ -196,7 +185,7 @@ class ProcessGroupCommunicator(Communicator):
         """Turn a failed collective into an error naming the lost or lagging peer."""
         op = f"{name} of {what} (operation #{self._seq})"
         answers = probe_all(self._peers)
-        gone = {r: a for r, a in answers.items() if a is None or a.status != "running"}
+        gone = {r: a for r, a in answers.items() if a is None or a.status in ("ok", "error")}
         if gone:
             why = {None: "", "error": " (it exited with an error)", "ok": " (it had finished)"}
             who = ", ".join(
@@ -204,21 +193,30 @@ class ProcessGroupCommunicator(Communicator):
                 for r, a in sorted(gone.items())
             )
             return PeerLostError(
-                f"{who} was lost during {op} on {self._me}. Underlying error: {_first_line(error)}"
+                f"{who} was lost during {op} on {self._me}. Underlying error: "
+                f"{_first_line(error)}. Its own output says why it ended; `stratagem run "
+                "--max-restarts N` restarts a job from its last checkpoint"
             )
         text = str(error).lower()
-        if "timed out" in text or "timeout" in text:
-            behind = ", ".join(
-                f"{self.peer_name(r)} is at {a.position}"
+        silent = [r for r, a in sorted(answers.items()) if a is not None and a.status == SILENT]
+        if silent or "timed out" in text or "timeout" in text:
+            where = ", ".join(
+                f"{self.peer_name(r)} does not answer (stopped or stuck)"
+                if a is not None and a.status == SILENT
+                else f"{self.peer_name(r)} is at {a.position}"
                 for r, a in sorted(answers.items())
                 if a is not None
             )
             return CollectiveTimeoutError(
                 f"{op} timed out after {self.timeouts.operation:g}s on {self._me}; every peer is "
-                f"alive, so one has not reached this operation: {behind}. "
-                "Raise the timeout with STRATAGEM_OP_TIMEOUT if that is expected."
+                f"alive, so one has not reached this operation: {where}. A stopped process "
+                "must be resumed or ended; raise the timeout with STRATAGEM_OP_TIMEOUT if a "
+                "peer is only slow."
             )
         return error
+
+    def named_faults(self, operation: str, *, what: str) -> contextlib.AbstractContextManager[None]:
+        return self._operation(operation, what)
 
     # ----------------------------------------------------------------- collectives
 
@@ -271,7 +269,9 @@ class ProcessGroupCommunicator(Communicator):
             return
         self._closed = True
         atexit.unregister(self.shutdown)
-        self._liveness.close("error" if _failing or sys.exc_info()[0] is not None else "ok")
+        self._liveness.close(
+            "error" if error_report.failing() or sys.exc_info()[0] is not None else "ok"
+        )
         if dist.is_initialized():
             dist.destroy_process_group()
         global _live
@@ -332,10 +332,17 @@ class GroupCommunicator(Communicator):
     def barrier(self, *, what: str) -> None:
         self.all_reduce(torch.zeros(1), what=what)
 
+    def named_faults(self, operation: str, *, what: str) -> contextlib.AbstractContextManager[None]:
+        return self._job.named_faults(operation, what=what)
+
 
 def _first_line(error: BaseException) -> str:
+    """The gist of a torch/gloo error: its first line, without gloo's source location and
+    its advice to read the remote worker's log (we name the worker instead)."""
     text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
+    line = text[0] if text else type(error).__name__
+    line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+    return line.split(". This is typically caused by")[0].rstrip(".")
 
 
 def _canonical(resolver: Resolver) -> str:
