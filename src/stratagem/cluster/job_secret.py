@@ -156,12 +156,14 @@ def job_secret(hosts: Iterable[str], *, me: str) -> bytes | None:
 
 
 def task_hosts(spec: ClusterSpec) -> list[str]:
-    """The hosts of every task of ``spec``: which machines a job spans."""
-    return [
-        parse_address(spec.task_address(job, index))[0]
-        for job in spec.jobs
-        for index in spec.task_indices(job)
+    """The hosts of every task of ``spec``: which machines a job spans. torchrun's spec knows
+    only its rendezvous host (the others are placeholders such as ``<torchrun rank 1>``): on a
+    multi-node torchrun job the nodes whose MASTER_ADDR is another machine are refused without
+    a secret, which tells the user to give the same one to every node."""
+    addresses = [
+        spec.task_address(job, index) for job in spec.jobs for index in spec.task_indices(job)
     ]
+    return [parse_address(a)[0] for a in addresses if not a.startswith("<")]
 
 
 def key_for(secret: bytes, purpose: str) -> bytes:

@@ -132,6 +132,10 @@ class ProcessGroupCommunicator(Communicator):
             me=self._me,
             secret=secret,
         )
+        # Held for the life of the connection: a store written in Python (the sealed one) is
+        # reached by torch's C++ only while its Python object lives; once collected, a later
+        # process group (a mesh's dimensions) would find "Not implemented" in its place.
+        self._base_store = base
         # One namespace per attempt: torchrun's agent store outlives restarts of the workers.
         self._store = dist.PrefixStore(f"stratagem/{resolver.attempt}/", base)
         own_host = advertised_host(host)

@@ -166,6 +166,16 @@ class SealedStore(dist.Store):
     def has_extended_api(self) -> bool:
         return True
 
+    def clone(self) -> SealedStore:
+        # torch clones the store for each new process group (a mesh's dimensions): the clone
+        # talks to the same server over its own connection, sealed alike.
+        twin = SealedStore.__new__(SealedStore)
+        dist.Store.__init__(twin)
+        twin._base = self._base.clone()
+        twin._names, twin._cipher, twin._mac = self._names, self._cipher, self._mac
+        twin._where = self._where
+        return twin
+
 
 def _xor(a: bytes, b: bytes) -> bytes:
     if not a:
