@@ -1,0 +1,178 @@
+"""Prefetch: a step of fixed compute fed by a slow ``map``, with and without overlap.
+
+The input is a ``map`` that takes ``--input-ms`` per batch (20 ms by default: a sleep, standing
+for reading and decoding files, which leaves the CPU, plus a small augmentation in torch); the
+step is a small CNN's forward, backward and SGD update on one intra-op thread. Measured side
+by side in one process, in rounds whose order rotates, so that every variant meets the same
+machine state:
+
+- ``input`` alone: iterating the dataset, no step;
+- ``compute`` alone: the step on batches already in memory;
+- ``plain``: the dataset as written (``map`` then the step, in one thread): expected about
+  ``input + compute`` per step;
+- ``prefetch``: ``.prefetch(AUTOTUNE)``: expected about ``max(input, compute)``;
+- ``parallel``: ``map(num_parallel_calls=AUTOTUNE)`` and ``.prefetch(AUTOTUNE)``: the input
+  side splits over the pool, so the step alone bounds it when the calls can overlap.
+
+Reported per variant: the median over rounds of steps/s, and the ratios the issue asks for:
+``prefetch`` against ``1 / max(input, compute)`` (1.0 = perfect overlap) and ``plain`` against
+``1 / (input + compute)``. With ``--device cuda`` (when one is present) the step runs on the GPU
+and the last stage is ``prefetch_to_device``.
+
+    python benchmarks/prefetch.py              # about 1 min on 2 cores
+    python benchmarks/prefetch.py --quick      # a smoke run
+    python benchmarks/prefetch.py --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+import stratagem as sg
+
+AUTOTUNE = sg.data.AUTOTUNE
+
+
+def make_model(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 28 * 28, 10),
+    ).to(device)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def dataset(
+    batches: int, batch: int, input_s: float, parallel: bool, prefetch: str, device: torch.device
+) -> sg.data.Dataset:
+    x = torch.randn(batches * batch, 1, 28, 28)
+    y = torch.randint(0, 10, (batches * batch,))
+
+    def decode(images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(input_s)  # reading and decoding: the CPU is free meanwhile
+        return images.flip(-1) * 0.5, labels
+
+    ds = sg.data.Dataset.from_tensor_slices((x, y)).batch(batch)
+    ds = ds.map(decode, num_parallel_calls=AUTOTUNE if parallel else None)
+    if prefetch == "host":
+        ds = ds.prefetch(AUTOTUNE)
+    elif prefetch == "device":
+        ds = ds.apply(sg.data.experimental.prefetch_to_device(device))
+    return ds
+
+
+def timed_steps(
+    items: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    step: Callable[[torch.Tensor, torch.Tensor], None] | None,
+    device: torch.device,
+    warmup: int,
+) -> float:
+    """Steps per second over ``items`` after ``warmup`` of them."""
+    count, start = 0, 0.0
+    for i, (images, labels) in enumerate(items):
+        if step is not None:
+            step(images.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+        if i == warmup - 1:  # the clock covers fetching and stepping the items after warm-up
+            _sync(device)
+            start = time.perf_counter()
+        count += i >= warmup
+    _sync(device)
+    return count / (time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input-ms", type=float, default=20.0)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batches", type=int, default=40, help="per measurement")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.batches, args.rounds = 12, 2
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    warmup = 2
+    model, optimizer = make_model(device)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(images: torch.Tensor, labels: torch.Tensor) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(images), labels).backward()
+        optimizer.step()
+
+    in_memory = list(dataset(args.batches, args.batch, 0.0, False, "none", device))
+    last = "device" if device.type == "cuda" else "host"
+    variants: dict[str, Callable[[], float]] = {
+        "input": lambda: timed_steps(
+            dataset(args.batches, args.batch, args.input_ms / 1e3, False, "none", device),
+            None,
+            device,
+            warmup,
+        ),
+        "compute": lambda: timed_steps(in_memory, step, device, warmup),
+        "plain": lambda: timed_steps(
+            dataset(args.batches, args.batch, args.input_ms / 1e3, False, "none", device),
+            step,
+            device,
+            warmup,
+        ),
+        "prefetch": lambda: timed_steps(
+            dataset(args.batches, args.batch, args.input_ms / 1e3, False, last, device),
+            step,
+            device,
+            warmup,
+        ),
+        "parallel": lambda: timed_steps(
+            dataset(args.batches, args.batch, args.input_ms / 1e3, True, last, device),
+            step,
+            device,
+            warmup,
+        ),
+    }
+    names = list(variants)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]  # rotate who goes first
+        for name in order:
+            samples[name].append(variants[name]())
+        print(
+            f"round {r + 1}/{args.rounds}: "
+            + ", ".join(f"{n} {samples[n][-1]:.1f}" for n in names)
+            + " steps/s",
+            flush=True,
+        )
+    med = {name: statistics.median(v) for name, v in samples.items()}
+    input_s, compute_s = 1 / med["input"], 1 / med["compute"]
+    result = {
+        "device": str(device),
+        "input_ms_per_batch": round(input_s * 1e3, 2),
+        "compute_ms_per_step": round(compute_s * 1e3, 2),
+        "steps_per_s": {name: round(v, 2) for name, v in med.items()},
+        "prefetch_vs_max(input,compute)": round(med["prefetch"] * max(input_s, compute_s), 3),
+        "parallel_vs_compute_alone": round(med["parallel"] * compute_s, 3),
+        "plain_vs_sum(input+compute)": round(med["plain"] * (input_s + compute_s), 3),
+        "prefetch_speedup_over_plain": round(med["prefetch"] / med["plain"], 3),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
