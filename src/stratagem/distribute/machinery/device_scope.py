@@ -107,6 +107,18 @@ def device(device_name: str | torch.device | LogicalDevice) -> Iterator[None]:
         stack.pop()
 
 
+@contextlib.contextmanager
+def naming(target: LogicalDevice) -> Iterator[None]:
+    """For threads stratagem runs on a device (parallel branches): the thread's current device
+    is ``target`` (the placement log names it), with no placement and no checks."""
+    stack = _stack()
+    stack.append(target)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
 def _open() -> None:
     global _open_scopes
     with _lock:

@@ -121,6 +121,8 @@ def _before_forward(module: torch.nn.Module, args: Any) -> None:
     named = _module_device(module)
     if named is None and stack:
         named = stack[-1][1]  # a part without a tag (ReLU) runs where its parent does
+    if named is None:
+        named = device_scope.current_device()  # a branch's thread: its device
     stack.append((module, named))
 
 
