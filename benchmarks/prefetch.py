@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
     if args.quick:
-        args.batches, args.rounds = 12, 2
+        args.batches, args.rounds, args.batch = 6, 1, 16
     torch.set_num_threads(1)
     device = torch.device(args.device)
     warmup = 2
