@@ -22,6 +22,7 @@ and the last stage is ``prefetch_to_device``.
     python benchmarks/prefetch.py              # about 1 min on 2 cores
     python benchmarks/prefetch.py --quick      # a smoke run
     python benchmarks/prefetch.py --device cuda
+    python benchmarks/prefetch.py --wait-step-ms 30   # the step as an accelerator's: a wait
 """
 
 from __future__ import annotations
@@ -105,6 +106,14 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=40, help="per measurement")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--wait-step-ms",
+        type=float,
+        default=None,
+        help="a step that waits this long instead of computing on the CPU: an accelerator's "
+        "step as the host sees it (the CPU free meanwhile); separates the overlap itself from "
+        "two CPU-bound stages competing for a busy machine's cores",
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args()
@@ -117,6 +126,9 @@ def main() -> None:
     loss_fn = nn.CrossEntropyLoss()
 
     def step(images: torch.Tensor, labels: torch.Tensor) -> None:
+        if args.wait_step_ms is not None:
+            time.sleep(args.wait_step_ms / 1e3)
+            return
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model(images), labels).backward()
         optimizer.step()
@@ -172,6 +184,7 @@ def main() -> None:
 
     result = {
         "device": str(device),
+        "step": "CNN" if args.wait_step_ms is None else f"wait {args.wait_step_ms} ms",
         "input_ms_per_batch": round(1e3 / med["input"], 2),
         "compute_ms_per_step": round(1e3 / med["compute"], 2),
         "steps_per_s": {name: round(v, 2) for name, v in med.items()},
