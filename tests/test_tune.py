@@ -513,6 +513,9 @@ def test_devices_per_trial_is_checked_when_the_job_is_made(tmp_path, monkeypatch
     # Fewer trials than the parallel count: only those need GPUs.
     job = make_job(tmp_path, "gpus", parallel_trial_count=4, max_trial_count=2, devices_per_trial=1)
     assert job.device_groups == ["0", "1"]
+    # A study file takes it too.
+    spec = write_spec(tmp_path, devices_per_trial=2, parallel_trial_count=1)
+    assert load_tuning_job(spec).device_groups == ["0,1"]
 
 
 @pytest.mark.e2e
