@@ -10,7 +10,8 @@ CPU's cores). The script
 1. checks that the parallel forward gives the same outputs, loss and gradients as running the
    branches one after the other (to 1e-6);
 2. trains a few hundred steps and reports test accuracy;
-3. times a training step both ways, side by side, and prints the ratio as measured.
+3. times training steps and inference both ways, side by side, and prints the ratios as
+   measured.
 
     python examples/two_branch.py                    # devices: 2 GPUs, else cpu:0 and cpu:1
     python examples/two_branch.py --devices cpu:0 cpu:1 --steps 200
@@ -91,12 +92,16 @@ def check_equivalence(model: TwoBranchNet, images: torch.Tensor, labels: torch.T
     return float(max(diffs))
 
 
-def time_steps(model, optimizer, batches, parallel: bool, device) -> float:
+def time_steps(model, optimizer, batches, parallel: bool, device, train: bool) -> float:
     model.parallel = parallel
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     for images, labels in batches:
+        if not train:  # inference: the forward alone, where the branches overlap throughout
+            with torch.no_grad():
+                model(*halves(images))
+            continue
         optimizer.zero_grad(set_to_none=True)
         logits = model(*halves(images))
         nn.functional.cross_entropy(logits, labels.to(logits.device)).backward()
@@ -155,19 +160,23 @@ def main() -> None:
     print(f"Test accuracy: {accuracy:.4f}")
 
     # Side by side: rounds of parallel and sequential steps on the same batches, the order
-    # alternating, the ratio of the medians.
+    # alternating, the ratio of the medians; training steps (whose backward is sequential on
+    # CPU) and inference (forward only).
     batches = list(train.take(args.timing_steps))
     head_device = model.head.weight.device
-    speeds: dict[bool, list[float]] = {True: [], False: []}
-    for r in range(args.timing_rounds):
-        for parallel in (True, False) if r % 2 == 0 else (False, True):
-            speeds[parallel].append(time_steps(model, optimizer, batches, parallel, head_device))
-    par, seq = statistics.median(speeds[True]), statistics.median(speeds[False])
-    print(
-        f"training steps/s: parallel {par:.2f}, sequential {seq:.2f}, ratio {par / seq:.3f} "
-        f"(median of {args.timing_rounds} rounds of {args.timing_steps} steps, "
-        f"{torch.get_num_threads()} intra-op threads)"
-    )
+    for train_step in (True, False):
+        speeds: dict[bool, list[float]] = {True: [], False: []}
+        for r in range(args.timing_rounds):
+            for parallel in (True, False) if r % 2 == 0 else (False, True):
+                speeds[parallel].append(
+                    time_steps(model, optimizer, batches, parallel, head_device, train_step)
+                )
+        par, seq = statistics.median(speeds[True]), statistics.median(speeds[False])
+        print(
+            f"{'training' if train_step else 'inference'} steps/s: parallel {par:.2f}, "
+            f"sequential {seq:.2f}, ratio {par / seq:.3f} (median of {args.timing_rounds} "
+            f"rounds of {args.timing_steps} steps, {torch.get_num_threads()} intra-op threads)"
+        )
 
 
 if __name__ == "__main__":

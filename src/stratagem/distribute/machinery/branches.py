@@ -14,9 +14,10 @@ thread), joined before forward returns.
   used by the caller's stream for the caching allocator. torch's autograd engine runs backward
   on one thread per GPU, so the backward passes of branches on two GPUs overlap too.
 - On logical CPU devices ("cpu:0", "cpu:1": one CPU), the threads share the CPU's cores:
-  torch operations leave the GIL, so two branches keep two cores busy where one branch's
-  operations are too small to use them all. The backward pass runs in the caller's thread
-  (torch's CPU autograd has one), so it is sequential.
+  torch operations leave the GIL, and each branch computes with its share of the intra-op
+  threads (two branches on two cores: one core each), which pays where one branch's
+  operations are too small to use every core well. The backward pass runs in the caller's
+  thread (torch's CPU autograd has one), so it is sequential and uses every thread.
 
 Values and gradients are those of running the branches one after the other: each branch sees
 its own input and parameters, and nothing is shared between threads but the read-only inputs.
@@ -26,8 +27,9 @@ The thread-local state a branch needs is carried into its thread: grad mode, the
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,6 +56,11 @@ def run_on_devices(
         for device, _ in calls
         if device.torch_device.type == "cuda"
     }
+    # CPU branches share the process's intra-op threads: each computes with its share, so two
+    # branches on a 2-core machine use one core each instead of 2 x 2 threads fighting over
+    # two cores (OpenMP's thread count is per calling thread; the caller's is restored).
+    on_cpu = sum(device.torch_device.type == "cpu" for device, _ in calls)
+    threads_each = max(1, torch.get_num_threads() // max(1, on_cpu))
     results: list[Any] = [None] * len(calls)
     errors: list[BaseException | None] = [None] * len(calls)
 
@@ -61,6 +68,7 @@ def run_on_devices(
         device, fn = calls[i]
         try:
             with (
+                _intra_op_threads(threads_each if device.torch_device.type == "cpu" else None),
                 torch.set_grad_enabled(grad),
                 device_scope.naming(device),
                 placement_log.thread_logging(),
@@ -85,6 +93,19 @@ def run_on_devices(
         if error is not None:
             raise error
     return results
+
+
+@contextlib.contextmanager
+def _intra_op_threads(count: int | None) -> Iterator[None]:
+    if count is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class OnDevice:
