@@ -2,7 +2,7 @@
 
 ``sg.debugging.set_log_device_placement`` is off by default and installs nothing then, so it
 should cost nothing; on, every torch operation and module call passes through a
-``TorchFunctionMode`` and a forward hook. Measured side by side in one process, in rounds whose
+``TorchDispatchMode`` and a forward hook. Measured side by side in one process, in rounds whose
 order rotates: training steps per second of a small CNN (forward, backward, SGD) on one
 intra-op thread,
 

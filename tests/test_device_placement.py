@@ -96,6 +96,14 @@ def placement_log(caplog):
     sg.debugging.set_log_device_placement(False)
 
 
+def _modes():
+    """The function and dispatch modes of this thread (torch's own listing)."""
+    return (
+        torch.overrides._get_current_function_mode_stack(),
+        torch.utils._python_dispatch._get_current_dispatch_mode_stack(),
+    )
+
+
 def _lines(caplog):
     return [r.getMessage() for r in caplog.records if r.name == "stratagem.device_placement"]
 
@@ -104,7 +112,7 @@ def test_placement_log_is_off_by_default_and_installs_nothing(placement_log):
     assert sg.debugging.get_log_device_placement() is False
     torch.nn.Linear(2, 2)(torch.ones(1, 2))
     assert _lines(placement_log) == []
-    assert torch.overrides._get_current_function_mode_stack() == []
+    assert _modes() == ([], [])
 
 
 def test_placement_log_logs_each_op_and_module_once_per_device(placement_log):
@@ -124,13 +132,33 @@ def test_placement_log_logs_each_op_and_module_once_per_device(placement_log):
     assert f"Executing module Linear {cpu1}" in lines
     assert f"Executing module ReLU {cpu1}" in lines  # runs where its parent was placed
     assert f"Executing module Sequential {cpu1}" in lines
-    assert f"Executing op torch.nn.functional.linear {cpu1}" in lines
-    assert f"Executing op torch.Tensor.sum {cpu0}" in lines
-    assert f"Executing op torch.ones {cpu0}" in lines
+    assert f"Executing op aten::addmm {cpu1}" in lines
+    assert f"Executing op aten::sum {cpu0}" in lines
+    assert f"Executing op aten::ones {cpu0}" in lines
     assert len(lines) == len(set(lines))  # once per (op, device), though called three times
-    assert torch.overrides._get_current_function_mode_stack() == []
+    assert _modes() == ([], [])
 
 
 def test_set_log_device_placement_takes_a_bool():
     with pytest.raises(TypeError, match="True or False"):
         sg.debugging.set_log_device_placement("yes")
+
+
+def test_the_log_turned_on_inside_a_device_scope_outlives_it(placement_log):
+    # A function mode pushed inside torch's device context would be popped in its place.
+    with sg.device("/cpu:1"):
+        sg.debugging.set_log_device_placement(True)
+    assert _modes()[0] == []  # the device scope is gone, nothing of it left behind
+    torch.ones(3) * 2
+    sg.debugging.set_log_device_placement(False)
+    assert _modes() == ([], [])
+    cpu0 = "in device /job:localhost/replica:0/task:0/device:CPU:0"
+    assert f"Executing op aten::mul.Tensor {cpu0}" in _lines(placement_log)
+
+
+def test_backward_ops_are_logged_too(placement_log):
+    layer = torch.nn.Linear(2, 2)
+    sg.debugging.set_log_device_placement(True)
+    layer(torch.ones(1, 2)).sum().backward()
+    sg.debugging.set_log_device_placement(False)
+    assert any(line.startswith("Executing op aten::mm ") for line in _lines(placement_log))

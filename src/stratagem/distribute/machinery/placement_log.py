@@ -2,17 +2,19 @@
 
 When on, every operation is logged with the device it ran on, once per distinct (operation,
 device), to the ``stratagem.device_placement`` logger (to stderr when logging is not set up,
-as TF prints its log): ``Executing op torch.nn.functional.linear in device
+as TF prints its log): ``Executing op aten::addmm in device
 /job:localhost/replica:0/task:0/device:CPU:1``.
 
 Two sources, because of what torch offers:
 
 - module calls, from a global forward hook (``register_module_forward_hook``): every thread;
   the device is the ``sg.device`` the module was created under, else its first parameter's;
-- torch operations, from a ``TorchFunctionMode``: torch keeps such modes per thread, so they
-  are logged in the thread that turned the log on and in the threads stratagem starts
-  (parallel branches enter ``thread_logging()``); the device is the result's, named after the
-  thread's innermost ``sg.device`` when that is the same torch device (a logical CPU device).
+- ATen operations (forward and backward), from a ``TorchDispatchMode``: torch keeps such modes
+  per thread (its autograd engine carries them to its own threads), so they are logged in the
+  thread that turned the log on and in the threads stratagem starts (parallel branches enter
+  ``thread_logging()``); the device is the result's, named after the module being called or
+  the thread's innermost ``sg.device`` when that is the same torch device (a logical CPU
+  device).
 
 Off, nothing is installed: no hook, no mode, so there is no cost at all (measured in
 ``benchmarks/placement_log.py``).
@@ -31,7 +33,7 @@ from torch.nn.modules.module import (
     register_module_forward_hook,
     register_module_forward_pre_hook,
 )
-from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from stratagem.distribute.machinery import device_scope
 from stratagem.distribute.machinery.devices import LogicalDevice
@@ -87,20 +89,21 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-class PlacementMode(TorchFunctionMode):
-    """Logs each torch operation with its result's device."""
+class PlacementMode(TorchDispatchMode):
+    """Logs each ATen operation (what a kernel runs: ``aten::addmm``) with its result's device.
 
-    def __torch_function__(
+    A dispatch mode, not a function mode: ``with torch.device(...)`` (and so ``sg.device``) is
+    a function mode, and torch's function modes leave by popping the top of their stack, so a
+    function mode pushed inside one would be popped in its place when it exits.
+    """
+
+    def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         result = func(*args, **(kwargs or {}))
         tensor = _first_tensor(result)
         if tensor is not None and _enabled:
-            _record(
-                "op",
-                resolve_name(func) or getattr(func, "__name__", repr(func)),
-                _device_name(tensor.device),
-            )
+            _record("op", func.name(), _device_name(tensor.device))
         return result
 
 
