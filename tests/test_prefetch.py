@@ -142,6 +142,9 @@ def test_threads_stop_on_break_on_drop_and_at_the_end():
     del never_started
     gc.collect()
     assert _our_threads() == []
+    taken = ds.take(3).map(lambda x: x, num_parallel_calls=2)  # a take stops pulling early
+    assert [int(v) for v in taken] == [1, 2, 3]
+    assert _our_threads() == []
     it = iter(sg.data.Dataset.range(3).prefetch(1))
     assert [int(v) for v in it] == [0, 1, 2]
     assert _our_threads() == []
