@@ -516,6 +516,22 @@ def test_devices_per_trial_is_checked_when_the_job_is_made(tmp_path, monkeypatch
     # A study file takes it too.
     spec = write_spec(tmp_path, devices_per_trial=2, parallel_trial_count=1)
     assert load_tuning_job(spec).device_groups == ["0,1"]
+    # Vertex AI's spelling: the trial template's accelerator_count, GPUs per trial.
+    template = sg.jobs.CustomJob.from_local_script(
+        "t", SCRIPT, accelerator_type="NVIDIA_TESLA_K80", accelerator_count=2
+    )
+    job = sg.tune.HyperparameterTuningJob(
+        "vertex", template, metric_spec={"accuracy": "maximize"}, parameter_spec=SPACE,
+        max_trial_count=2, parallel_trial_count=1, base_output_dir=tmp_path,
+    )  # fmt: skip
+    assert job.devices_per_trial == 2 and job.device_groups == ["0,1"]
+    with pytest.raises(sg.tune.TuningConfigError, match="need 4 GPUs; this machine has 2"):
+        sg.tune.HyperparameterTuningJob(
+            "vertex", template, metric_spec={"accuracy": "maximize"}, parameter_spec=SPACE,
+            max_trial_count=2, parallel_trial_count=2, base_output_dir=tmp_path,
+        )  # fmt: skip
+    with pytest.raises(sg.jobs.JobConfigError, match="accelerator_count must be an int >= 0"):
+        sg.jobs.CustomJob("t", SCRIPT, accelerator_count=-1)
 
 
 @pytest.mark.e2e
