@@ -75,6 +75,10 @@ def test_a_strategy_scope_wins_and_a_foreign_device_is_an_error():
         pass
     with sg.device("/cpu:1"), strategy.scope():  # compatible: fine in this order too
         torch.nn.Linear(2, 2)
+    # The default strategy places nothing: its scope keeps the device scope's placement.
+    with sg.device("/cpu:3"), sg.distribute.get_strategy().scope():
+        layer = torch.nn.Linear(2, 2)
+    assert module_device(layer).name == "cpu:3"
 
 
 @pytest.mark.cuda

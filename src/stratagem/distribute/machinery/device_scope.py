@@ -69,9 +69,14 @@ def _active_strategy() -> Strategy | None:
 
 
 def check_strategy(strategy: Strategy) -> None:
-    """Raise if ``strategy``'s scope opens inside an ``sg.device`` it does not compute on."""
+    """Raise if ``strategy``'s scope opens inside an ``sg.device`` it does not compute on.
+
+    The default strategy places nothing (TF does not count it as a strategy): its scope keeps
+    the device scope's placement."""
+    from stratagem.distribute.default_strategy import default_strategy
+
     target = current_device()
-    if target is not None:
+    if target is not None and strategy is not default_strategy():
         _check_conflict(strategy, target, "outside")
 
 
