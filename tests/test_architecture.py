@@ -28,6 +28,8 @@ import pytest
 # layering is written down: a new edge is a deliberate edit here, and it must keep the table
 # acyclic. Listed top (may import most) to bottom (imports nothing of ours).
 LAYERS: dict[str, set[str]] = {
+    # tf.debugging: the device placement log, over sg.device's scopes.
+    "debugging": {"distribute", "errors"},
     # Vertex-style studies: trials are jobs.
     "tune": {"jobs", "cluster", "errors"},
     # Vertex-style custom jobs: launch a script as a local cluster.

@@ -488,3 +488,62 @@ def test_the_seed_search_example_smoke_run(tmp_path):
     for trial in summary["trials"]:
         assert set(trial["parameters"]) == {"learning_rate", "n_neurons", "n_hidden", "optimizer"}
         assert 0 <= trial["final_measurement"]["accuracy"] <= 1
+
+
+# --- a GPU per trial (devices_per_trial) ---------------------------------------------------------
+
+
+def test_device_groups_cut_the_visible_gpus_and_refuse_too_few():
+    from stratagem.tune.devices import device_groups
+
+    env = {"CUDA_VISIBLE_DEVICES": "4,7,2,5,GPU-abc"}
+    assert device_groups(env, 2, 2) == ["4,7", "2,5"]  # the odd one out is left unused
+    assert device_groups(env, 1, 3) == ["4", "7", "2", "5", "GPU-abc"]
+    with pytest.raises(sg.tune.TuningConfigError, match=r"3 parallel trial\(s\) x "
+                       r"devices_per_trial=2 need 6 GPUs; this machine has 5"):  # fmt: skip
+        device_groups(env, 2, 3)
+
+
+def test_devices_per_trial_is_checked_when_the_job_is_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(sg.tune.TuningConfigError, match="need 3 GPUs; this machine has 2"):
+        make_job(tmp_path, "gpus", parallel_trial_count=3, max_trial_count=3, devices_per_trial=1)
+    with pytest.raises(sg.tune.TuningConfigError, match="devices_per_trial must be an int >= 0"):
+        make_job(tmp_path, "gpus", devices_per_trial=-1)
+    # Fewer trials than the parallel count: only those need GPUs.
+    job = make_job(tmp_path, "gpus", parallel_trial_count=4, max_trial_count=2, devices_per_trial=1)
+    assert job.device_groups == ["0", "1"]
+    # A study file takes it too.
+    spec = write_spec(tmp_path, devices_per_trial=2, parallel_trial_count=1)
+    assert load_tuning_job(spec).device_groups == ["0,1"]
+    # Vertex AI's spelling: the trial template's accelerator_count, GPUs per trial.
+    template = sg.jobs.CustomJob.from_local_script(
+        "t", SCRIPT, accelerator_type="NVIDIA_TESLA_K80", accelerator_count=2
+    )
+    job = sg.tune.HyperparameterTuningJob(
+        "vertex", template, metric_spec={"accuracy": "maximize"}, parameter_spec=SPACE,
+        max_trial_count=2, parallel_trial_count=1, base_output_dir=tmp_path,
+    )  # fmt: skip
+    assert job.devices_per_trial == 2 and job.device_groups == ["0,1"]
+    with pytest.raises(sg.tune.TuningConfigError, match="need 4 GPUs; this machine has 2"):
+        sg.tune.HyperparameterTuningJob(
+            "vertex", template, metric_spec={"accuracy": "maximize"}, parameter_spec=SPACE,
+            max_trial_count=2, parallel_trial_count=2, base_output_dir=tmp_path,
+        )  # fmt: skip
+    with pytest.raises(sg.jobs.JobConfigError, match="accelerator_count must be an int >= 0"):
+        sg.jobs.CustomJob("t", SCRIPT, accelerator_count=-1)
+
+
+@pytest.mark.e2e
+def test_two_parallel_trials_on_two_gpus_see_one_distinct_gpu_each(tmp_path, monkeypatch):
+    # The device list is faked through the environment: the tuner hands out its entries.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    job = make_job(
+        tmp_path, "gpus", max_trial_count=2, parallel_trial_count=2, devices_per_trial=1,
+        median_stopping=False,
+    )  # fmt: skip
+    job.run()
+    seen = [json.loads((t.job_dir / "seen-chief-0").read_text()) for t in job.trials]
+    assert [s["cuda_visible_devices"] for s in seen] == ["0", "1"]
+    assert {s["cuda_device_order"] for s in seen} == {"PCI_BUS_ID"}
+    assert all(str(t.state) == "SUCCEEDED" for t in job.trials)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 # Re-exported: sg.distribute.experimental.partitioners, as TF has it.
 from stratagem.distribute import partitioners as partitioners
+from stratagem.distribute.machinery.branches import Ensemble as Ensemble
+from stratagem.distribute.machinery.branches import ParallelBranches as ParallelBranches
 
 
 class CommunicationImplementation(enum.Enum):

@@ -16,7 +16,7 @@ import torch
 
 from stratagem.comm import ReduceOp
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery import context
+from stratagem.distribute.machinery import context, device_scope
 from stratagem.distribute.machinery.input import InputContext, InputOptions
 
 
@@ -59,6 +59,7 @@ class Strategy:
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
         """Modules, parameters and optimizers created inside are distributed by this strategy."""
+        device_scope.check_strategy(self)  # inside an sg.device naming another device: an error
         context.push_scope(self)
         try:
             with self._extended.in_scope():
