@@ -40,13 +40,16 @@ def failing() -> bool:
 
 
 def install(me: str) -> None:
-    """Report uncaught errors of this process (``me`` names it) as described above. Installed
-    after torch's own hook (``init_process_group`` adds one), which it replaces for our errors."""
+    """Report uncaught errors of this process (``me`` names it) as described above.
+
+    Called before the rendezvous (its errors are ours too) and again after
+    ``init_process_group``, whose hook (prefixing each line with ``[rank0]:``) it then drops:
+    other errors go to the hook Python had before either of us."""
     global _previous_hook
     _state["me"] = me
-    if sys.excepthook is not _hook:
+    if _previous_hook is None:
         _previous_hook = sys.excepthook
-        sys.excepthook = _hook
+    sys.excepthook = _hook
 
 
 def _debug() -> bool:

@@ -108,6 +108,7 @@ class ProcessGroupCommunicator(Communicator):
         self.timeouts = timeouts
         self._resolver = resolver
         self._me = resolver.peer_name(self.rank)
+        error_report.install(self._me)  # the rendezvous's errors are reported as one block too
         self._seq = 0
         self._closed = False
         # The last Works and their tensors, held here so that a gloo thread never drops the last
