@@ -163,6 +163,7 @@ class ProcessGroupCommunicator(Communicator):
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeouts.operation),
         )
+        self._secret = secret
         if secret is not None:
             check_peers(
                 secret, rank=self.rank, world_size=self.world_size, peer_name=self.peer_name
@@ -222,6 +223,22 @@ class ProcessGroupCommunicator(Communicator):
 
     def named_faults(self, operation: str, *, what: str) -> contextlib.AbstractContextManager[None]:
         return self._operation(operation, what)
+
+    def prove_group(self, group: dist.ProcessGroup) -> None:
+        """Challenge the connections of a process group made after start-up (a mesh's
+        dimension, a pipeline's replicas) as the job's own were (``comm.peer_check``). Every
+        member of ``group`` calls it, groups in the same order everywhere."""
+        if self._secret is None or group is dist.group.WORLD:
+            return
+        ranks = dist.get_process_group_ranks(group)
+        with self._operation("the check of the job secret", "a new group's connections"):
+            check_peers(
+                self._secret,
+                rank=dist.get_rank(group),
+                world_size=len(ranks),
+                peer_name=lambda r: self.peer_name(ranks[r]),
+                group=group,
+            )
 
     # ----------------------------------------------------------------- collectives
 
