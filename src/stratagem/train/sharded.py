@@ -247,9 +247,14 @@ def _unsafe_cause(error: BaseException) -> CheckpointError | None:
 def whole_module(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` with whole tensors: itself, or a copy whose DTensor weights (a mesh's shards)
     are gathered, which every process must ask for. The copy exports as a plain module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in fsdp:
+        unit.reshard()  # local: a unit still gathered (after an eval forward) holds its shards
     if not any(is_dtensor(t) for t in [*module.parameters(), *module.buffers()]):
         return module
-    plain = copy.deepcopy(module)
+    plain = _without_fsdp(module, {}) if fsdp else copy.deepcopy(module)
     for submodule in plain.modules():  # the same order on every process: one gather each
         for name, p in list(submodule._parameters.items()):
             if is_dtensor(p):
@@ -258,4 +263,36 @@ def whole_module(module: torch.nn.Module) -> torch.nn.Module:
         for name, b in list(submodule._buffers.items()):
             if is_dtensor(b):
                 submodule._buffers[name] = b.full_tensor()
+    return plain
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+def _without_fsdp(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
+    """A copy of a module sharded by FSDP2's ``fully_shard`` as the plain class it was
+    (``FSDPLinear`` → ``Linear``), without FSDP's state and forward hooks: FSDP refuses
+    ``copy.deepcopy``. Its parameters are still the shards; ``whole_module`` gathers them."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    state = fully_shard.state(module) if isinstance(module, FSDPModule) else None
+    plain = cls.__new__(cls)
+    for key, value in module.__dict__.items():
+        if key.startswith("__composable_api_state_key"):  # FSDP's state and registry
+            continue
+        if key == "_modules":
+            value = {n: None if m is None else _without_fsdp(m, memo) for n, m in value.items()}
+        elif key in ("_parameters", "_buffers"):
+            # The same tensors, read only: whole_module replaces the shards by whole copies.
+            value = dict(value)
+        elif state is not None and key in _HOOK_DICTS:
+            value = copy.copy(value)
+            for hook_id, hook in list(value.items()):
+                if getattr(hook, "__self__", None) is state:
+                    del value[hook_id]
+            value = copy.deepcopy(value, memo)
+        else:
+            value = copy.deepcopy(value, memo)
+        plain.__dict__[key] = value
     return plain

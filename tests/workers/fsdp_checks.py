@@ -1,0 +1,291 @@
+"""Checks of FullyShardedStrategy on a real job: 4 processes (``four``) or 2 (``two``).
+
+Every process seeds torch differently (rank + 100): the chief's initial values must win.
+Each writes what it saw to ``<out>/<mode>-rank<r>.json`` (and the chief, tensors to ``.pt``
+files); test_fully_sharded.py checks them. One run per world size keeps the suite fast.
+
+- two: custom loops with SGD and Adam under MWMS and under FullyShardedStrategy (ZeRO-3 and
+  ZeRO-2), the bytes each process holds after an Adam step, Model.fit/evaluate/predict under
+  both strategies, model.save, the errors; then the restore of the ``four`` run's checkpoint.
+- four: an Adam loop (its memory), a CheckpointManager save of model + optimizer + epoch, and
+  HSDP on a ("replicate", "shard") = (2, 2) mesh.
+"""
+
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import stratagem as sg
+from workers.common import keras_data
+
+MODE, OUT = sys.argv[1], sys.argv[2]
+GLOBAL_BATCH = 24
+
+
+def build_model() -> torch.nn.Module:
+    # Every dim 0 divides by 4, so that a shard is exactly 1/N of each tensor.
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 4),
+    )
+
+
+def batches(steps: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    return [
+        (
+            torch.randn(GLOBAL_BATCH, 5, generator=g),
+            torch.randint(0, 4, (GLOBAL_BATCH,), generator=g),
+        )
+        for _ in range(steps)
+    ]
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    return t.to_local() if isinstance(t, torch.distributed.tensor.DTensor) else t
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def train(strategy, optimizer_name: str, model=None):
+    torch.manual_seed(100 + int(os.environ.get("RANK_SEED", "0")))
+    with strategy.scope():
+        model = build_model()
+        optimizer = make_optimizer(optimizer_name, model.parameters())
+    dataset = strategy.experimental_distribute_dataset(
+        sg.data.Dataset.from_tensor_slices(_stack(batches())).batch(GLOBAL_BATCH)
+    )
+
+    def step(batch):
+        x, y = batch
+        loss = sg.nn.compute_average_loss(F.cross_entropy(model(x), y, reduction="none"))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    losses = [
+        float(strategy.reduce("SUM", strategy.run(step, args=(b,)), axis=None)) for b in dataset
+    ]
+    return model, optimizer, losses
+
+
+def _stack(bs):
+    return torch.cat([x for x, _ in bs]), torch.cat([y for _, y in bs])
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([full(p).reshape(-1) for p in model.parameters()])
+
+
+def memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Bytes this process holds of parameters + gradients + optimizer state, and what a
+    replica holding all of them would hold (counted from the global shapes)."""
+    held = replicated = 0
+    for p in model.parameters():
+        held += nbytes(local(p)) + nbytes(local(p.grad))
+        replicated += 2 * p.numel() * p.element_size()  # a DTensor's numel is the global one
+        for value in optimizer.state[p].values():
+            if isinstance(value, torch.Tensor):
+                held += nbytes(local(value))
+                replicated += value.numel() * value.element_size()
+    return {"held": held, "replicated": replicated}
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def write(result: dict, rank: int) -> None:
+    with open(os.path.join(OUT, f"{MODE}-rank{rank}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+FSDP = sg.distribute.experimental.FullyShardedStrategy
+
+
+def two() -> None:
+    mwms = sg.distribute.MultiWorkerMirroredStrategy()
+    rank = mwms.cluster_resolver.task_id
+    os.environ["RANK_SEED"] = str(rank)
+    result: dict = {"rank": rank}
+    for name in ("sgd", "adam"):
+        reference, _, ref_losses = train(mwms, name)
+        sharded, optimizer, losses = train(FSDP(), name)
+        result[f"{name}_max_diff"] = float((flat(sharded) - flat(reference)).abs().max())
+        result[f"{name}_loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        result[f"{name}_param_types"] = sorted({type(p).__name__ for p in sharded.parameters()})
+        if name == "adam":
+            result["memory"] = memory(sharded, optimizer)
+            result["adam_state_types"] = sorted(
+                {type(v).__name__ for s in optimizer.state.values() for v in s.values()}
+            )
+            zero2, _, _ = train(FSDP(reshard_after_forward=False), name)
+            result["zero2_max_diff"] = float((flat(zero2) - flat(reference)).abs().max())
+    result["describe"] = FSDP().extended.describe()
+    result["fit"] = fit_compare(mwms)
+    result["errors"] = errors()
+    write(result, rank)
+
+
+def fit_compare(mwms) -> dict:
+    x, y = keras_data()
+    y = y % 4
+    outcomes = {}
+    for label, strategy in (("mwms", mwms), ("fsdp", FSDP())):
+        torch.manual_seed(7)
+        with strategy.scope():
+            model = sg.keras.Model(build_model())
+        model.compile(
+            sg.keras.optimizers.Adam(0.01),
+            sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            ["accuracy"],
+        )
+        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+        outcomes[label] = {
+            "history": history.history,
+            "evaluate": model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
+            "predict": torch.from_numpy(model.predict(x, batch_size=GLOBAL_BATCH)),
+            "weights": flat(model.module),
+        }
+        if label == "fsdp":
+            model.save(os.path.join(OUT, "saved_fsdp"))
+            outcomes["saved_flat"] = flat(model.module)
+    a, b = outcomes["mwms"], outcomes["fsdp"]
+    diffs = {
+        "weights": float((a["weights"] - b["weights"]).abs().max()),
+        "predict": float((a["predict"] - b["predict"]).abs().max()),
+        "evaluate": max(abs(u - v) for u, v in zip(a["evaluate"], b["evaluate"])),
+        "loss": max(abs(u - v) for u, v in zip(a["history"]["loss"], b["history"]["loss"])),
+    }
+    if torch.distributed.get_rank() == 0:
+        torch.save({"weights": outcomes["saved_flat"]}, os.path.join(OUT, "saved_fsdp_flat.pt"))
+    return {"diffs": diffs, "history": b["history"]}
+
+
+def errors() -> dict:
+    found = {}
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.zeros(4, 2))
+            self.b = torch.nn.Parameter(torch.zeros(4, 2, dtype=torch.float64))
+
+    def mixed():
+        with FSDP().scope():
+            Mixed()
+
+    found["mixed_dtypes"] = error_of(mixed)
+
+    def wrap_nothing():
+        with FSDP(wrap=r"blocks\.\d+").scope():
+            build_model()
+
+    found["wrap"] = error_of(wrap_nothing)
+    # A mesh of process 0 alone (made on every process: its groups are collectives).
+    lone = torch.distributed.device_mesh.DeviceMesh("cpu", [0], mesh_dim_names=("shard",))
+    found["mesh_size"] = error_of(lambda: FSDP(mesh=lone))
+    odd = sg.dtensor.create_mesh([("hosts", 1), ("local", 2)], devices=["cpu:0"] * 2)
+    found["mesh_dims"] = error_of(lambda: FSDP(mesh=odd))
+
+    def outside():
+        strategy = FSDP()
+        extra = torch.nn.Linear(4, 4)
+        with strategy.scope():
+            model = build_model()
+        torch.optim.SGD([*model.parameters(), *extra.parameters()], lr=0.1).step()
+
+    found["outside"] = error_of(outside)
+    return found
+
+
+def four() -> None:
+    strategy = FSDP()
+    rank = strategy.cluster_resolver.task_id
+    os.environ["RANK_SEED"] = str(rank)
+    result: dict = {"rank": rank}
+    model, optimizer, _ = train(strategy, "adam")
+    result["memory"] = memory(model, optimizer)
+    result["local_shapes"] = {n: list(local(p).shape) for n, p in model.named_parameters()}
+    epoch = torch.tensor(3)
+    checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch)
+    manager = sg.train.CheckpointManager(checkpoint, os.path.join(OUT, "ckpt"), max_to_keep=2)
+    result["saved_path"] = manager.save()
+    expected = {n: full(p) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        for slot, value in optimizer.state[p].items():
+            expected[f"{n}/{slot}"] = full(value)
+    if rank == 0:
+        torch.save(expected, os.path.join(OUT, "expected.pt"))
+    # HSDP: replicate across the 2 "hosts", shard within each.
+    mesh = sg.dtensor.create_mesh([("replicate", 2), ("shard", 2)], devices=["cpu:0"] * 4)
+    hsdp, _, _ = train(FSDP(mesh=mesh), "adam")
+    result["hsdp_local_shapes"] = {n: list(local(p).shape) for n, p in hsdp.named_parameters()}
+    result["hsdp_placements"] = str(next(hsdp.parameters()).placements)
+    result["hsdp_vs_fsdp"] = float((flat(hsdp) - flat(model)).abs().max())
+    write(result, rank)
+
+
+def restore_two() -> None:
+    strategy = FSDP()
+    rank = strategy.cluster_resolver.task_id
+    torch.manual_seed(55)
+    with strategy.scope():
+        model = build_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    epoch = torch.tensor(0)
+    checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch)
+    path = sg.train.latest_checkpoint(os.path.join(OUT, "ckpt"))
+    checkpoint.restore(path).assert_consumed()
+    expected = torch.load(os.path.join(OUT, "expected.pt"), weights_only=True)
+    params = dict(model.named_parameters())
+    diffs = {}
+    for key, value in expected.items():
+        name, _, slot = key.partition("/")
+        got = optimizer.state[params[name]][slot] if slot else params[name]
+        diffs[key] = float((full(got).float() - value.float()).abs().max())
+    write(
+        {
+            "rank": rank,
+            "restored_path": path,
+            "restored_diffs": diffs,
+            "restored_epoch": int(epoch),
+            "restored_local_shapes": {n: list(local(p).shape) for n, p in params.items()},
+        },
+        rank,
+    )
+
+
+if MODE == "two":
+    two()
+    MODE = "restore"
+    restore_two()
+elif MODE == "four":
+    four()
+else:
+    raise SystemExit(f"unknown mode {MODE!r}")
