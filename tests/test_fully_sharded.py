@@ -160,3 +160,22 @@ def test_the_checkpoint_restores_into_a_plain_model_in_one_process(four, directo
         got = optimizer.state[params[name]][slot] if slot else params[name]
         assert torch.equal(got.detach(), value), key
     assert int(epoch) == 3
+
+
+def test_the_sharded_fit_example_reaches_90_percent_on_two_workers(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from cluster_utils import REPO, child_env
+
+    example = str(REPO / "examples" / "sharded_fit.py")
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2", example, "--epochs", "6"]
+    done = subprocess.run(
+        argv, cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=300
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    accuracies = [float(a) for a in re.findall(r"Test accuracy: ([0-9.]+)", output)]
+    assert len(accuracies) == 2 and min(accuracies) >= 0.90, output
+    assert (tmp_path / "sharded_fit_output" / "saved_model" / "model.safetensors").exists()
