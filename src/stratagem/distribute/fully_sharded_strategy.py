@@ -31,12 +31,14 @@ single-process null version), so one script runs alone and on a cluster.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -44,12 +46,16 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     fully_shard,
 )
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
-from stratagem.comm.process_group import Timeouts, connect
+from stratagem.comm.process_group import Timeouts, connect, without_backward_context
 from stratagem.distribute.experimental import CommunicationImplementation, CommunicationOptions
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery import scope_hooks
@@ -172,6 +178,8 @@ class FullyShardedExtended(StrategyExtended):
         self._recording: list[CreatedModules] = []  # one per scope entered, innermost last
         # old parameter → its sharded replacement (for optimizers made over the old ones)
         self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # FSDP's last Works and their tensors (see _HeldAllGather)
+        self._held_works: collections.deque = collections.deque(maxlen=256)
 
     def describe(self) -> dict[str, Any]:
         mesh = self.device_mesh
@@ -248,9 +256,11 @@ class FullyShardedExtended(StrategyExtended):
         fully_shard(
             module, reshard_after_forward=None if self.reshard_after_forward else False, **settings
         )
-        if self.gradient_aggregation is ReduceOp.SUM:
-            for sub in module.modules():
-                if isinstance(sub, FSDPModule):
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.set_custom_all_gather(_HeldAllGather(self._held_works))
+                sub.set_custom_reduce_scatter(_HeldReduceScatter(self._held_works))
+                if self.gradient_aggregation is ReduceOp.SUM:
                     sub.set_gradient_divide_factor(1.0)  # a sum over the replicas
                     # ... by SUM collectives: gloo has no PREMUL_SUM, the op a factor picks.
                     sub.set_force_sum_reduction_for_comms(True)
@@ -342,6 +352,52 @@ class FullyShardedExtended(StrategyExtended):
                 "the sharded model (after the scope's end), or shard the model first with "
                 "strategy.distribute_module(model)"
             )
+
+
+# ---------------------------------------------------------------------- FSDP's collectives
+
+
+class _HeldAllGather(DefaultAllGather):
+    """FSDP2's all-gather, launched as stratagem's own collectives are (``comm/process_group``):
+    without backward's Python context in the thread state a gloo Work captures, and with the
+    Work and its tensors held here, so that a gloo thread never drops the last reference to a
+    Python object, which at interpreter exit aborts the process ("terminate called without an
+    active exception")."""
+
+    def __init__(self, held: collections.deque) -> None:
+        self._held = held
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with without_backward_context():
+            work = super().__call__(output_tensor, input_tensor, group, async_op)
+        self._held.append((work, output_tensor, input_tensor))
+        return work
+
+
+class _HeldReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter, launched and held as ``_HeldAllGather``'s all-gather."""
+
+    def __init__(self, held: collections.deque) -> None:
+        self._held = held
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work:
+        with without_backward_context():
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        self._held.append((work, output_tensor, input_tensor))
+        return work
 
 
 # ---------------------------------------------------------------------- set-up helpers
