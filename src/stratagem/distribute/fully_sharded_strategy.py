@@ -178,8 +178,10 @@ class FullyShardedExtended(StrategyExtended):
         self._recording: list[CreatedModules] = []  # one per scope entered, innermost last
         # old parameter → its sharded replacement (for optimizers made over the old ones)
         self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        # FSDP's last Works and their tensors (see _HeldAllGather)
-        self._held_works: collections.deque = collections.deque(maxlen=256)
+        # FSDP's last Works and their tensors (see _HeldAllGather): a few only, as they hold
+        # whole gathered parameters and gradients; FSDP waits for each on CPU, so a gloo thread
+        # is long done with a Work 4 collectives later.
+        self._held_works: collections.deque = collections.deque(maxlen=4)
 
     def describe(self) -> dict[str, Any]:
         mesh = self.device_mesh
