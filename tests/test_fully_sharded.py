@@ -84,10 +84,20 @@ def test_each_process_holds_at_most_1_over_n_plus_5_percent(world, two, four):
     assert four[0]["local_shapes"]["2.weight"] == [8, 32]  # 32 rows over 4 processes
 
 
+def test_an_optimizer_made_before_distribute_module_steps_the_shards(two):
+    for r in two:
+        assert r["early_optimizer"]["types"] == ["DTensor"]
+        assert r["early_optimizer"]["moved"] > 0
+    assert two[0]["early_optimizer"]["checksum"] == two[1]["early_optimizer"]["checksum"]
+
+
 def test_fit_evaluate_predict_equal_multi_worker_mirrored(two):
+    """With ModelCheckpoint and BackupAndRestore; the last checkpoint loads (load_weights)
+    into a fresh model sharded by strategy.distribute_module to the same weights."""
     for r in two:
         diffs = r["fit"]["diffs"]
         assert max(diffs.values()) < TOLERANCE, diffs
+        assert r["fit"]["explicit_types"] == ["DTensor"]  # strategy.distribute_module(m)
         loss = r["fit"]["history"]["loss"]
         assert loss[-1] < loss[0]
 

@@ -147,6 +147,7 @@ def two() -> None:
             zero2, _, _ = train(FSDP(reshard_after_forward=False), name)
             result["zero2_max_diff"] = float((flat(zero2) - flat(reference)).abs().max())
     result["describe"] = FSDP().extended.describe()
+    result["early_optimizer"] = early_optimizer()
     result["fit"] = fit_compare(mwms)
     result["errors"] = errors()
     write(result, rank)
@@ -165,7 +166,15 @@ def fit_compare(mwms) -> dict:
             sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             ["accuracy"],
         )
-        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+        callbacks = []
+        if label == "fsdp":  # sharded through DCP, as every checkpoint of this strategy
+            callbacks = [
+                sg.keras.callbacks.ModelCheckpoint(os.path.join(OUT, "fit_ckpt", "w-{epoch}")),
+                sg.keras.callbacks.BackupAndRestore(os.path.join(OUT, "backup")),
+            ]
+        history = model.fit(
+            x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0, callbacks=callbacks
+        )
         outcomes[label] = {
             "history": history.history,
             "evaluate": model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0),
@@ -175,6 +184,13 @@ def fit_compare(mwms) -> dict:
         if label == "fsdp":
             model.save(os.path.join(OUT, "saved_fsdp"))
             outcomes["saved_flat"] = flat(model.module)
+    # ModelCheckpoint's last file, into a fresh model sharded by the explicit form.
+    strategy = FSDP()
+    torch.manual_seed(8)
+    fresh = strategy.distribute_module(build_model())
+    sg.keras.Model(fresh).load_weights(os.path.join(OUT, "fit_ckpt"))
+    outcomes["load_weights_diff"] = float((flat(fresh) - outcomes["fsdp"]["weights"]).abs().max())
+    outcomes["explicit_types"] = sorted({type(p).__name__ for p in fresh.parameters()})
     a, b = outcomes["mwms"], outcomes["fsdp"]
     diffs = {
         "weights": float((a["weights"] - b["weights"]).abs().max()),
@@ -184,7 +200,27 @@ def fit_compare(mwms) -> dict:
     }
     if torch.distributed.get_rank() == 0:
         torch.save({"weights": outcomes["saved_flat"]}, os.path.join(OUT, "saved_fsdp_flat.pt"))
-    return {"diffs": diffs, "history": b["history"]}
+    diffs["load_weights"] = outcomes["load_weights_diff"]
+    return {"diffs": diffs, "history": b["history"], "explicit_types": outcomes["explicit_types"]}
+
+
+def early_optimizer() -> dict:
+    """An optimizer made over a model built outside the scope, which distribute_module then
+    shards: its first step updates the shards, the same on every process."""
+    strategy = FSDP()
+    torch.manual_seed(9)
+    model = build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    strategy.distribute_module(model)
+    before = flat(model)
+    x, y = batches(1)[0]
+    strategy.run(lambda: F.cross_entropy(model(x), y).backward())
+    optimizer.step()
+    return {
+        "types": sorted({type(p).__name__ for g in optimizer.param_groups for p in g["params"]}),
+        "moved": float((flat(model) - before).abs().max()),
+        "checksum": float(flat(model).sum()),
+    }
 
 
 def errors() -> dict:

@@ -246,6 +246,9 @@ class FullyShardedExtended(StrategyExtended):
         units = self._units(module)
         _check_dtypes(module, units)
         before = dict(module.named_parameters(remove_duplicate=False))
+        # Claimed (a module built outside the scope, handed to distribute_module) so that an
+        # optimizer made over them is ours, and is pointed at their replacements.
+        self._claim(module)
         self._broadcast_initial_values(module)
         settings: dict[str, Any] = {"mesh": self.device_mesh, "mp_policy": self._mp_policy}
         if self.cpu_offload:
