@@ -84,6 +84,23 @@ def test_each_process_holds_at_most_1_over_n_plus_5_percent(world, two, four):
     assert four[0]["local_shapes"]["2.weight"] == [8, 32]  # 32 rows over 4 processes
 
 
+def test_bf16_mixed_precision_computes_in_bf16_and_keeps_float32_shards(two):
+    for r in two:
+        assert r["bf16_output_dtype"] == "torch.bfloat16"
+        assert r["bf16_param_types"] == ["torch.float32"]
+        # bf16 keeps ~3 significant digits: near the float32 run (much nearer than where
+        # both started), not equal to it.
+        assert 0 < r["bf16_mean_diff"] < 0.2 * r["trained_vs_initial"], r
+        assert r["bf16_loss_diff"] < 0.02
+
+
+def test_each_top_level_child_with_parameters_or_what_wrap_names_is_one_unit(two):
+    units = two[0]["units"]
+    assert units["default"] == ["", "0", "2", "4"]  # the root, then the Linear layers
+    assert units["regex"] == ["", "0", "2"]
+    assert units["predicate"] == ["", "4"]
+
+
 def test_an_optimizer_made_before_distribute_module_steps_the_shards(two):
     for r in two:
         assert r["early_optimizer"]["types"] == ["DTensor"]

@@ -14,6 +14,7 @@ files); test_fully_sharded.py checks them. One run per world size keeps the suit
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -146,8 +147,20 @@ def two() -> None:
             )
             zero2, _, _ = train(FSDP(reshard_after_forward=False), name)
             result["zero2_max_diff"] = float((flat(zero2) - flat(reference)).abs().max())
+            bf16, _, bf16_losses = train(FSDP(mixed_precision="bfloat16"), name)
+            # Means: Adam moves a weight of a tiny gradient by ~lr whatever its sign, so single
+            # weights may differ by a whole step.
+            result["bf16_mean_diff"] = float((flat(bf16) - flat(reference)).abs().mean())
+            result["bf16_loss_diff"] = max(abs(a - b) for a, b in zip(bf16_losses, ref_losses))
+            torch.manual_seed(100)  # the chief's initial model (train's seed on rank 0)
+            initial = flat(build_model())
+            result["trained_vs_initial"] = float((flat(reference) - initial).abs().mean())
+            result["bf16_param_types"] = sorted({str(p.dtype) for p in bf16.parameters()})
+            x, _ = batches(1)[0]
+            result["bf16_output_dtype"] = str(bf16(x).dtype)
     result["describe"] = FSDP().extended.describe()
     result["early_optimizer"] = early_optimizer()
+    result["units"] = units()
     result["fit"] = fit_compare(mwms)
     result["errors"] = errors()
     write(result, rank)
@@ -204,6 +217,22 @@ def fit_compare(mwms) -> dict:
     return {"diffs": diffs, "history": b["history"], "explicit_types": outcomes["explicit_types"]}
 
 
+def units() -> dict:
+    """The FSDP units (module paths) by default, by a regex and by a predicate."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = {}
+    for label, wrap in (
+        ("default", None),
+        ("regex", r"[02]"),
+        ("predicate", lambda path, m: isinstance(m, torch.nn.Linear) and m.out_features == 4),
+    ):
+        with FSDP(wrap=wrap).scope():
+            model = build_model()
+        found[label] = [p for p, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return found
+
+
 def early_optimizer() -> dict:
     """An optimizer made over a model built outside the scope, which distribute_module then
     shards: its first step updates the shards, the same on every process."""
@@ -257,6 +286,10 @@ def errors() -> dict:
         torch.optim.SGD([*model.parameters(), *extra.parameters()], lr=0.1).step()
 
     found["outside"] = error_of(outside)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found["cpu_offload_kept"] = FSDP(cpu_offload=True).extended.cpu_offload
+    found["cpu_offload_warning"] = [str(w.message) for w in caught]
     return found
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -172,6 +173,14 @@ class FullyShardedExtended(StrategyExtended):
             gradient_aggregation=gradient_aggregation,
             sync_timeout=timeouts.operation,
         )
+        if cpu_offload and device.torch_device.type != "cuda":
+            warnings.warn(
+                f"{name}(cpu_offload=True) keeps the shards in CPU memory between uses on a "
+                f"CUDA device, but this worker computes on {device.name}, where they are "
+                "already; ignoring cpu_offload",
+                stacklevel=4,
+            )
+            cpu_offload = False
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.device_mesh = _device_mesh(mesh, comm, device.torch_device, name)
