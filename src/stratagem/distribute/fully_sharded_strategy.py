@@ -71,6 +71,9 @@ from stratagem.errors import RendezvousError
 WrapPolicy = str | list[str] | tuple[str, ...] | Callable[[str, torch.nn.Module], bool]
 
 HSDP_DIMS = ("replicate", "shard")
+# Initial values are broadcast in buckets of about this size: one flat copy of a whole model
+# would double the memory that sharding is about to save.
+BROADCAST_BUCKET_BYTES = 4 << 20
 
 
 class FullyShardedStrategy(Strategy):
@@ -322,12 +325,13 @@ class FullyShardedExtended(StrategyExtended):
                     f"model. Here: {signature[:8]}; there: {theirs[:8]}"
                 )
         with torch.no_grad():
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for t in tensors:
-                by_dtype.setdefault(t.dtype, []).append(t)
-            for dtype, group in by_dtype.items():
+            for group in _buckets(tensors, BROADCAST_BUCKET_BYTES):
+                what = f"initial values of {len(group)} tensors ({group[0].dtype})"
+                if len(group) == 1 and group[0].is_contiguous():
+                    comm.broadcast(group[0].detach(), 0, what=what)  # in place, no copy
+                    continue
                 flat = torch.cat([t.detach().reshape(-1) for t in group])
-                comm.broadcast(flat, 0, what=f"initial values of {len(group)} tensors ({dtype})")
+                comm.broadcast(flat, 0, what=what)
                 offset = 0
                 for t in group:
                     t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -501,6 +505,23 @@ def _wrap_matches(wrap: WrapPolicy, path: str, module: torch.nn.Module) -> bool:
 
 def _describe_wrap(wrap: WrapPolicy) -> str:
     return repr(list(wrap)) if isinstance(wrap, tuple) else repr(wrap)
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Tensors of one dtype together, in order, up to ``limit`` bytes a bucket (a larger tensor
+    alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        group, used = open_bucket.get(t.dtype, ([], 0))
+        if group and used + size > limit:
+            group, used = [], 0
+        if not group:
+            buckets.append(group)
+        group.append(t)
+        open_bucket[t.dtype] = (group, used + size)
+    return buckets
 
 
 def _check_dtypes(module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> None:
