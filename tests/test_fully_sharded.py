@@ -110,11 +110,14 @@ def test_an_optimizer_made_before_distribute_module_steps_the_shards(two):
 
 def test_fit_evaluate_predict_equal_multi_worker_mirrored(two):
     """With ModelCheckpoint and BackupAndRestore; the last checkpoint loads (load_weights)
-    into a fresh model sharded by strategy.distribute_module to the same weights."""
+    into a fresh model sharded by strategy.distribute_module to the same weights; a fit
+    interrupted after epoch 0 and run again resumes from the sharded backup and ends the same
+    (``diffs["resumed"]``)."""
     for r in two:
         diffs = r["fit"]["diffs"]
         assert max(diffs.values()) < TOLERANCE, diffs
         assert r["fit"]["explicit_types"] == ["DTensor"]  # strategy.distribute_module(m)
+        assert r["fit"]["resumed_epochs"] == [1]  # BackupAndRestore resumed after epoch 0
         loss = r["fit"]["history"]["loss"]
         assert loss[-1] < loss[0]
 

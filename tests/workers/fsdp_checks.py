@@ -197,6 +197,10 @@ def fit_compare(mwms) -> dict:
         if label == "fsdp":
             model.save(os.path.join(OUT, "saved_fsdp"))
             outcomes["saved_flat"] = flat(model.module)
+    outcomes["resumed"] = resumed_fit(x, y)
+    outcomes["resumed_diff"] = float(
+        (outcomes["resumed"]["weights"] - outcomes["fsdp"]["weights"]).abs().max()
+    )
     # ModelCheckpoint's last file, into a fresh model sharded by the explicit form.
     strategy = FSDP()
     torch.manual_seed(8)
@@ -214,7 +218,48 @@ def fit_compare(mwms) -> dict:
     if torch.distributed.get_rank() == 0:
         torch.save({"weights": outcomes["saved_flat"]}, os.path.join(OUT, "saved_fsdp_flat.pt"))
     diffs["load_weights"] = outcomes["load_weights_diff"]
-    return {"diffs": diffs, "history": b["history"], "explicit_types": outcomes["explicit_types"]}
+    diffs["resumed"] = outcomes["resumed_diff"]
+    return {
+        "diffs": diffs,
+        "history": b["history"],
+        "explicit_types": outcomes["explicit_types"],
+        "resumed_epochs": outcomes["resumed"]["epochs"],
+    }
+
+
+class Interrupt(sg.keras.callbacks.Callback):
+    """Stops fit as epoch 1 begins, on every worker at the same point (after the backup of
+    epoch 0), as a crash the job restarts from would."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise KeyboardInterrupt("interrupted on purpose")
+
+
+def resumed_fit(x: torch.Tensor, y: torch.Tensor) -> dict:
+    """fit_compare's FSDP fit, interrupted after epoch 0, then run again in a fresh model
+    (seeded otherwise): BackupAndRestore's sharded backup resumes it at epoch 1."""
+    backup = os.path.join(OUT, "backup_resume")
+    for attempt, seed in ((0, 7), (1, 99)):
+        torch.manual_seed(seed)
+        with FSDP().scope():
+            model = sg.keras.Model(build_model())
+        model.compile(
+            sg.keras.optimizers.Adam(0.01),
+            sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            ["accuracy"],
+        )
+        callbacks = [sg.keras.callbacks.BackupAndRestore(backup)]
+        if attempt == 0:
+            callbacks.append(Interrupt())
+        try:
+            history = model.fit(
+                x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
+                callbacks=callbacks,
+            )  # fmt: skip
+        except KeyboardInterrupt:
+            continue
+    return {"weights": flat(model.module), "epochs": history.epoch}
 
 
 def units() -> dict:

@@ -206,11 +206,12 @@ def restore(checkpoint: Any, path: str, meta: dict[str, Any]) -> LoadStatus:
     import torch.distributed.checkpoint as dcp
 
     saved = meta.get("trackables", {})
+    metadata = read_dcp_metadata(path)  # refuses what would run code, naming it
     state = _state(checkpoint, checkpoint)
+    _expect_saved_entries(checkpoint, state, metadata, ())
     wanted = {
         name: value for name, value in state.items() if name in saved or name == "save_counter"
     }
-    metadata = read_dcp_metadata(path)  # refuses what would run code, naming it
     try:
         # Never DCP's own reader and planner: they unpickle (dcp_reader).
         dcp.load(wanted, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
@@ -230,6 +231,40 @@ def restore(checkpoint: Any, path: str, meta: dict[str, Any]) -> LoadStatus:
     unrestored = [name for name in tracked if name not in saved]
     unused = [name for name in saved if name not in tracked]
     return LoadStatus(path, unused, unrestored, len(saved) - len(unused))
+
+
+def _expect_saved_entries(
+    checkpoint: Any, state: dict[str, Any], metadata: Any, prefix: tuple[str, ...]
+) -> None:
+    """Give each trackable that is no module, optimizer or tensor (its ``state_dict`` has the
+    keys it has now, perhaps none yet: a fresh BackupAndRestore's progress) the tensor entries
+    the checkpoint saved for it, as empty tensors of their saved shapes for DCP to fill."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from stratagem.train.checkpoint import Checkpoint, trackables_of
+
+    paths = metadata.planner_data or {}
+    for name, obj in trackables_of(checkpoint).items():
+        if isinstance(obj, Checkpoint):
+            _expect_saved_entries(obj, state[name], metadata, (*prefix, name))
+            continue
+        if isinstance(obj, torch.nn.Module | torch.optim.Optimizer | torch.Tensor):
+            continue
+        here = (*prefix, name)
+        expected: dict[str, Any] = {}
+        for key, md in metadata.state_dict_metadata.items():
+            path = tuple(paths.get(key, key.split(".")))
+            if path[: len(here)] != here or len(path) == len(here):
+                continue
+            if not isinstance(md, TensorStorageMetadata):
+                continue  # only tensors are read back (dcp_reader: nothing is unpickled)
+            node = expected
+            for part in path[len(here) : -1]:
+                node = node.setdefault(str(part), {})
+            node[str(path[-1])] = torch.empty(md.size, dtype=md.properties.dtype)
+        if expected:
+            live = state[name]
+            state[name] = {**live, **expected} if isinstance(live, dict) else expected
 
 
 def _unsafe_cause(error: BaseException) -> CheckpointError | None:
