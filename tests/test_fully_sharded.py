@@ -62,6 +62,11 @@ def _model() -> torch.nn.Module:
     )
 
 
+def test_on_4_processes_too_sgd_and_adam_loops_equal_multi_worker_mirrored(four):
+    for r in four:
+        assert r["adam_max_diff"] < TOLERANCE and r["sgd_max_diff"] < TOLERANCE, r
+
+
 def test_custom_loops_with_sgd_and_adam_equal_multi_worker_mirrored(two):
     """Workers seeded differently; same data through experimental_distribute_dataset and
     compute_average_loss: ZeRO-3 (SGD, Adam) and ZeRO-2 (Adam) end where MWMS ends."""

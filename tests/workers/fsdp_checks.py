@@ -7,8 +7,8 @@ files); test_fully_sharded.py checks them. One run per world size keeps the suit
 - two: custom loops with SGD and Adam under MWMS and under FullyShardedStrategy (ZeRO-3 and
   ZeRO-2), the bytes each process holds after an Adam step, Model.fit/evaluate/predict under
   both strategies, model.save, the errors; then the restore of the ``four`` run's checkpoint.
-- four: an Adam loop (its memory), a CheckpointManager save of model + optimizer + epoch, and
-  HSDP on a ("replicate", "shard") = (2, 2) mesh.
+- four: Adam and SGD loops against MWMS's, the bytes held, a CheckpointManager save of model +
+  optimizer + epoch, and HSDP on a ("replicate", "shard") = (2, 2) mesh.
 """
 
 import json
@@ -345,6 +345,12 @@ def four() -> None:
     result: dict = {"rank": rank}
     model, optimizer, _ = train(strategy, "adam")
     result["memory"] = memory(model, optimizer)
+    mwms = sg.distribute.MultiWorkerMirroredStrategy()  # the same job's connection
+    reference, _, _ = train(mwms, "adam")
+    result["adam_max_diff"] = float((flat(model) - flat(reference)).abs().max())
+    sgd, _, _ = train(strategy, "sgd")
+    sgd_reference, _, _ = train(mwms, "sgd")
+    result["sgd_max_diff"] = float((flat(sgd) - flat(sgd_reference)).abs().max())
     result["local_shapes"] = {n: list(local(p).shape) for n, p in model.named_parameters()}
     epoch = torch.tensor(3)
     checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, epoch=epoch)
