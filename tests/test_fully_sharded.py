@@ -9,6 +9,7 @@ and restore the 4 processes' checkpoint. This test process restores it once more
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -214,3 +215,53 @@ def test_the_sharded_fit_example_reaches_90_percent_on_two_workers(tmp_path):
     accuracies = [float(a) for a in re.findall(r"Test accuracy: ([0-9.]+)", output)]
     assert len(accuracies) == 2 and min(accuracies) >= 0.90, output
     assert (tmp_path / "sharded_fit_output" / "saved_model" / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------------- in this process alone
+
+
+def test_a_job_of_one_keeps_the_model_whole_and_trains_it():
+    strategy = sg.distribute.experimental.FullyShardedStrategy()
+    assert strategy.num_replicas_in_sync == 1 and strategy.mesh is None
+    with strategy.scope():
+        model = _model()
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert strategy.extended.variable_created_in_scope(model[0].weight)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"reshard_after_forward": "yes"}, TypeError, "True (ZeRO-3) or False (ZeRO-2), got 'yes'"),
+        ({"cpu_offload": 1}, TypeError, "cpu_offload must be True or False, got 1"),
+        ({"mixed_precision": "int8"}, ValueError, "a floating dtype or its name"),
+        ({"mixed_precision": 3}, ValueError, "got 3"),
+        ({"wrap": [1]}, TypeError, "wrap must be a regex, a list of regexes or a"),
+        ({"wrap": "("}, ValueError, "wrap regex '(' does not compile"),
+        ({"mesh": "shard"}, TypeError, "mesh must be a sg.dtensor.Mesh or a torch DeviceMesh"),
+        ({"communication_options": "RING"}, TypeError, "communication_options must be"),
+    ],
+)
+def test_bad_arguments_are_named_errors(kwargs, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        sg.distribute.experimental.FullyShardedStrategy(**kwargs)
+
+
+def test_a_cluster_with_a_ps_job_is_refused():
+    from stratagem.cluster import SimpleClusterResolver
+
+    cluster = sg.train.ClusterSpec(
+        {"worker": ["localhost:1", "localhost:2"], "ps": ["localhost:3"]}
+    )
+    resolver = SimpleClusterResolver(cluster, task_type="worker", task_id=0)
+    with pytest.raises(Exception, match="FullyShardedStrategy cannot use task type 'ps'"):
+        sg.distribute.experimental.FullyShardedStrategy(cluster_resolver=resolver)
+
+
+def test_buckets_keep_each_dtype_in_order_under_the_limit():
+    from stratagem.distribute.fully_sharded_strategy import _buckets
+
+    tensors = [torch.zeros(10), torch.zeros(3, dtype=torch.float64), torch.zeros(10)]
+    tensors += [torch.zeros(30), torch.zeros(2)]
+    shapes = [[tuple(t.shape) for t in b] for b in _buckets(tensors, 100)]
+    assert shapes == [[(10,), (10,)], [(3,)], [(30,)], [(2,)]]

@@ -26,7 +26,9 @@
    processes; ``model.save`` writes a whole plain model.
 
 A job of one process has nothing to shard: the strategy then keeps the model as it is (the
-single-process null version), so one script runs alone and on a cluster.
+single-process null version), so one script runs alone and on a cluster. An evaluator task
+(TF's side-car evaluation) is such a process: it restores the workers' sharded checkpoints into
+its whole model. A ps task cannot use this strategy.
 """
 
 from __future__ import annotations
@@ -155,12 +157,12 @@ class FullyShardedExtended(StrategyExtended):
         self._mp_policy = _mixed_precision_policy(mixed_precision, name)
         self._wrap = _check_wrap(wrap, name)
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
-        check_task_types(resolver.cluster_spec(), ("chief", "worker"), name)
+        check_task_types(resolver.cluster_spec(), ("chief", "worker", "evaluator"), name)
         device = _worker_device(resolver)
         timeouts = Timeouts.from_env(options.timeout_seconds)
         comm: Communicator
         if resolver.rank is None or resolver.world_size == 1:
-            comm = LocalCommunicator()  # a job of one: nothing to shard
+            comm = LocalCommunicator()  # an evaluator, or a job of one: nothing to shard
         else:
             backend = "gloo"
             if device.torch_device.type == "cuda" and (
