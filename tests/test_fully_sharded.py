@@ -107,6 +107,12 @@ def test_each_top_level_child_with_parameters_or_what_wrap_names_is_one_unit(two
     assert units["predicate"] == ["", "4"]
 
 
+def test_zero3_reshards_after_forward_and_zero2_keeps_the_whole_weight_until_backward(two):
+    for r in two:
+        assert r["after_forward"]["zero3"] == {"forward": "DTensor", "backward": "DTensor"}
+        assert r["after_forward"]["zero2"] == {"forward": "Parameter", "backward": "DTensor"}
+
+
 def test_an_optimizer_made_before_distribute_module_steps_the_shards(two):
     for r in two:
         assert r["early_optimizer"]["types"] == ["DTensor"]

@@ -161,6 +161,7 @@ def two() -> None:
     result["describe"] = FSDP().extended.describe()
     result["early_optimizer"] = early_optimizer()
     result["units"] = units()
+    result["after_forward"] = after_forward()
     result["fit"] = fit_compare(mwms)
     result["errors"] = errors()
     write(result, rank)
@@ -275,6 +276,28 @@ def units() -> dict:
         with FSDP(wrap=wrap).scope():
             model = build_model()
         found[label] = [p for p, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return found
+
+
+def after_forward() -> dict:
+    """What layer 0 holds between forward and backward: its shard (ZeRO-3) or the whole
+    gathered weight (ZeRO-2); after backward, its shard either way."""
+    found = {}
+    for label, reshard in (("zero3", True), ("zero2", False)):
+        strategy = FSDP(reshard_after_forward=reshard)
+        with strategy.scope():
+            model = build_model()
+        x, y = batches(1)[0]
+        seen = {}
+
+        def step(model=model, x=x, y=y, seen=seen):
+            loss = F.cross_entropy(model(x), y)
+            seen["forward"] = type(model[0].weight).__name__
+            loss.backward()
+            seen["backward"] = type(model[0].weight).__name__
+
+        strategy.run(step)
+        found[label] = seen
     return found
 
 
