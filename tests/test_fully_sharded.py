@@ -105,6 +105,9 @@ def test_each_top_level_child_with_parameters_or_what_wrap_names_is_one_unit(two
     assert units["default"] == ["", "0", "2", "4"]  # the root, then the Linear layers
     assert units["regex"] == ["", "0", "2"]
     assert units["predicate"] == ["", "4"]
+    # A sharded model inside a new one stays as it was; the new layer is a unit of its own.
+    assert units["nested"] == ["", "0", "0.0", "0.2", "0.4", "1"]
+    assert units["nested_types"] == ["DTensor"]
 
 
 def test_zero3_reshards_after_forward_and_zero2_keeps_the_whole_weight_until_backward(two):

@@ -276,6 +276,18 @@ def units() -> dict:
         with FSDP(wrap=wrap).scope():
             model = build_model()
         found[label] = [p for p, m in model.named_modules() if isinstance(m, FSDPModule)]
+    # A sharded model inside a new one keeps its units; the new layer becomes one more.
+    strategy = FSDP()
+    with strategy.scope():
+        inner = build_model()
+    with strategy.scope():
+        outer = torch.nn.Sequential(inner, torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(outer.parameters(), lr=0.1)
+    x, _ = batches(1)[0]
+    strategy.run(lambda: outer(x).square().mean().backward())
+    optimizer.step()
+    found["nested"] = [p for p, m in outer.named_modules() if isinstance(m, FSDPModule)]
+    found["nested_types"] = sorted({type(p).__name__ for p in outer.parameters()})
     return found
 
 

@@ -291,16 +291,17 @@ class FullyShardedExtended(StrategyExtended):
 
     def _units(self, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         """The modules that become FSDP units below the root (which is always one)."""
+        # A module sharded before (a model inside a new one) is a unit already.
         if self._wrap is None:
             return [
                 (path, child)
                 for path, child in module.named_children()
-                if any(True for _ in child.parameters())
+                if any(True for _ in child.parameters()) and not isinstance(child, FSDPModule)
             ]
         matched = [
             (path, sub)
             for path, sub in module.named_modules()
-            if path and _wrap_matches(self._wrap, path, sub)
+            if path and _wrap_matches(self._wrap, path, sub) and not isinstance(sub, FSDPModule)
         ]
         if not matched:
             paths = [path for path, _ in module.named_modules() if path]
@@ -315,7 +316,9 @@ class FullyShardedExtended(StrategyExtended):
         """The chief's initial parameters and buffers on every process, after checking that
         every process built the same model."""
         comm = self._comm
-        tensors = [*module.parameters(), *module.buffers()]
+        # Not the shards of a unit sharded before: they are the same on every process already.
+        everything = [*module.parameters(), *module.buffers()]
+        tensors = [t for t in everything if not isinstance(t, DTensor)]
         signature = [(tuple(t.shape), str(t.dtype)) for t in tensors]
         everyone = comm.all_gather_object(signature, what="the shapes of the model to shard")
         for rank, theirs in enumerate(everyone):
