@@ -13,6 +13,7 @@ the target is >= 0.97) and ours / MWMS (peak memory; the target is <= 0.6).
 
     python benchmarks/sharded.py                 # starts its 2 processes itself
     python benchmarks/sharded.py --width 512 --blocks 3 --json out.json   # smaller, quicker
+    python benchmarks/sharded.py --quick         # a smoke run: the figures mean nothing
 """
 
 from __future__ import annotations
@@ -216,7 +217,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
     parser.add_argument("--blocks", type=int, default=7, help="timed blocks per variant")
     parser.add_argument("--json", default="", help="write the figures here as JSON")
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (the tests')")
     args = parser.parse_args()
+    if args.quick:
+        args.width, args.depth, args.steps, args.blocks = 64, 2, 1, 1
     if os.environ.get("TF_CONFIG") or os.environ.get("WORLD_SIZE"):
         worker(args)
         return

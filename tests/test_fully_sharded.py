@@ -274,3 +274,23 @@ def test_buckets_keep_each_dtype_in_order_under_the_limit():
     tensors += [torch.zeros(30), torch.zeros(2)]
     shapes = [[tuple(t.shape) for t in b] for b in _buckets(tensors, 100)]
     assert shapes == [[(10,), (10,)], [(3,)], [(30,)], [(2,)]]
+
+
+@pytest.mark.e2e
+def test_the_benchmark_smoke_run_reports_every_variant(tmp_path):
+    """benchmarks/sharded.py --quick: the figures of its three variants (not asserted: timed)."""
+    import sys
+
+    from cluster_utils import REPO, Process, child_env
+
+    out = tmp_path / "results.json"
+    argv = [sys.executable, str(REPO / "benchmarks" / "sharded.py"), "--quick", "--json", str(out)]
+    result = Process(argv, child_env(), tmp_path, "benchmark").wait(timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(out.read_text())
+    variants = {"FullyShardedStrategy", "MultiWorkerMirroredStrategy", "raw fully_shard"}
+    for process in figures["processes"]:
+        assert set(process["samples_per_s"]) == variants
+        assert min(process["samples_per_s"].values()) > 0
+        assert set(process["peak_bytes"]) == variants
+    assert set(figures["ratios"]) == {"speed: ours / raw fully_shard", "peak memory: ours / MWMS"}
