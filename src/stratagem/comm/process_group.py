@@ -244,7 +244,7 @@ class ProcessGroupCommunicator(Communicator):
 
     def _launch(self, name: str, what: str, launch: Any, tensors: tuple) -> Any:
         """Start a collective; keep its Work and tensors (see ``_recent_works``)."""
-        with self._operation(name, what), _without_backward_context():
+        with self._operation(name, what), without_backward_context():
             work = launch()
         self._recent_works.append((work, tensors))
         return work
@@ -422,7 +422,7 @@ def connect(
 
 
 @contextlib.contextmanager
-def _without_backward_context() -> Iterator[None]:
+def without_backward_context() -> Iterator[None]:
     """Launch a collective without backward's Python context in its captured thread state.
 
     ``backward()`` stashes a ``contextvars.Context`` in torch's thread-local state while it
