@@ -163,11 +163,20 @@ class ProcessGroupCommunicator(Communicator):
         )
         # Everyone is past the store now: the rendezvous host may leave whenever it is done.
         self.barrier(what="the end of start-up")
+        self._watch_exit()
+
+    def _watch_exit(self) -> None:
+        """Say at exit how this process ends (``shutdown``), "error" after an uncaught one."""
         global _previous_excepthook
         if sys.excepthook is not _flag_failure:
             _previous_excepthook = sys.excepthook
             sys.excepthook = _flag_failure
         atexit.register(self.shutdown)
+
+    def _release_group(self) -> None:
+        """Destroy the default group this communicator started."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     # ----------------------------------------------------------------- naming and errors
 
@@ -263,8 +272,7 @@ class ProcessGroupCommunicator(Communicator):
         self._closed = True
         atexit.unregister(self.shutdown)
         self._liveness.close("error" if _failing or sys.exc_info()[0] is not None else "ok")
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._release_group()
         global _live
         if _live is self:
             _live = None
@@ -377,6 +385,13 @@ def connect(
             return current
         if resolver.world_size == 1 and resolver.rendezvous_address is None:
             return LocalCommunicator()
+        if dist.is_initialized():
+            # Someone else started the default group (Ray Train does, before the train function
+            # runs): join it as it is rather than start a second one on its port.
+            from stratagem.comm.adopted_group import AdoptedGroupCommunicator
+
+            _live = AdoptedGroupCommunicator(resolver, timeouts=timeouts or Timeouts.from_env())
+            return _live
         _live = ProcessGroupCommunicator(
             resolver, backend=backend, timeouts=timeouts or Timeouts.from_env()
         )
