@@ -27,9 +27,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -281,11 +283,114 @@ def srun_env(procid: int, job_id: int) -> dict[str, str]:
     }
 
 
+SLURM_TRAIN = """\
+import os, torch
+import stratagem as sg
+
+strategy = sg.distribute.MultiWorkerMirroredStrategy()
+step = torch.tensor(0)
+manager = sg.train.CheckpointManager(sg.train.Checkpoint(step=step), "ckpts", max_to_keep=2)
+handler = sg.train.PreemptionCheckpointHandler(
+    strategy.cluster_resolver, manager, termination_config=sg.train.slurm_requeue_config()
+)
+print("resumed at", int(step), "as", strategy.cluster_resolver.source, flush=True)
+one = torch.ones(1)
+
+def train_step():
+    strategy.reduce(sg.distribute.ReduceOp.SUM, strategy.run(lambda: one), axis=None)
+    step.add_(1)
+    print("step", int(step), flush=True)
+
+target = int(os.environ.get("STEPS", "0"))  # 0: until the job is told to stop
+while target == 0 or int(step) < target:
+    handler.run(train_step)
+print("finished at", int(step), flush=True)
+"""
+
+
+def _start_pods(tmp_path, pods, hosts, prefix: str) -> list[Process]:
+    processes = []
+    for i, (argv, variables) in enumerate(pods):
+        argv = _with_hosts(argv, hosts, tmp_path)
+        env = _manager_env(variables)
+        processes.append(Process(argv, env, tmp_path, f"{prefix}{i}", merge_output=True))
+    return processes
+
+
+def _wait_for(proc: Process, text: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while text not in proc.output_so_far():
+        assert proc.proc.poll() is None, f"{proc.name} exited:\n{proc.output_so_far()}"
+        assert time.monotonic() < deadline, f"{proc.name} never printed {text!r}"
+        time.sleep(0.05)
+
+
 @needs_hosts
-def test_slurm_srun_two_nodes(tmp_path):
+def test_slurm_srun_job_checkpoints_and_requeues_on_sigusr1(tmp_path):
+    """srun on two nodes; SIGUSR1 before the time limit (``--signal=USR1@90``) reaches every
+    task; they save one checkpoint at the same step, task 0 runs ``scontrol requeue <job>``, all
+    exit 0; the requeued job (SLURM_RESTART_COUNT=1) resumes from that checkpoint."""
+    (tmp_path / "train.py").write_text(SLURM_TRAIN)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"  # records how it was called, as the real one would act
+    scontrol.write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n')
+    scontrol.chmod(0o755)
+    log = tmp_path / "scontrol.log"
     job_id = _slurm_job_id()
     hosts = {"node01": "127.0.0.1", "node02": "127.0.0.2"}
-    pods = [([sys.executable, "train.py"], srun_env(i, job_id)) for i in (0, 1)]
-    found = _results(_run_pods(tmp_path, pods, hosts))
-    assert sorted(tuple(r["task"]) for r in found) == [("worker", 0), ("worker", 1)]
-    assert all(r["source"] == "SLURM" and r["sum"] == 2.0 for r in found)
+    path = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SCONTROL_LOG": str(log)}
+
+    def pods(**extra: str) -> list:
+        argv = [sys.executable, "train.py"]
+        return [(argv, {**srun_env(i, job_id), **path, **extra}) for i in (0, 1)]
+
+    first = _start_pods(tmp_path, pods(), hosts, "run1-")
+    try:
+        for p in first:
+            _wait_for(p, "step 3\n")
+        for p in first:
+            p.proc.send_signal(signal.SIGUSR1)
+        results = [p.wait(TIMEOUT_S) for p in first]
+    finally:
+        for p in first:
+            p.kill_group()
+    for r in results:
+        assert r.returncode == 0, r.stdout
+        assert "resumed at 0 as SLURM" in r.stdout
+        assert "saving a checkpoint before termination (SIGUSR1 received by the job)" in r.stdout
+    assert log.read_text() == f"requeue {job_id}\n"  # once, by task 0
+    assert "requeued the SLURM job" in results[0].stdout
+    saved = [int(r.stdout.split("step ")[-1].split()[0]) for r in results]
+    assert saved[0] == saved[1] >= 3  # both stopped after the same step
+
+    second = _start_pods(
+        tmp_path, pods(SLURM_RESTART_COUNT="1", STEPS=str(saved[0] + 2)), hosts, "run2-"
+    )
+    try:
+        again = [p.wait(TIMEOUT_S) for p in second]
+    finally:
+        for p in second:
+            p.kill_group()
+    for r in again:
+        assert r.returncode == 0, r.stdout
+        assert f"resumed at {saved[0]} as SLURM" in r.stdout
+        assert f"finished at {saved[0] + 2}" in r.stdout
+    assert log.read_text() == f"requeue {job_id}\n"  # no second requeue
+
+
+def test_requeue_command_names_the_job_or_the_array_task():
+    from stratagem.cluster.slurm_requeue import requeue_command, requeue_job
+    from stratagem.errors import ClusterConfigError
+
+    assert requeue_command({"SLURM_JOB_ID": "77"}) == ["scontrol", "requeue", "77"]
+    array = {"SLURM_JOB_ID": "80", "SLURM_ARRAY_JOB_ID": "78", "SLURM_ARRAY_TASK_ID": "2"}
+    assert requeue_command(array) == ["scontrol", "requeue", "78_2"]
+    with pytest.raises(ClusterConfigError, match="SLURM_JOB_ID is not set"):
+        requeue_command({})
+
+    def refuse(command, **kwargs):
+        return subprocess.CompletedProcess(command, 1, "", "Invalid job id specified\n")
+
+    with pytest.raises(ClusterConfigError, match=r"scontrol requeue 77 exited 1: Invalid job id"):
+        requeue_job({"SLURM_JOB_ID": "77"}, run=refuse)
