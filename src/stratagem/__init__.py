@@ -23,6 +23,7 @@ _SUBPACKAGES = (
     "errors",
     "jobs",
     "keras",
+    "launch",
     "nn",
     "saved_model",
     "train",

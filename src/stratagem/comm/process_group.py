@@ -98,6 +98,13 @@ def _flag_failure(*args: Any) -> None:
     _previous_excepthook(*args)
 
 
+def mark_failing() -> None:
+    """This process is ending because of an error its own code caught (a forked worker of
+    ``notebook_launcher``): ``shutdown`` tells the peers "error", not "ok"."""
+    global _failing
+    _failing = True
+
+
 class ProcessGroupCommunicator(Communicator):
     """Collectives among the chief and workers of a cluster, over torch.distributed."""
 
