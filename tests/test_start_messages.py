@@ -129,7 +129,11 @@ def test_a_local_strategy_says_its_start_at_debug(monkeypatch, capsys):
 
 
 START = """\
+import os, time
 import stratagem as sg
+import torch  # imported by both workers at once; worker 1 then waits for the test's "go"
+while not os.path.exists(os.environ["GO_FILE"]):
+    time.sleep(0.01)
 strategy = sg.distribute.MultiWorkerMirroredStrategy()
 print("ready", strategy.num_replicas_in_sync, flush=True)
 """
@@ -144,15 +148,22 @@ def test_a_hand_started_worker_says_who_is_missing_then_that_it_started(tmp_path
     script = tmp_path / "start.py"
     script.write_text(START)
     workers = [f"localhost:{p}" for p in free_ports(2)]
+    go = tmp_path / "go"
+    (tmp_path / "go0").touch()  # worker 0 goes at once; worker 1 when the test says so
     env = {"STRATAGEM_RENDEZVOUS_TIMEOUT": "120"}
-    quiet = {**env, "STRATAGEM_LOG_LEVEL": "warning"}
+    quiet = {**env, "STRATAGEM_LOG_LEVEL": "warning"}  # worker 1 says nothing of its start
     first = Process(
         [sys.executable, str(script)],
-        child_env({"TF_CONFIG": tf_config(workers, 0), **env}),
+        child_env({"TF_CONFIG": tf_config(workers, 0), "GO_FILE": str(tmp_path / "go0"), **env}),
         tmp_path,
         "w0",
     )
-    second = None
+    second = Process(
+        [sys.executable, str(script)],
+        child_env({"TF_CONFIG": tf_config(workers, 1), "GO_FILE": str(go), **quiet}),
+        tmp_path,
+        "w1",
+    )
     try:
         missing = f"missing: worker 1 ({workers[1]})"
         deadline = time.monotonic() + 90
@@ -160,17 +171,11 @@ def test_a_hand_started_worker_says_who_is_missing_then_that_it_started(tmp_path
             assert first.proc.poll() is None, _stderr(first, tmp_path)
             assert time.monotonic() < deadline, "worker 0 never said who is missing"
             time.sleep(0.05)
-        # Worker 1 silenced by STRATAGEM_LOG_LEVEL: it says nothing of its start.
-        second = Process(
-            [sys.executable, str(script)],
-            child_env({"TF_CONFIG": tf_config(workers, 1), **quiet}),
-            tmp_path,
-            "w1",
-        )
+        go.touch()
         results = [first.wait(90).check("worker 0"), second.wait(90).check("worker 1")]
     finally:
         for p in (first, second):
-            if p is not None and p.proc.poll() is None:
+            if p.proc.poll() is None:
                 p.kill_group()
     said = [line for line in results[0].stderr.splitlines() if line.startswith("[stratagem]")]
     assert said[0].startswith(
