@@ -100,8 +100,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     nodes = parser.add_argument_group(
         "multi-node jobs",
-        "run the same command on every machine, each with its --node-rank: this launcher starts"
-        " its -n workers of the whole job's nnodes x n workers (TF_CONFIG for the whole job)",
+        "run the same command on every machine, each with its --node-rank: this launcher\n"
+        "starts its -n workers of the job's nnodes x n (TF_CONFIG for the whole job)",
     )
     nodes.add_argument("--nnodes", type=int, default=None, metavar="N", help="machines in the job")
     nodes.add_argument(

@@ -7,6 +7,7 @@ start a user waits for and wants to see), at DEBUG for a strategy of one process
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -63,7 +64,7 @@ def start_line(extended: Any, seconds: float) -> str:
 
 def announce_start(extended: Any, seconds: float) -> None:
     """Say the start line: INFO across processes, DEBUG for one process."""
-    if _spans_processes(extended):
-        progress.info(start_line(extended, seconds))
-    else:
-        progress.debug(start_line(extended, seconds))
+    level = logging.INFO if _spans_processes(extended) else logging.DEBUG
+    log = progress.logger()
+    if log.isEnabledFor(level):  # the line is built only when it is said
+        log.log(level, start_line(extended, seconds))
