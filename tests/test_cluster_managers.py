@@ -394,3 +394,24 @@ def test_requeue_command_names_the_job_or_the_array_task():
 
     with pytest.raises(ClusterConfigError, match=r"scontrol requeue 77 exited 1: Invalid job id"):
         requeue_job({"SLURM_JOB_ID": "77"}, run=refuse)
+
+
+def test_a_started_group_of_another_size_is_refused_by_name():
+    """A group someone else started must be the one the environment describes."""
+    import torch.distributed as dist
+
+    from stratagem.cluster import TorchrunClusterResolver
+    from stratagem.comm.process_group import connect
+    from stratagem.errors import RendezvousError
+
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RendezvousError) as info:
+            connect(TorchrunClusterResolver(environ=env))
+    finally:
+        dist.destroy_process_group()
+    assert str(info.value).startswith(
+        "torch.distributed was already initialised as rank 0 of 1, but worker 0 of 2 workers "
+        "(torchrun) is rank 0 of 2; expected the same rank and size"
+    )
