@@ -7,9 +7,11 @@ Two "machines" on this one: two launchers whose tasks listen on distinct loopbac
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import sys
 import threading
+import time
 
 import pytest
 
@@ -133,3 +135,22 @@ def test_nodes_started_with_different_nnodes_are_refused_by_name():
     expected = "node 1 was started with --nnodes 3 but node 0 of 2 with --nnodes 2"
     assert expected in errors[0]
     assert errors[1].startswith("node 0 refused node 1 of 3: " + expected)
+
+
+def test_a_launcher_waiting_for_the_other_nodes_stops_on_sigterm(tmp_path):
+    (tmp_path / "train.py").write_text("")
+    (port,) = free_ports(1)
+    options = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"]
+    node0 = _launcher(tmp_path, "alone", *options, "--master-port", str(port))
+    try:
+        deadline = time.monotonic() + 60
+        while "missing: node 1" not in node0.output_so_far():
+            assert node0.proc.poll() is None, node0.output_so_far()
+            assert time.monotonic() < deadline, "node 0 never said it waits for node 1"
+            time.sleep(0.05)
+        node0.proc.send_signal(signal.SIGTERM)
+        result = node0.wait(60)
+    finally:
+        node0.kill_group()
+    assert result.returncode == 128 + signal.SIGTERM, result.stdout
+    assert "[stratagem] job stopped: received SIGTERM while the nodes met" in result.stdout

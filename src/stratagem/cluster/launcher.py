@@ -239,7 +239,7 @@ def run_job(
                     counts, host=host, restart=attempt, base_env=base_env, omp_threads=omp_threads
                 )
             else:
-                tasks = make_node_tasks(
+                met = make_node_tasks(
                     nodes,
                     workers,
                     host=host,
@@ -247,7 +247,14 @@ def run_job(
                     base_env=base_env,
                     omp_threads=omp_threads,
                     log=console.log,
+                    stopped=lambda: interrupts.signum is not None,
                 )
+                if met is None:  # a signal while waiting for the other nodes
+                    assert interrupts.signum is not None
+                    name = signal.Signals(interrupts.signum).name
+                    console.log(f"job stopped: received {name} while the nodes met")
+                    return Outcome(128 + interrupts.signum, f"stopped: received {name}")
+                tasks = met
             with Job(
                 tasks,
                 target,

@@ -85,14 +85,19 @@ def make_node_tasks(
     base_env: Mapping[str, str],
     omp_threads: int | None,
     log: Callable[[str], None],
-) -> list[Task]:
-    """This node's ``workers`` tasks, with the TF_CONFIG of the whole job (all nodes' workers)."""
+    stopped: Callable[[], bool] = lambda: False,
+) -> list[Task] | None:
+    """This node's ``workers`` tasks, with the TF_CONFIG of the whole job (all nodes' workers);
+    None when ``stopped()`` turned true while the nodes met (the launcher got a signal)."""
     ports = free_ports(workers, _listen_address(host))
     mine = {"node_rank": nodes.node_rank, "nnodes": nodes.nnodes, "host": host, "ports": ports}
-    if nodes.node_rank == 0:
-        everyone = _host_meeting(nodes, mine, log)
-    else:
-        everyone = _join_meeting(nodes, mine, log)
+    try:
+        if nodes.node_rank == 0:
+            everyone = _host_meeting(nodes, mine, log, stopped)
+        else:
+            everyone = _join_meeting(nodes, mine, log, stopped)
+    except _Stopped:
+        return None
     addresses = [f"{n['host']}:{p}" for n in everyone for p in n["ports"]]
     configs = build_tf_configs({"worker": addresses})
     first = sum(len(n["ports"]) for n in everyone[: nodes.node_rank])
@@ -110,7 +115,13 @@ def make_node_tasks(
 # --- the meeting -------------------------------------------------------------------------------
 
 
-def _host_meeting(nodes: Nodes, mine: dict, log: Callable[[str], None]) -> list[dict]:
+class _Stopped(Exception):
+    """The launcher was told to stop while the nodes met."""
+
+
+def _host_meeting(
+    nodes: Nodes, mine: dict, log: Callable[[str], None], stopped: Callable[[], bool]
+) -> list[dict]:
     """Node 0: listen, collect every node's entry, answer each with all of them (or an error)."""
     address = _listen_address(nodes.master_addr)
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -131,6 +142,8 @@ def _host_meeting(nodes: Nodes, mine: dict, log: Callable[[str], None]) -> list[
         server.listen(nodes.nnodes)
         server.settimeout(0.2)
         while len(entries) < nodes.nnodes:
+            if stopped():
+                raise _Stopped
             now = time.monotonic()
             if now >= deadline:
                 raise LaunchError(
@@ -174,7 +187,9 @@ def _host_meeting(nodes: Nodes, mine: dict, log: Callable[[str], None]) -> list[
         server.close()
 
 
-def _join_meeting(nodes: Nodes, mine: dict, log: Callable[[str], None]) -> list[dict]:
+def _join_meeting(
+    nodes: Nodes, mine: dict, log: Callable[[str], None], stopped: Callable[[], bool]
+) -> list[dict]:
     """Node R > 0: send our entry to node 0 (retrying until it listens), read the job."""
     deadline = time.monotonic() + nodes.timeout_s
     next_report = time.monotonic() + 1.0
@@ -184,6 +199,8 @@ def _join_meeting(nodes: Nodes, mine: dict, log: Callable[[str], None]) -> list[
             conn = socket.create_connection((nodes.master_addr, nodes.master_port), timeout=1.0)
             break
         except OSError as e:
+            if stopped():
+                raise _Stopped from None
             now = time.monotonic()
             if now >= deadline:
                 raise LaunchError(
@@ -196,7 +213,7 @@ def _join_meeting(nodes: Nodes, mine: dict, log: Callable[[str], None]) -> list[
             time.sleep(0.2)
     with conn:
         _send(conn, mine)
-        reply = _read_message(conn, deadline, f"node 0's answer at {where}")
+        reply = _read_message(conn, deadline, f"node 0's answer at {where}", stopped)
     if "error" in reply:
         raise LaunchError(f"node 0 refused {nodes.name}: {reply['error']}")
     everyone = reply.get("nodes")
@@ -246,15 +263,24 @@ def _send(conn: socket.socket, message: dict) -> None:
         pass  # the peer left: it will report its own failure
 
 
-def _read_message(conn: socket.socket, deadline: float, source: str) -> dict:
+def _read_message(
+    conn: socket.socket,
+    deadline: float,
+    source: str,
+    stopped: Callable[[], bool] = lambda: False,
+) -> dict:
     data = b""
     while not data.endswith(b"\n"):
+        if stopped():
+            raise _Stopped
         left = deadline - time.monotonic()
         if left <= 0:
             raise LaunchError(f"{source} did not answer in time")
-        conn.settimeout(left)
+        conn.settimeout(min(left, 0.5))  # short waits: a signal to the launcher is seen soon
         try:
             chunk = conn.recv(4096)
+        except TimeoutError:
+            continue
         except OSError as e:
             raise LaunchError(f"{source} did not answer ({e})") from None
         if not chunk:
