@@ -27,9 +27,11 @@ def _spans_processes(extended: Any) -> bool:
     return bool(spec) and sum(spec.num_tasks(job) for job in spec.jobs) > 1
 
 
-def _backend() -> str:
+def _backend(facts: dict[str, Any]) -> str:
     if dist.is_available() and dist.is_initialized():
         return str(dist.get_backend())
+    if "mode" in facts:  # a parameter-server strategy: its workers reach the ps over RPC only
+        return "TensorPipe RPC"
     return "none"
 
 
@@ -58,7 +60,7 @@ def start_line(extended: Any, seconds: float) -> str:
     return (
         f"{who}: {facts['strategy']} started in {seconds:.1f}s{since}: "
         f"{facts['num_replicas_in_sync']} replicas in sync, devices {devices}, "
-        f"backend {_backend()}{extra}"
+        f"backend {_backend(facts)}{extra}"
     )
 
 
