@@ -32,6 +32,9 @@ LAYERS: dict[str, set[str]] = {
     "debugging": {"distribute", "errors"},
     # Vertex-style studies: trials are jobs.
     "tune": {"jobs", "cluster", "errors"},
+    # notebook_launcher: a function as a local cluster of forked workers; it ends a worker's
+    # connection itself (atexit does not run in a forked worker).
+    "launch": {"cluster", "comm", "errors"},
     # Vertex-style custom jobs: launch a script as a local cluster.
     "jobs": {"cluster", "errors"},
     # tf.saved_model's save/load over the directory format of Keras's model.save.

@@ -267,6 +267,10 @@ def test_crashing_trials_are_recorded_failed_and_the_study_goes_on(tmp_path):
             assert "crashing on purpose" in log.read_text()
             assert trial.final_measurement.metrics == ()
             assert get_final_metric(trial, "accuracy") is None
+    # Optuna's own API (what optuna-dashboard reads) sees the failed trials as failed.
+    stored = optuna.load_study(study_name="crash", storage=job.storage_url).get_trials()
+    failed = [t.state == optuna.trial.TrialState.FAIL for t in stored]
+    assert failed == [str(t.state) == "FAILED" for t in trials]
 
 
 @pytest.mark.e2e
@@ -299,6 +303,41 @@ def test_median_rule_stops_bad_trials(tmp_path):
         assert [m.step_count for m in trial.measurements] == [0]
         state = json.loads((trial.job_dir / "job.json").read_text())
         assert state["state"] == "JOB_STATE_CANCELLED"
+    # The dashboards read the study as it is. optuna-dashboard: Optuna's own API sees every trial
+    # with its parameters, intermediate values and state.
+    study = optuna.load_study(study_name="prune", storage=job.storage_url)
+    stored = study.get_trials()
+    complete, pruned = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
+    assert [t.state for t in stored] == [complete] * 3 + [pruned] * 2
+    for frozen, trial in zip(stored, job.trials):
+        assert frozen.params == dict(trial.parameters)
+        expected = {0: 0.3, 1: 0.6, 2: 0.9} if frozen.state == complete else {0: 0.1 / 3}
+        assert frozen.intermediate_values == pytest.approx(expected)
+        # TensorBoard's HParams plugin: each trial's parameters and objective beside its scalars.
+        _check_hparams_events(trial, frozen)
+
+
+def _check_hparams_events(trial, frozen):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = EventAccumulator(str(trial.job_dir / "tensorboard"))
+    events.Reload()
+    steps = [(e.step, e.value) for e in events.Scalars("trial/accuracy")]
+    assert steps == [(s, pytest.approx(v)) for s, v in sorted(frozen.intermediate_values.items())]
+    content = events.PluginTagToContent("hparams")
+    start = [
+        plugin_data_pb2.HParamsPluginData.FromString(raw).session_start_info
+        for raw in content.values()
+        if plugin_data_pb2.HParamsPluginData.FromString(raw).HasField("session_start_info")
+    ]
+    assert len(start) == 1
+    hparams = start[0].hparams
+    assert hparams["x"].number_value == pytest.approx(frozen.params["x"])
+    assert hparams["y"].number_value == frozen.params["y"]
+    assert hparams["kind"].string_value == frozen.params["kind"]
+    final = [e.value for e in events.Scalars("hparam/accuracy")]
+    assert final == [pytest.approx(list(frozen.intermediate_values.values())[-1])]
 
 
 @pytest.mark.e2e
@@ -435,6 +474,10 @@ def test_tuner_killed_mid_study_resumes_to_max_trial_count(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "(resuming after 3 trials)" in result.stderr
+    database = tmp_path / "studies" / "killed" / "study.db"
+    assert f"[stratagem] watch it with: optuna-dashboard sqlite:///{database}\n" in result.stderr
+    trials_dir = tmp_path / "studies" / "killed" / "trials"
+    assert f"[stratagem] watch it with: tensorboard --logdir {trials_dir}\n" in result.stderr
     trials = load_tuning_job(spec).trials
     assert trials[0] == before and str(before.state) == "SUCCEEDED"
     interrupted = [t for t in trials if str(t.state) == "FAILED"]

@@ -24,6 +24,7 @@ _SUBPACKAGES = (
     "errors",
     "jobs",
     "keras",
+    "launch",
     "nn",
     "saved_model",
     "train",

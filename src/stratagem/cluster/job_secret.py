@@ -27,7 +27,7 @@ import os
 import secrets
 import socket
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from stratagem.cluster.address import parse_address
@@ -64,8 +64,8 @@ def _on_this_machine(host: str) -> bool:
     return False
 
 
-def insecure_requested() -> bool:
-    raw = os.environ.get(INSECURE_VARIABLE, "").strip().lower()
+def insecure_requested(environ: Mapping[str, str] | None = None) -> bool:
+    raw = (os.environ if environ is None else environ).get(INSECURE_VARIABLE, "").strip().lower()
     if raw in ("", "0", "false", "no"):
         return False
     if raw in ("1", "true", "yes", "insecure"):
@@ -132,16 +132,25 @@ def _user_secret() -> bytes:
     return _read_file(path, str(path))
 
 
+def given_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The secret the user gave (``STRATAGEM_JOB_SECRET`` or ``..._FILE``), else None."""
+    env = os.environ if environ is None else environ
+    raw = env.get(SECRET_VARIABLE, "")
+    if raw.strip():
+        return _checked(raw, f"${SECRET_VARIABLE}")
+    path = env.get(SECRET_FILE_VARIABLE, "").strip()
+    if path:
+        return _read_file(Path(path).expanduser(), f"${SECRET_FILE_VARIABLE} ({path})")
+    return None
+
+
 def job_secret(hosts: Iterable[str], *, me: str) -> bytes | None:
     """The secret of the job whose tasks run on ``hosts``, or None when running insecure.
 
     ``me`` names this task in the error for a multi-machine job without a secret."""
-    raw = os.environ.get(SECRET_VARIABLE, "")
-    if raw.strip():
-        return _checked(raw, f"${SECRET_VARIABLE}")
-    path = os.environ.get(SECRET_FILE_VARIABLE, "").strip()
-    if path:
-        return _read_file(Path(path).expanduser(), f"${SECRET_FILE_VARIABLE} ({path})")
+    given = given_secret()
+    if given is not None:
+        return given
     if insecure_requested():
         return None
     remote = sorted({h for h in hosts if not _on_this_machine(h)})

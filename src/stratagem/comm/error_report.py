@@ -39,6 +39,11 @@ def failing() -> bool:
     return _state["failing"]
 
 
+def mark_failing() -> None:
+    """This process is ending because of an error its own code caught."""
+    _state["failing"] = True
+
+
 def install(me: str) -> None:
     """Report uncaught errors of this process (``me`` names it) as described above.
 

@@ -92,6 +92,12 @@ class _Pending(PendingOp):
 
 # Set when the interpreter is exiting because of an uncaught exception: the exit handshake then
 # says "error" and does not wait for the others.
+def mark_failing() -> None:
+    """This process is ending because of an error its own code caught (a forked worker of
+    ``notebook_launcher``): ``shutdown`` tells the peers "error", not "ok"."""
+    error_report.mark_failing()
+
+
 class ProcessGroupCommunicator(Communicator):
     """Collectives among the chief and workers of a cluster, over torch.distributed."""
 
@@ -170,8 +176,18 @@ class ProcessGroupCommunicator(Communicator):
             )
         # Everyone is past the store now: the rendezvous host may leave whenever it is done.
         self.barrier(what="the end of start-up")
+        self._watch_exit()
+
+    def _watch_exit(self) -> None:
+        """Say at exit how this process ends (``shutdown``), "error" after an uncaught one; and
+        report an error of ours as one block (``comm.error_report``)."""
         error_report.install(self._me)
         atexit.register(self.shutdown)
+
+    def _release_group(self) -> None:
+        """Destroy the default group this communicator started."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     # ----------------------------------------------------------------- naming and errors
 
@@ -294,8 +310,7 @@ class ProcessGroupCommunicator(Communicator):
         self._liveness.close(
             "error" if error_report.failing() or sys.exc_info()[0] is not None else "ok"
         )
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._release_group()
         global _live
         if _live is self:
             _live = None
@@ -415,6 +430,13 @@ def connect(
             return current
         if resolver.world_size == 1 and resolver.rendezvous_address is None:
             return LocalCommunicator()
+        if dist.is_initialized():
+            # Someone else started the default group (Ray Train does, before the train function
+            # runs): join it as it is rather than start a second one on its port.
+            from stratagem.comm.adopted_group import AdoptedGroupCommunicator
+
+            _live = AdoptedGroupCommunicator(resolver, timeouts=timeouts or Timeouts.from_env())
+            return _live
         _live = ProcessGroupCommunicator(
             resolver, backend=backend, timeouts=timeouts or Timeouts.from_env()
         )

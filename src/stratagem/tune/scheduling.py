@@ -23,6 +23,7 @@ from stratagem.jobs.custom_job import CustomJob, JobResult, failed_task_log
 from stratagem.jobs.directories import JobDirectories
 from stratagem.jobs.state import JobState
 from stratagem.tune.errors import TuningError
+from stratagem.tune.hparams import write_trial_hparams
 from stratagem.tune.parameter_specs import distributions, format_value
 from stratagem.tune.report import METRIC_FILE_VARIABLE, Report, ReportReader, final_measurement
 from stratagem.tune.study import counted, requeue
@@ -214,6 +215,13 @@ class TrialScheduler:
         final = final_measurement(r.reports, job.metric_id, job.goal, job.measurement_selection)
         if final is not None:
             trial.set_user_attr("final_measurement", final)
+        write_trial_hparams(
+            r.directories.tensorboard,
+            trial.params,
+            r.reports,
+            job.metric_id,
+            final["metrics"].get(job.metric_id) if final is not None else None,
+        )
         if r.stopped is not None:
             trial.set_user_attr("error", r.stopped)
             study.tell(trial, state=TrialState.PRUNED)
