@@ -31,6 +31,10 @@ CLUSTER_VARS = (
     "SLURM_PROCID",
     "SLURM_STEP_ID",
     "STRATAGEM_RESTART_COUNT",
+    # The job's secret: a test's job uses this user's own (a local job) unless it gives one.
+    "STRATAGEM_JOB_SECRET",
+    "STRATAGEM_JOB_SECRET_FILE",
+    "STRATAGEM_INSECURE",
 )
 
 
@@ -134,6 +138,11 @@ class Process:
     def output_so_far(self) -> str:
         self._out.flush()
         with open(self._out.name) as f:
+            return f.read()
+
+    def errors_so_far(self) -> str:
+        self._err.flush()
+        with open(self._err.name) as f:
             return f.read()
 
 

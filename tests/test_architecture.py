@@ -28,8 +28,13 @@ import pytest
 # layering is written down: a new edge is a deliberate edit here, and it must keep the table
 # acyclic. Listed top (may import most) to bottom (imports nothing of ours).
 LAYERS: dict[str, set[str]] = {
+    # tf.debugging: the device placement log, over sg.device's scopes.
+    "debugging": {"distribute", "errors"},
     # Vertex-style studies: trials are jobs.
     "tune": {"jobs", "cluster", "errors"},
+    # notebook_launcher: a function as a local cluster of forked workers; it ends a worker's
+    # connection itself (atexit does not run in a forked worker).
+    "launch": {"cluster", "comm", "errors"},
     # Vertex-style custom jobs: launch a script as a local cluster.
     "jobs": {"cluster", "errors"},
     # tf.saved_model's save/load over the directory format of Keras's model.save.

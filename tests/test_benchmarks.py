@@ -93,3 +93,21 @@ def test_pipeline_benchmark_smoke_run_reports_every_row(tmp_path):
     assert gpipe8["peak_activation_mib"][0] > f1b8["peak_activation_mib"][0], rows
     table = [line for line in output.splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(rows), output
+
+
+def test_prefetch_benchmark_smoke_run_reports_the_overlap_ratios(tmp_path):
+    out = tmp_path / "results.json"
+    _smoke_run(tmp_path, "prefetch.py", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert set(results["steps_per_s"]) == {"input", "compute", "plain", "prefetch", "parallel"}
+    assert all(v > 0 for v in results["steps_per_s"].values()), results
+    for key in ("prefetch_vs_max(input,compute)", "plain_vs_sum(input+compute)"):
+        assert math.isfinite(results[key]) and results[key] > 0, results
+
+
+def test_placement_log_benchmark_smoke_run_reports_off_and_on(tmp_path):
+    out = tmp_path / "results.json"
+    _smoke_run(tmp_path, "placement_log.py", "--json", str(out))
+    results = json.loads(out.read_text())
+    assert set(results["steps_per_s"]) == {"never", "off", "on"}, results
+    assert results["off_vs_never"] > 0 and results["on_vs_never"] > 0, results

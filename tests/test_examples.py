@@ -80,7 +80,8 @@ def test_kill_9_mid_epoch_then_the_job_resumes_from_the_last_checkpoint(tmp_path
     before, _, after = output.partition("restarting the job")
     assert after, output
     # The surviving worker named the lost peer before the launcher stopped it.
-    assert "PeerLostError: worker 1 (localhost:" in before, before
+    assert "stratagem: PeerLostError on worker 0" in before, before
+    assert re.search(r"worker 1 \(localhost:\d+\) was lost during ", before), before
     # The second attempt restored epoch 1 and trained epochs 1 and 2 only.
     assert "Restored" in after and "epoch 1, step 0" in after, after
     assert "Epoch: 0," not in after

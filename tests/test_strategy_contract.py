@@ -20,6 +20,8 @@ def _strategies() -> dict[str, callable]:
         "central_storage": lambda: sg.distribute.experimental.CentralStorageStrategy(
             ["cpu:0", "cpu:1"]
         ),
+        # A job of one process: nothing to shard (the strategy's null version).
+        "fully_sharded": lambda: sg.distribute.experimental.FullyShardedStrategy(),
         "in_turn_2": lambda: InTurnStrategy(2),
         "in_turn_3": lambda: InTurnStrategy(3),
     }

@@ -267,6 +267,10 @@ def test_crashing_trials_are_recorded_failed_and_the_study_goes_on(tmp_path):
             assert "crashing on purpose" in log.read_text()
             assert trial.final_measurement.metrics == ()
             assert get_final_metric(trial, "accuracy") is None
+    # Optuna's own API (what optuna-dashboard reads) sees the failed trials as failed.
+    stored = optuna.load_study(study_name="crash", storage=job.storage_url).get_trials()
+    failed = [t.state == optuna.trial.TrialState.FAIL for t in stored]
+    assert failed == [str(t.state) == "FAILED" for t in trials]
 
 
 @pytest.mark.e2e
@@ -299,6 +303,41 @@ def test_median_rule_stops_bad_trials(tmp_path):
         assert [m.step_count for m in trial.measurements] == [0]
         state = json.loads((trial.job_dir / "job.json").read_text())
         assert state["state"] == "JOB_STATE_CANCELLED"
+    # The dashboards read the study as it is. optuna-dashboard: Optuna's own API sees every trial
+    # with its parameters, intermediate values and state.
+    study = optuna.load_study(study_name="prune", storage=job.storage_url)
+    stored = study.get_trials()
+    complete, pruned = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
+    assert [t.state for t in stored] == [complete] * 3 + [pruned] * 2
+    for frozen, trial in zip(stored, job.trials):
+        assert frozen.params == dict(trial.parameters)
+        expected = {0: 0.3, 1: 0.6, 2: 0.9} if frozen.state == complete else {0: 0.1 / 3}
+        assert frozen.intermediate_values == pytest.approx(expected)
+        # TensorBoard's HParams plugin: each trial's parameters and objective beside its scalars.
+        _check_hparams_events(trial, frozen)
+
+
+def _check_hparams_events(trial, frozen):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    events = EventAccumulator(str(trial.job_dir / "tensorboard"))
+    events.Reload()
+    steps = [(e.step, e.value) for e in events.Scalars("trial/accuracy")]
+    assert steps == [(s, pytest.approx(v)) for s, v in sorted(frozen.intermediate_values.items())]
+    content = events.PluginTagToContent("hparams")
+    start = [
+        plugin_data_pb2.HParamsPluginData.FromString(raw).session_start_info
+        for raw in content.values()
+        if plugin_data_pb2.HParamsPluginData.FromString(raw).HasField("session_start_info")
+    ]
+    assert len(start) == 1
+    hparams = start[0].hparams
+    assert hparams["x"].number_value == pytest.approx(frozen.params["x"])
+    assert hparams["y"].number_value == frozen.params["y"]
+    assert hparams["kind"].string_value == frozen.params["kind"]
+    final = [e.value for e in events.Scalars("hparam/accuracy")]
+    assert final == [pytest.approx(list(frozen.intermediate_values.values())[-1])]
 
 
 @pytest.mark.e2e
@@ -435,6 +474,10 @@ def test_tuner_killed_mid_study_resumes_to_max_trial_count(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "(resuming after 3 trials)" in result.stderr
+    database = tmp_path / "studies" / "killed" / "study.db"
+    assert f"[stratagem] watch it with: optuna-dashboard sqlite:///{database}\n" in result.stderr
+    trials_dir = tmp_path / "studies" / "killed" / "trials"
+    assert f"[stratagem] watch it with: tensorboard --logdir {trials_dir}\n" in result.stderr
     trials = load_tuning_job(spec).trials
     assert trials[0] == before and str(before.state) == "SUCCEEDED"
     interrupted = [t for t in trials if str(t.state) == "FAILED"]
@@ -488,3 +531,62 @@ def test_the_seed_search_example_smoke_run(tmp_path):
     for trial in summary["trials"]:
         assert set(trial["parameters"]) == {"learning_rate", "n_neurons", "n_hidden", "optimizer"}
         assert 0 <= trial["final_measurement"]["accuracy"] <= 1
+
+
+# --- a GPU per trial (devices_per_trial) ---------------------------------------------------------
+
+
+def test_device_groups_cut_the_visible_gpus_and_refuse_too_few():
+    from stratagem.tune.devices import device_groups
+
+    env = {"CUDA_VISIBLE_DEVICES": "4,7,2,5,GPU-abc"}
+    assert device_groups(env, 2, 2) == ["4,7", "2,5"]  # the odd one out is left unused
+    assert device_groups(env, 1, 3) == ["4", "7", "2", "5", "GPU-abc"]
+    with pytest.raises(sg.tune.TuningConfigError, match=r"3 parallel trial\(s\) x "
+                       r"devices_per_trial=2 need 6 GPUs; this machine has 5"):  # fmt: skip
+        device_groups(env, 2, 3)
+
+
+def test_devices_per_trial_is_checked_when_the_job_is_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(sg.tune.TuningConfigError, match="need 3 GPUs; this machine has 2"):
+        make_job(tmp_path, "gpus", parallel_trial_count=3, max_trial_count=3, devices_per_trial=1)
+    with pytest.raises(sg.tune.TuningConfigError, match="devices_per_trial must be an int >= 0"):
+        make_job(tmp_path, "gpus", devices_per_trial=-1)
+    # Fewer trials than the parallel count: only those need GPUs.
+    job = make_job(tmp_path, "gpus", parallel_trial_count=4, max_trial_count=2, devices_per_trial=1)
+    assert job.device_groups == ["0", "1"]
+    # A study file takes it too.
+    spec = write_spec(tmp_path, devices_per_trial=2, parallel_trial_count=1)
+    assert load_tuning_job(spec).device_groups == ["0,1"]
+    # Vertex AI's spelling: the trial template's accelerator_count, GPUs per trial.
+    template = sg.jobs.CustomJob.from_local_script(
+        "t", SCRIPT, accelerator_type="NVIDIA_TESLA_K80", accelerator_count=2
+    )
+    job = sg.tune.HyperparameterTuningJob(
+        "vertex", template, metric_spec={"accuracy": "maximize"}, parameter_spec=SPACE,
+        max_trial_count=2, parallel_trial_count=1, base_output_dir=tmp_path,
+    )  # fmt: skip
+    assert job.devices_per_trial == 2 and job.device_groups == ["0,1"]
+    with pytest.raises(sg.tune.TuningConfigError, match="need 4 GPUs; this machine has 2"):
+        sg.tune.HyperparameterTuningJob(
+            "vertex", template, metric_spec={"accuracy": "maximize"}, parameter_spec=SPACE,
+            max_trial_count=2, parallel_trial_count=2, base_output_dir=tmp_path,
+        )  # fmt: skip
+    with pytest.raises(sg.jobs.JobConfigError, match="accelerator_count must be an int >= 0"):
+        sg.jobs.CustomJob("t", SCRIPT, accelerator_count=-1)
+
+
+@pytest.mark.e2e
+def test_two_parallel_trials_on_two_gpus_see_one_distinct_gpu_each(tmp_path, monkeypatch):
+    # The device list is faked through the environment: the tuner hands out its entries.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    job = make_job(
+        tmp_path, "gpus", max_trial_count=2, parallel_trial_count=2, devices_per_trial=1,
+        median_stopping=False,
+    )  # fmt: skip
+    job.run()
+    seen = [json.loads((t.job_dir / "seen-chief-0").read_text()) for t in job.trials]
+    assert [s["cuda_visible_devices"] for s in seen] == ["0", "1"]
+    assert {s["cuda_device_order"] for s in seen} == {"PCI_BUS_ID"}
+    assert all(str(t.state) == "SUCCEEDED" for t in job.trials)

@@ -18,11 +18,13 @@ _SUBPACKAGES = (
     "comm",
     "config",
     "data",
+    "debugging",
     "distribute",
     "dtensor",
     "errors",
     "jobs",
     "keras",
+    "launch",
     "nn",
     "saved_model",
     "train",
@@ -30,7 +32,7 @@ _SUBPACKAGES = (
 )
 # tf.metrics, tf.losses, tf.optimizers are TensorFlow's top-level aliases of the Keras modules.
 _KERAS_ALIASES = ("losses", "metrics", "optimizers")
-__all__ = [*_SUBPACKAGES, *_KERAS_ALIASES, "Model", "__version__"]
+__all__ = [*_SUBPACKAGES, *_KERAS_ALIASES, "Model", "__version__", "device"]
 
 
 def __getattr__(name: str) -> Any:
@@ -38,6 +40,10 @@ def __getattr__(name: str) -> Any:
         from stratagem.keras import Model
 
         return Model
+    if name == "device":  # sg.device, as tf.device: a placement scope
+        from stratagem.distribute.machinery.device_scope import device
+
+        return device
     if name in _KERAS_ALIASES:
         module = importlib.import_module(f"{__name__}.keras.{name}")
         globals()[name] = module

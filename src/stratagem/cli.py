@@ -48,7 +48,18 @@ or after --) goes to the script unchanged.
 """
 # The options that take a value: the command starts at the first argument that is neither one
 # of the launcher's options nor such an option's value.
-RUN_OPTIONS_WITH_VALUE = ("-n", "--workers", "--ps", "--max-restarts", "--grace-period", "--host")
+RUN_OPTIONS_WITH_VALUE = (
+    "-n",
+    "--workers",
+    "--ps",
+    "--max-restarts",
+    "--grace-period",
+    "--host",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+)
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +87,38 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         " after SIGTERM when the launcher is interrupted (default 5)",
     )
     parser.add_argument(
-        "--host", default="localhost", help="host name in the tasks' addresses (default localhost)"
+        "--host",
+        default=None,
+        help="host name in the tasks' addresses (default localhost; with --nnodes, node 0's is"
+        " --master-addr and another node's the address it reaches node 0 from)",
+    )
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="the tasks do not report their start (who is missing, the strategy started);"
+        " the same as STRATAGEM_LOG_LEVEL=warning in every task",
+    )
+    nodes = parser.add_argument_group(
+        "multi-node jobs",
+        "run the same command on every machine, each with its --node-rank: this launcher\n"
+        "starts its -n workers of the job's nnodes x n (TF_CONFIG for the whole job)",
+    )
+    nodes.add_argument("--nnodes", type=int, default=None, metavar="N", help="machines in the job")
+    nodes.add_argument(
+        "--node-rank", type=int, default=None, metavar="R", help="this machine's index, 0..N-1"
+    )
+    nodes.add_argument(
+        "--master-addr",
+        default=None,
+        metavar="HOST",
+        help="node 0's address (where launchers meet)",
+    )
+    nodes.add_argument(
+        "--master-port",
+        type=int,
+        default=launcher.DEFAULT_MASTER_PORT,
+        metavar="P",
+        help=f"the port node 0's launcher listens on (default {launcher.DEFAULT_MASTER_PORT})",
     )
     parser.add_argument(
         "--tolerate-worker-loss",
@@ -117,6 +159,7 @@ def split_command(
 def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     options, target = split_command(argv)
     args = parser.parse_args(options)
+    nodes, host = _nodes(parser, args)
     try:
         return launcher.launch(
             target,
@@ -126,12 +169,43 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
             chief=args.chief,
             max_restarts=args.max_restarts,
             grace_period=args.grace_period,
-            host=args.host,
+            host=host,
             tolerate_worker_loss=args.tolerate_worker_loss,
+            quiet=args.quiet,
+            nodes=nodes,
         )
     except launcher.LaunchError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
+
+
+def _nodes(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[launcher.Nodes | None, str]:
+    """The multi-node options as ``Nodes`` (None without --nnodes), and the tasks' host."""
+    given = [
+        flag
+        for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr))
+        if value is not None
+    ]
+    if args.nnodes is None:
+        if given:
+            parser.error(f"{' and '.join(given)} need --nnodes")
+        return None, "localhost" if args.host is None else args.host
+    missing = [
+        flag
+        for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr))
+        if value is None
+    ]
+    if missing:
+        parser.error(f"--nnodes needs {' and '.join(missing)}")
+    nodes = launcher.Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    host = args.host
+    if host is None:
+        host = (
+            args.master_addr if args.node_rank == 0 else launcher.address_towards(args.master_addr)
+        )
+    return nodes, host
 
 
 # --- stratagem job run -------------------------------------------------------------------------
@@ -273,6 +347,10 @@ def _tune(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         + (f" (resuming after {done} trials)" if done else ""),
         file=sys.stderr,
     )
+    from stratagem.tune.hparams import dashboard_commands
+
+    for command in dashboard_commands(job.storage_url, job.study_dir / "trials"):
+        print(f"[stratagem] watch it with: {command}", file=sys.stderr)
     # SIGTERM, as Ctrl-C: stop the trials in flight and record them, rather than orphan them.
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:

@@ -44,6 +44,8 @@ seen = {
     "x": args.x,
     "y": args.y,
     "kind": args.kind,
+    "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    "cuda_device_order": os.environ.get("CUDA_DEVICE_ORDER"),
 }
 seen_file = Path(os.environ["STRATAGEM_JOB_DIR"]) / f"seen-{task['type']}-{task['index']}"
 seen_file.write_text(json.dumps(seen))

@@ -10,10 +10,10 @@ Where the secret comes from, first found wins:
 1. ``STRATAGEM_JOB_SECRET``: the secret itself (at least 16 characters). ``stratagem run`` makes
    a fresh random one for each job and gives it to every task it starts.
 2. ``STRATAGEM_JOB_SECRET_FILE``: a file holding it (readable by its owner only, as an SSH key).
-3. A job whose tasks are all on this machine (loopback addresses): this user's own secret file,
-   ``$XDG_CACHE_HOME/stratagem/job-secret`` (else ``~/.cache/...``), made on first use with mode
-   0600. The processes of one user on one machine share it without any setting; other users'
-   processes cannot read it.
+3. A job whose tasks are all on this machine (loopback or this machine's own addresses): this
+   user's own secret file, ``$XDG_CACHE_HOME/stratagem/job-secret`` (else ``~/.cache/...``),
+   made on first use with mode 0600. The processes of one user on one machine share it without
+   any setting; other users' processes cannot read it.
 
 A job on several machines without 1 or 2 is refused, unless ``STRATAGEM_INSECURE=1`` says to
 run without one (then anyone who can reach the job's ports can join it).
@@ -25,10 +25,13 @@ import hashlib
 import hmac
 import os
 import secrets
+import socket
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from stratagem.cluster.address import parse_address
+from stratagem.cluster.spec import ClusterSpec
 from stratagem.errors import ClusterConfigError
 
 SECRET_VARIABLE = "STRATAGEM_JOB_SECRET"
@@ -42,13 +45,27 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
-def _is_loopback(host: str) -> bool:
+def _on_this_machine(host: str) -> bool:
+    """Whether ``host`` is this machine: loopback, or an address this machine can bind."""
     host = host.strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False  # unresolvable here: not a name of this machine
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
 
 
-def insecure_requested() -> bool:
-    raw = os.environ.get(INSECURE_VARIABLE, "").strip().lower()
+def insecure_requested(environ: Mapping[str, str] | None = None) -> bool:
+    raw = (os.environ if environ is None else environ).get(INSECURE_VARIABLE, "").strip().lower()
     if raw in ("", "0", "false", "no"):
         return False
     if raw in ("1", "true", "yes", "insecure"):
@@ -115,19 +132,28 @@ def _user_secret() -> bytes:
     return _read_file(path, str(path))
 
 
+def given_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The secret the user gave (``STRATAGEM_JOB_SECRET`` or ``..._FILE``), else None."""
+    env = os.environ if environ is None else environ
+    raw = env.get(SECRET_VARIABLE, "")
+    if raw.strip():
+        return _checked(raw, f"${SECRET_VARIABLE}")
+    path = env.get(SECRET_FILE_VARIABLE, "").strip()
+    if path:
+        return _read_file(Path(path).expanduser(), f"${SECRET_FILE_VARIABLE} ({path})")
+    return None
+
+
 def job_secret(hosts: Iterable[str], *, me: str) -> bytes | None:
     """The secret of the job whose tasks run on ``hosts``, or None when running insecure.
 
     ``me`` names this task in the error for a multi-machine job without a secret."""
-    raw = os.environ.get(SECRET_VARIABLE, "")
-    if raw.strip():
-        return _checked(raw, f"${SECRET_VARIABLE}")
-    path = os.environ.get(SECRET_FILE_VARIABLE, "").strip()
-    if path:
-        return _read_file(Path(path).expanduser(), f"${SECRET_FILE_VARIABLE} ({path})")
+    given = given_secret()
+    if given is not None:
+        return given
     if insecure_requested():
         return None
-    remote = sorted({h for h in hosts if not _is_loopback(h)})
+    remote = sorted({h for h in hosts if not _on_this_machine(h)})
     if remote:
         raise ClusterConfigError(
             f"{me} is part of a job on several machines ({', '.join(remote)}) but has no job "
@@ -136,6 +162,17 @@ def job_secret(hosts: Iterable[str], *, me: str) -> bytes | None:
             "job's ports join it"
         )
     return _user_secret()
+
+
+def task_hosts(spec: ClusterSpec) -> list[str]:
+    """The hosts of every task of ``spec``: which machines a job spans. torchrun's spec knows
+    only its rendezvous host (the others are placeholders such as ``<torchrun rank 1>``): on a
+    multi-node torchrun job the nodes whose MASTER_ADDR is another machine are refused without
+    a secret, which tells the user to give the same one to every node."""
+    addresses = [
+        spec.task_address(job, index) for job in spec.jobs for index in spec.task_indices(job)
+    ]
+    return [parse_address(a)[0] for a in addresses if not a.startswith("<")]
 
 
 def key_for(secret: bytes, purpose: str) -> bytes:

@@ -33,6 +33,8 @@ from stratagem.cluster.attempt import (
     describe_status,
     exit_code_of,
 )
+from stratagem.cluster.nodes import DEFAULT_MASTER_PORT, Nodes, address_towards, make_node_tasks
+from stratagem.cluster.progress import LEVEL_VARIABLE
 from stratagem.cluster.tasks import (
     CONFLICTING_ENV,
     CONFLICTING_ENV_PREFIXES,
@@ -50,14 +52,17 @@ from stratagem.cluster.tasks import (
 __all__ = [  # the launcher's parts, used by jobs, tuning and tests through this module
     "CONFLICTING_ENV",
     "CONFLICTING_ENV_PREFIXES",
+    "DEFAULT_MASTER_PORT",
     "KILL_TIMEOUT_S",
     "TASK_TYPES",
     "Console",
     "Interrupts",
     "Job",
     "LaunchError",
+    "Nodes",
     "Outcome",
     "Task",
+    "address_towards",
     "build_tf_configs",
     "check_arguments",
     "describe_status",
@@ -134,6 +139,8 @@ def launch(
     out: TextIO | None = None,
     err: TextIO | None = None,
     tolerate_worker_loss: bool = False,
+    quiet: bool = False,
+    nodes: Nodes | None = None,
 ) -> int:
     """Run ``python *target`` as a local cluster job; return the exit code for the launcher.
 
@@ -145,7 +152,14 @@ def launch(
     failed task's exit code (128 + signal when killed) when restarts ran out; 128 + signal when
     the launcher was interrupted. Raises ``LaunchError`` for bad arguments, before starting
     anything.
+
+    ``quiet``: the tasks do not report their start (``STRATAGEM_LOG_LEVEL=warning`` in each).
+    ``nodes``: this launcher runs node ``nodes.node_rank``'s ``workers`` tasks of a job over
+    ``nodes.nnodes`` machines (``stratagem.cluster.nodes``).
     """
+    base_env = None
+    if quiet:
+        base_env = {**os.environ, LEVEL_VARIABLE: "warning"}
     return run_job(
         target,
         workers=workers,
@@ -158,6 +172,8 @@ def launch(
         python=python,
         console=Console(out or sys.stdout, err or sys.stderr),
         tolerate_worker_loss=tolerate_worker_loss,
+        base_env=base_env,
+        nodes=nodes,
     ).exit_code
 
 
@@ -177,6 +193,7 @@ def run_job(
     omp_threads: int | None = None,
     interrupts: Interrupts | None = None,
     tolerate_worker_loss: bool = False,
+    nodes: Nodes | None = None,
 ) -> Outcome:
     """``launch``, returning the job's ``Outcome`` (exit code and reason) instead of the code.
 
@@ -195,6 +212,8 @@ def run_job(
         host=host,
         chief=chief,
     )
+    if nodes is not None:
+        _check_nodes(nodes, ps=ps, evaluator=evaluator, chief=chief, max_restarts=max_restarts)
     counts = {"chief": int(chief), "worker": workers, "ps": ps, "evaluator": int(evaluator)}
     num_tasks = sum(counts.values())
     base_env = dict(os.environ if base_env is None else base_env)
@@ -215,9 +234,27 @@ def run_job(
     with (interrupts or Interrupts()).installed() as interrupts:
         attempt = 0
         while True:
-            tasks = make_tasks(
-                counts, host=host, restart=attempt, base_env=base_env, omp_threads=omp_threads
-            )
+            if nodes is None:
+                tasks = make_tasks(
+                    counts, host=host, restart=attempt, base_env=base_env, omp_threads=omp_threads
+                )
+            else:
+                met = make_node_tasks(
+                    nodes,
+                    workers,
+                    host=host,
+                    restart=attempt,
+                    base_env=base_env,
+                    omp_threads=omp_threads,
+                    log=console.log,
+                    stopped=lambda: interrupts.signum is not None,
+                )
+                if met is None:  # a signal while waiting for the other nodes
+                    assert interrupts.signum is not None
+                    name = signal.Signals(interrupts.signum).name
+                    console.log(f"job stopped: received {name} while the nodes met")
+                    return Outcome(128 + interrupts.signum, f"stopped: received {name}")
+                tasks = met
             with Job(
                 tasks,
                 target,
@@ -233,7 +270,8 @@ def run_job(
                     console.log(f"could not start {command}: {exc}")
                     return Outcome(1, f"could not start {command}: {exc}")
                 attempts = f" (attempt {attempt + 1} of {max_restarts + 1})" if max_restarts else ""
-                console.log(f"started {count_tasks(tasks)}: {command}{attempts}{omp_note}")
+                where = f" ({nodes.name})" if nodes is not None else ""
+                console.log(f"started {count_tasks(tasks)}{where}: {command}{attempts}{omp_note}")
                 omp_note = ""
                 outcome = job.wait()
             if interrupts.signum is not None:  # the user's stop wins over any outcome
@@ -250,3 +288,24 @@ def run_job(
                 return Outcome(outcome.exit_code, f"{outcome.reason} (after {restarts})")
             attempt += 1
             console.log(f"restarting the job (restart {attempt} of {max_restarts})")
+
+
+def _check_nodes(nodes: Nodes, *, ps: int, evaluator: bool, chief: bool, max_restarts: int) -> None:
+    """A job over several machines runs workers only, once: what else it would need (a ps or
+    chief on one node, restarts agreed by every node) is not built yet; say so before starting."""
+    nodes.check()
+    extra = [
+        name
+        for name, wanted in (("--ps", ps), ("--evaluator", evaluator), ("--chief", chief))
+        if wanted
+    ]
+    if extra:
+        raise LaunchError(
+            f"--nnodes runs worker tasks only, got {', '.join(extra)}; "
+            "start a job with ps, chief or evaluator tasks on one machine, or by TF_CONFIG"
+        )
+    if max_restarts:
+        raise LaunchError(
+            f"--nnodes cannot restart the job yet (got --max-restarts {max_restarts}): "
+            "restarts would have to be agreed by every node"
+        )

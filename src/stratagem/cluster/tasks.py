@@ -11,6 +11,7 @@ import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from stratagem.cluster.job_secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, new_secret
 from stratagem.errors import StratagemError
 
 #: Task types in the order they are started and listed, named as in TF_CONFIG.
@@ -146,7 +147,11 @@ def make_tasks(
         job: [f"{host}:{next(ports)}" for _ in range(counts.get(job, 0))] for job in TASK_TYPES
     }
     configs = build_tf_configs(cluster)
-    base = os.environ if base_env is None else base_env
+    base = dict(os.environ if base_env is None else base_env)
+    if not (base.get(SECRET_VARIABLE, "").strip() or base.get(SECRET_FILE_VARIABLE, "").strip()):
+        # A fresh secret for each attempt, which only this attempt's tasks hold; a secret the
+        # user gave (a job whose other tasks another launcher starts) is kept.
+        base[SECRET_VARIABLE] = new_secret()
     return [
         Task(job, index, address, task_env(base, configs[job, index], restart, omp_threads))
         for job in TASK_TYPES

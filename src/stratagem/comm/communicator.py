@@ -7,6 +7,7 @@ processes to wait for. Code above this layer never asks whether it runs distribu
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any
 
 import torch
@@ -87,6 +88,13 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def barrier(self, *, what: str) -> None:
         """Wait until every process reaches this point."""
+
+    def named_faults(self, operation: str, *, what: str) -> contextlib.AbstractContextManager[None]:
+        """A block in which torch runs collectives of its own on this job's processes (DTensor's
+        redistributions, the pipeline schedule's sends): a lost or stuck peer there is reported
+        as this layer's own operations are, naming the peer, the ``operation`` and ``what`` it
+        carried."""
+        return contextlib.nullcontext()
 
     def shutdown(self) -> None:
         """Release the connection to the other processes (idempotent)."""

@@ -77,21 +77,34 @@ class LivenessServer:
         self._sock.close()
 
 
+# What ``probe`` returns for a peer whose port accepts but which does not answer: the kernel
+# completes the connection for a process that is alive but stopped (SIGSTOP) or frozen.
+SILENT = "silent"
+
+
 def probe(address: str, timeout: float) -> PeerState | None:
-    """Ask one peer; None when it refuses, does not answer in time, or is unreachable."""
+    """Ask one peer; None when it refuses or is unreachable (gone), ``PeerState("silent")``
+    when it accepts the connection but does not answer in time (alive, but stopped or stuck).
+    """
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout) as conn:
-            conn.settimeout(timeout)
-            data = b""
+        conn = socket.create_connection((host, int(port)), timeout=timeout)
+    except OSError:
+        return None
+    with conn:
+        conn.settimeout(timeout)
+        data = b""
+        try:
             # A liveness answer is one short line; a longer one is no stratagem process.
             while not data.endswith(b"\n"):
                 chunk = conn.recv(4096)
                 if not chunk or len(data) + len(chunk) > _MAX_ANSWER_BYTES:
                     return None
                 data += chunk
-    except OSError:
-        return None
+        except TimeoutError:
+            return PeerState(SILENT, "")
+        except OSError:
+            return None
     status, _, position = data.decode(errors="replace").strip().partition(" ")
     return PeerState(status, position)
 

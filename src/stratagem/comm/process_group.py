@@ -15,6 +15,7 @@ import collections
 import contextlib
 import datetime
 import os
+import re
 import socket
 import sys
 import threading
@@ -25,9 +26,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from stratagem.cluster.job_secret import job_secret, task_hosts
+from stratagem.comm import error_report
 from stratagem.comm.binding import pin_transport_interfaces
 from stratagem.comm.communicator import Communicator, LocalCommunicator, PendingOp
-from stratagem.comm.liveness import LivenessServer, advertised_host, probe_all
+from stratagem.comm.liveness import SILENT, LivenessServer, advertised_host, probe_all
+from stratagem.comm.peer_check import check_peers
 from stratagem.comm.reduce_op import ReduceOp
 from stratagem.comm.rendezvous import Member, open_store, roll_call
 from stratagem.errors import CollectiveTimeoutError, PeerLostError, RendezvousError
@@ -88,14 +92,10 @@ class _Pending(PendingOp):
 
 # Set when the interpreter is exiting because of an uncaught exception: the exit handshake then
 # says "error" and does not wait for the others.
-_failing = False
-_previous_excepthook = sys.excepthook
-
-
-def _flag_failure(*args: Any) -> None:
-    global _failing
-    _failing = True
-    _previous_excepthook(*args)
+def mark_failing() -> None:
+    """This process is ending because of an error its own code caught (a forked worker of
+    ``notebook_launcher``): ``shutdown`` tells the peers "error", not "ok"."""
+    error_report.mark_failing()
 
 
 class ProcessGroupCommunicator(Communicator):
@@ -114,6 +114,7 @@ class ProcessGroupCommunicator(Communicator):
         self.timeouts = timeouts
         self._resolver = resolver
         self._me = resolver.peer_name(self.rank)
+        error_report.install(self._me)  # the rendezvous's errors are reported as one block too
         self._seq = 0
         self._closed = False
         # The last Works and their tensors, held here so that a gloo thread never drops the last
@@ -127,6 +128,8 @@ class ProcessGroupCommunicator(Communicator):
         host, port = resolver.rendezvous_address
         hosts_store = self.rank == 0 and not resolver.agent_store
         owner = resolver.peer_name(0) if not resolver.agent_store else "the torchrun agent"
+        # Known before anything listens: a multi-machine job without a secret stops here.
+        secret = job_secret([host, *task_hosts(resolver.cluster_spec())], me=self._me)
         base = open_store(
             host,
             port,
@@ -134,7 +137,12 @@ class ProcessGroupCommunicator(Communicator):
             timeout_s=timeouts.rendezvous,
             owner=owner,
             me=self._me,
+            secret=secret,
         )
+        # Held for the life of the connection: a store written in Python (the sealed one) is
+        # reached by torch's C++ only while its Python object lives; once collected, a later
+        # process group (a mesh's dimensions) would find "Not implemented" in its place.
+        self._base_store = base
         # One namespace per attempt: torchrun's agent store outlives restarts of the workers.
         self._store = dist.PrefixStore(f"stratagem/{resolver.attempt}/", base)
         own_host = advertised_host(host)
@@ -161,13 +169,25 @@ class ProcessGroupCommunicator(Communicator):
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeouts.operation),
         )
+        self._secret = secret
+        if secret is not None:
+            check_peers(
+                secret, rank=self.rank, world_size=self.world_size, peer_name=self.peer_name
+            )
         # Everyone is past the store now: the rendezvous host may leave whenever it is done.
         self.barrier(what="the end of start-up")
-        global _previous_excepthook
-        if sys.excepthook is not _flag_failure:
-            _previous_excepthook = sys.excepthook
-            sys.excepthook = _flag_failure
+        self._watch_exit()
+
+    def _watch_exit(self) -> None:
+        """Say at exit how this process ends (``shutdown``), "error" after an uncaught one; and
+        report an error of ours as one block (``comm.error_report``)."""
+        error_report.install(self._me)
         atexit.register(self.shutdown)
+
+    def _release_group(self) -> None:
+        """Destroy the default group this communicator started."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     # ----------------------------------------------------------------- naming and errors
 
@@ -187,7 +207,7 @@ class ProcessGroupCommunicator(Communicator):
         """Turn a failed collective into an error naming the lost or lagging peer."""
         op = f"{name} of {what} (operation #{self._seq})"
         answers = probe_all(self._peers)
-        gone = {r: a for r, a in answers.items() if a is None or a.status != "running"}
+        gone = {r: a for r, a in answers.items() if a is None or a.status in ("ok", "error")}
         if gone:
             why = {None: "", "error": " (it exited with an error)", "ok": " (it had finished)"}
             who = ", ".join(
@@ -195,27 +215,52 @@ class ProcessGroupCommunicator(Communicator):
                 for r, a in sorted(gone.items())
             )
             return PeerLostError(
-                f"{who} was lost during {op} on {self._me}. Underlying error: {_first_line(error)}"
+                f"{who} was lost during {op} on {self._me}. Underlying error: "
+                f"{_first_line(error)}. Its own output says why it ended; `stratagem run "
+                "--max-restarts N` restarts a job from its last checkpoint"
             )
         text = str(error).lower()
-        if "timed out" in text or "timeout" in text:
-            behind = ", ".join(
-                f"{self.peer_name(r)} is at {a.position}"
+        silent = [r for r, a in sorted(answers.items()) if a is not None and a.status == SILENT]
+        if silent or "timed out" in text or "timeout" in text:
+            where = ", ".join(
+                f"{self.peer_name(r)} does not answer (stopped or stuck)"
+                if a is not None and a.status == SILENT
+                else f"{self.peer_name(r)} is at {a.position}"
                 for r, a in sorted(answers.items())
                 if a is not None
             )
             return CollectiveTimeoutError(
                 f"{op} timed out after {self.timeouts.operation:g}s on {self._me}; every peer is "
-                f"alive, so one has not reached this operation: {behind}. "
-                "Raise the timeout with STRATAGEM_OP_TIMEOUT if that is expected."
+                f"alive, so one has not reached this operation: {where}. A stopped process "
+                "must be resumed or ended; raise the timeout with STRATAGEM_OP_TIMEOUT if a "
+                "peer is only slow."
             )
         return error
+
+    def named_faults(self, operation: str, *, what: str) -> contextlib.AbstractContextManager[None]:
+        return self._operation(operation, what)
+
+    def prove_group(self, group: dist.ProcessGroup) -> None:
+        """Challenge the connections of a process group made after start-up (a mesh's
+        dimension, a pipeline's replicas) as the job's own were (``comm.peer_check``). Every
+        member of ``group`` calls it, groups in the same order everywhere."""
+        if self._secret is None or group is dist.group.WORLD:
+            return
+        ranks = dist.get_process_group_ranks(group)
+        with self._operation("the check of the job secret", "a new group's connections"):
+            check_peers(
+                self._secret,
+                rank=dist.get_rank(group),
+                world_size=len(ranks),
+                peer_name=lambda r: self.peer_name(ranks[r]),
+                group=group,
+            )
 
     # ----------------------------------------------------------------- collectives
 
     def _launch(self, name: str, what: str, launch: Any, tensors: tuple) -> Any:
         """Start a collective; keep its Work and tensors (see ``_recent_works``)."""
-        with self._operation(name, what), _without_backward_context():
+        with self._operation(name, what), without_backward_context():
             work = launch()
         self._recent_works.append((work, tensors))
         return work
@@ -262,9 +307,10 @@ class ProcessGroupCommunicator(Communicator):
             return
         self._closed = True
         atexit.unregister(self.shutdown)
-        self._liveness.close("error" if _failing or sys.exc_info()[0] is not None else "ok")
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._liveness.close(
+            "error" if error_report.failing() or sys.exc_info()[0] is not None else "ok"
+        )
+        self._release_group()
         global _live
         if _live is self:
             _live = None
@@ -323,10 +369,17 @@ class GroupCommunicator(Communicator):
     def barrier(self, *, what: str) -> None:
         self.all_reduce(torch.zeros(1), what=what)
 
+    def named_faults(self, operation: str, *, what: str) -> contextlib.AbstractContextManager[None]:
+        return self._job.named_faults(operation, what=what)
+
 
 def _first_line(error: BaseException) -> str:
+    """The gist of a torch/gloo error: its first line, without gloo's source location and
+    its advice to read the remote worker's log (we name the worker instead)."""
     text = str(error).strip().splitlines()
-    return text[0] if text else type(error).__name__
+    line = text[0] if text else type(error).__name__
+    line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
+    return line.split(". This is typically caused by")[0].rstrip(".")
 
 
 def _canonical(resolver: Resolver) -> str:
@@ -377,6 +430,13 @@ def connect(
             return current
         if resolver.world_size == 1 and resolver.rendezvous_address is None:
             return LocalCommunicator()
+        if dist.is_initialized():
+            # Someone else started the default group (Ray Train does, before the train function
+            # runs): join it as it is rather than start a second one on its port.
+            from stratagem.comm.adopted_group import AdoptedGroupCommunicator
+
+            _live = AdoptedGroupCommunicator(resolver, timeouts=timeouts or Timeouts.from_env())
+            return _live
         _live = ProcessGroupCommunicator(
             resolver, backend=backend, timeouts=timeouts or Timeouts.from_env()
         )
@@ -384,7 +444,7 @@ def connect(
 
 
 @contextlib.contextmanager
-def _without_backward_context() -> Iterator[None]:
+def without_backward_context() -> Iterator[None]:
     """Launch a collective without backward's Python context in its captured thread state.
 
     ``backward()`` stashes a ``contextvars.Context`` in torch's thread-local state while it

@@ -18,11 +18,35 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from stratagem.cluster import progress
+from stratagem.cluster.address import format_address
 from stratagem.comm.binding import bind_address, bind_hint
+from stratagem.comm.sealed_store import sealed
 from stratagem.errors import RendezvousError
 
 # Poll interval while waiting for peers; short enough to feel instant, long enough not to spin.
 _POLL_S = 0.05
+# A task waiting for its peers says so after FIRST_REPORT_S (a quick start says nothing), then at
+# most every REPORT_EVERY_S, so a hand-started worker is never silent for long.
+FIRST_REPORT_S = 1.0
+REPORT_EVERY_S = 10.0
+
+
+class _Reporter:
+    """Calls ``report`` with a progress line when one is due: first after ``first_s``, then
+    every ``every_s``; the line is only built when due."""
+
+    def __init__(self, report: Callable[[str], None], first_s: float, every_s: float) -> None:
+        self._report = report
+        self._start = time.monotonic()
+        self._next = self._start + first_s
+        self._every = every_s
+
+    def maybe(self, line: Callable[[float], str]) -> None:
+        now = time.monotonic()
+        if now >= self._next:
+            self._report(line(now - self._start))
+            self._next = now + self._every
 
 
 @dataclass(frozen=True)
@@ -69,12 +93,23 @@ def listen_socket(host: str, port: int, *, owner: str) -> socket.socket:
     return sock
 
 
-def wait_for_port(host: str, port: int, deadline: float, *, owner: str, me: str) -> None:
+def wait_for_port(
+    host: str,
+    port: int,
+    deadline: float,
+    *,
+    owner: str,
+    me: str,
+    report: Callable[[str], None] = progress.info,
+) -> None:
     """Wait until something listens at host:port, or raise naming who should be listening.
 
     c10d retries by itself, but prints a C++ stack trace at every retry; a plain socket probe
-    keeps the log clean while the rendezvous host is still starting.
+    keeps the log clean while the rendezvous host is still starting. While waiting, ``report``
+    is told who is awaited (see ``FIRST_REPORT_S``).
     """
+    reporter = _Reporter(report, FIRST_REPORT_S, REPORT_EVERY_S)
+    total = deadline - time.monotonic()
     while True:
         try:
             with socket.create_connection((host, port), timeout=1.0):
@@ -86,6 +121,12 @@ def wait_for_port(host: str, port: int, deadline: float, *, owner: str, me: str)
                 f"{me} could not reach the rendezvous of {owner} at {host}:{port} within the "
                 f"rendezvous timeout ({last}); is {owner} running, and is the address right?"
             )
+        reporter.maybe(
+            lambda waited: (
+                f"{me} waiting for the job's processes ({waited:.0f}s of {total:.0f}s):"
+                f" missing: {owner}, which hosts the rendezvous at {host}:{port}"
+            )
+        )
         time.sleep(_POLL_S * 4)
 
 
@@ -97,18 +138,22 @@ def open_store(
     timeout_s: float,
     owner: str,
     me: str,
-) -> dist.TCPStore:
-    """Host (``is_server``) or join the job's TCPStore at host:port."""
+    secret: bytes | None,
+) -> dist.Store:
+    """Host (``is_server``) or join the job's TCPStore at host:port, sealed with the job's
+    ``secret`` (``comm.sealed_store``; None: a job the user runs insecure)."""
     td = datetime.timedelta(seconds=timeout_s)
     if is_server:
         sock = listen_socket(host, port, owner=owner)
         # TCPStore takes over the socket; keep our object from closing it when collected.
         fd = sock.detach()
-        return dist.TCPStore(
+        base = dist.TCPStore(
             host, port, None, True, td, wait_for_workers=False, master_listen_fd=fd
         )
-    wait_for_port(host, port, time.monotonic() + timeout_s, owner=owner, me=me)
-    return dist.TCPStore(host, port, None, False, td)
+    else:
+        wait_for_port(host, port, time.monotonic() + timeout_s, owner=owner, me=me)
+        base = dist.TCPStore(host, port, None, False, td)
+    return sealed(base, secret, where=f"{owner} ({format_address(host, port)})")
 
 
 def _encode(m: Member) -> str:
@@ -152,11 +197,16 @@ def roll_call(
     *,
     timeout_s: float,
     peer_name: Callable[[int], str],
+    report: Callable[[str], None] = progress.info,
+    first_report_s: float = FIRST_REPORT_S,
+    report_every_s: float = REPORT_EVERY_S,
 ) -> list[Member]:
     """Sign in and wait for every rank; name the missing, the duplicated and the mismatched.
 
     Returns the members in rank order. Mismatches are reported as soon as both sides have
-    signed in, not at the end of the timeout.
+    signed in, not at the end of the timeout. While some are missing, ``report`` gets a line
+    naming who has arrived and who is missing, after ``first_report_s`` and then at most every
+    ``report_every_s``.
     """
     claims = store.add(f"claim/{me.rank}", 1)
     if claims > 1:
@@ -166,6 +216,7 @@ def roll_call(
         )
     store.set(f"member/{me.rank}", _encode(me))
     deadline = time.monotonic() + timeout_s
+    reporter = _Reporter(report, first_report_s, report_every_s)
     seen: dict[int, Member] = {me.rank: me}
     while True:
         for rank in range(me.world_size):
@@ -187,7 +238,24 @@ def roll_call(
                 f"missing: {', '.join(missing)} ({len(seen)} of {me.world_size} arrived). "
                 "Start every task, or raise the timeout with STRATAGEM_RENDEZVOUS_TIMEOUT."
             )
+        reporter.maybe(lambda waited: _progress_line(me, seen, waited, timeout_s, peer_name))
         time.sleep(_POLL_S)
+
+
+def _progress_line(
+    me: Member,
+    seen: dict[int, Member],
+    waited: float,
+    timeout_s: float,
+    peer_name: Callable[[int], str],
+) -> str:
+    """``worker 0 (h:1) waiting for the job's processes (10s of 60s): 1 of 2 arrived: ...``."""
+    arrived = "; ".join(f"{peer_name(r)} pid {seen[r].pid} on {seen[r].host}" for r in sorted(seen))
+    missing = ", ".join(peer_name(r) for r in range(me.world_size) if r not in seen)
+    return (
+        f"{me.name} waiting for the job's processes ({waited:.0f}s of {timeout_s:g}s): "
+        f"{len(seen)} of {me.world_size} arrived: {arrived}; missing: {missing}"
+    )
 
 
 def _check_agreement(me: Member, other: Member) -> None:

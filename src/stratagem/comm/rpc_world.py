@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from stratagem.cluster import ClusterResolver
 from stratagem.cluster.address import parse_address
-from stratagem.cluster.job_secret import job_secret
+from stratagem.cluster.job_secret import job_secret, task_hosts
 from stratagem.comm.liveness import LivenessServer, advertised_host
 from stratagem.comm.rendezvous import Member, open_store, roll_call
 from stratagem.errors import RendezvousError
@@ -50,16 +50,6 @@ def rpc_name(task_type: str, task_id: int) -> str:
     return f"{task_type}:{task_id}"
 
 
-def world_secret(spec: Any, me: str) -> bytes | None:
-    """The job's secret (``cluster.job_secret``) for a job of cluster ``spec``."""
-    hosts = [
-        parse_address(spec.task_address(job, index))[0]
-        for job in spec.jobs
-        for index in spec.task_indices(job)
-    ]
-    return job_secret(hosts, me=me)
-
-
 class RpcWorld:
     """This process's membership of the job (joined by the constructor: the roll call)."""
 
@@ -76,7 +66,8 @@ class RpcWorld:
         self.world_size = len(self.members)
         self.name = rpc_name(*me)  # type: ignore[arg-type]
         self._spec = spec
-        self.secret = world_secret(spec, self.describe(self.rank))
+        # Known before anything listens: a multi-machine job without a secret stops here.
+        self.secret = job_secret(task_hosts(spec), me=self.describe(self.rank))
         first = self.members[0]
         host, port = parse_address(spec.task_address(*first))
         base = open_store(
@@ -86,6 +77,7 @@ class RpcWorld:
             timeout_s=rendezvous_timeout,
             owner=self.describe(0),
             me=self.describe(self.rank),
+            secret=self.secret,
         )
         store = dist.PrefixStore(f"stratagem-rpc/{resolver.attempt}/", base)
         cluster = json.dumps({j: spec.num_tasks(j) for j in sorted(spec.jobs)}, sort_keys=True)

@@ -19,7 +19,7 @@ from stratagem.data._nodes import INFINITE, UNKNOWN, Node, fresh_copy
 from stratagem.data.spec import TensorSpec, spec_of
 from stratagem.errors import InputError
 
-# map and filter hand on their results in small groups, so take(1) after map does little work.
+# filter hands on its results in small groups, so take(1) after filter does little work.
 _VALUE_GROUP = 64
 
 
@@ -43,7 +43,7 @@ class Map(Node):
         upstream = self.upstream.element_spec()
         for chunk in fresh_copy(self.upstream, 0).open():
             for element in chunk.elements():
-                result = _structure.map_leaves(_as_component, call_with_element(self.fn, element))
+                result = _structure.map_leaves(as_component, call_with_element(self.fn, element))
                 spec = spec_of(result)
                 if _varying_batches(upstream):
                     spec = _structure.map_leaves(_unknown_leading, spec)
@@ -57,16 +57,12 @@ class Map(Node):
         return self._map(self.upstream.open())
 
     def _map(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
-        group: list[Any] = []
+        # One result at a time, as tf.data's map: a consumer (a prefetch thread, the step) gets
+        # each element as soon as it is made, and an error comes after the elements before it.
         for chunk in chunks:
             for element in chunk.elements():
                 result = call_with_element(self.fn, element)
-                group.append(_structure.map_leaves(_as_component, result))
-                if len(group) == _VALUE_GROUP:
-                    yield ValueChunk(group)
-                    group = []
-        if group:
-            yield ValueChunk(group)
+                yield ValueChunk([_structure.map_leaves(as_component, result)])
 
 
 def _varying_batches(spec: Any) -> bool:
@@ -83,7 +79,7 @@ def call_with_element(fn: Callable[..., Any], element: Any) -> Any:
     return fn(*element) if isinstance(element, tuple) else fn(element)
 
 
-def _as_component(value: Any) -> Any:
+def as_component(value: Any) -> Any:
     # map may return numpy arrays or Python numbers, as TF converts them; other objects pass.
     if isinstance(value, torch.Tensor):
         return value.detach() if value.requires_grad else value

@@ -31,6 +31,8 @@ from stratagem.data._nodes import (
     WithOptions,
     fresh_copy,
 )
+from stratagem.data._parallel_map import ParallelMap, usable_cpus
+from stratagem.data._prefetch import AUTOTUNE_BUFFER, Prefetch
 from stratagem.data._shuffle import Shuffle, scoped_seed
 from stratagem.data._values import Cache, Enumerate, Filter, Map
 from stratagem.data.iterator import DatasetIterator
@@ -226,10 +228,26 @@ class Dataset:
         components are positional arguments, any other element is the one argument.
 
         Runs element by element (batch first for vectorized work). Results that are numpy
-        arrays or numbers become tensors. ``num_parallel_calls``/``deterministic`` are ignored.
+        arrays or numbers become tensors. ``num_parallel_calls=n`` (or ``AUTOTUNE``: one per
+        usable core) runs up to ``n`` calls at once on a pool of threads, which pays where
+        ``map_func`` leaves the GIL (torch and numpy operations, I/O); results keep the input's
+        order, as tf.data's default ``deterministic=True``. ``deterministic=False`` allows any
+        order in TF; the input's order is one of them.
         """
         _require_callable("map", map_func)
-        return Dataset(Map(self._node, map_func))
+        if num_parallel_calls is None:
+            return Dataset(Map(self._node, map_func))
+        calls = _integer("map num_parallel_calls", num_parallel_calls)
+        if calls == AUTOTUNE:
+            calls = usable_cpus()
+        if calls < 1:
+            raise InputError(
+                f"map num_parallel_calls must be >= 1 or sg.data.AUTOTUNE (-1); got "
+                f"{num_parallel_calls!r}"
+            )
+        if calls == 1:
+            return Dataset(Map(self._node, map_func))
+        return Dataset(ParallelMap(self._node, map_func, calls))
 
     def enumerate(self, start: int = 0) -> Dataset:
         """``(index, element)`` pairs, ``index`` an int64 scalar counting from ``start``, as in
@@ -245,12 +263,34 @@ class Dataset:
         return Dataset(Filter(self._node, predicate))
 
     def prefetch(self, buffer_size: int) -> Dataset:
-        """Accepted for porting; does nothing: the data is already in memory, and reading a
-        batch is one indexing operation, so there is nothing to overlap.
+        """The same elements, made up to ``buffer_size`` ahead by a background thread while the
+        caller's step runs, as tf.data's ``prefetch``.
+
+        Every stage before it (a slow ``map``, reading batches) runs in that thread, one per
+        pass; put ``prefetch`` last. ``sg.data.AUTOTUNE`` keeps two elements ready (TF tunes the
+        size as it runs; with one producer and one consumer, two already overlap them).
+        ``0`` prefetches nothing. An error in the background stages is raised by the step's
+        ``next()`` with its original traceback; the thread ends with the pass, when the
+        iterator is dropped (``break``) and at interpreter exit.
         """
-        if _integer("prefetch buffer_size", buffer_size) < AUTOTUNE:
+        size = _integer("prefetch buffer_size", buffer_size)
+        if size < AUTOTUNE:
             raise InputError(f"prefetch buffer_size must be >= -1 (AUTOTUNE); got {buffer_size}")
-        return Dataset(self._node)
+        size = AUTOTUNE_BUFFER if size == AUTOTUNE else size
+        description = "prefetch(AUTOTUNE)" if buffer_size == AUTOTUNE else None
+        return Dataset(Prefetch(self._node, size, description=description))
+
+    def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
+        """``transformation_func(self)``, which must return a ``Dataset``, as in tf.data (for
+        ``sg.data.experimental.prefetch_to_device(...)`` and the like)."""
+        _require_callable("apply", transformation_func)
+        result = transformation_func(self)
+        if not isinstance(result, Dataset):
+            raise TypeError(
+                f"apply: {transformation_func!r} must return an sg.data.Dataset; it returned "
+                f"{type(result).__name__}"
+            )
+        return result
 
     def cache(self, filename: str = "") -> Dataset:
         """Keep the first complete pass in memory and replay it on later passes, as tf.data does.
@@ -349,6 +389,12 @@ class Dataset:
                 node = stage.rebuilt(node, 0, position)
         assert node is not None
         return Dataset(node)
+
+
+def appended(dataset: Dataset, stage: Callable[[Node], Node]) -> Dataset:
+    """For this package's transformations outside this module (``prefetch_to_device``):
+    ``dataset`` with ``stage(its last node)`` as its new last stage."""
+    return Dataset(stage(dataset._node))
 
 
 def _numpy(value: Any) -> Any:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 # Re-exported: sg.distribute.experimental.partitioners, as TF has it.
 from stratagem.distribute import partitioners as partitioners
+from stratagem.distribute.machinery.branches import Ensemble as Ensemble
+from stratagem.distribute.machinery.branches import ParallelBranches as ParallelBranches
 
 
 class CommunicationImplementation(enum.Enum):
@@ -50,6 +52,7 @@ class CommunicationOptions:
 
 # The experimental strategies (imported last: they build on the rest of sg.distribute).
 from stratagem.distribute.central_storage_strategy import CentralStorageStrategy  # noqa: E402
+from stratagem.distribute.fully_sharded_strategy import FullyShardedStrategy  # noqa: E402
 from stratagem.distribute.mesh_strategy import MeshStrategy  # noqa: E402
 from stratagem.distribute.pipeline_strategy import PipelineStrategy  # noqa: E402
 
@@ -57,6 +60,7 @@ __all__ = [
     "CentralStorageStrategy",
     "CommunicationImplementation",
     "CommunicationOptions",
+    "FullyShardedStrategy",
     "MeshStrategy",
     "PipelineStrategy",
     "partitioners",

@@ -230,7 +230,9 @@ class MeshExtended(StrategyExtended):
         """``fn`` on global DTensors split along ``batch``; results per replica (see above)."""
         args, kwargs = self._to_mesh((tuple(args), dict(kwargs or {})))
         try:
-            return self.replica_values(super().call_for_each_replica(fn, args, kwargs))
+            # DTensor runs its collectives itself: a lost or stuck peer is named all the same.
+            with self._job.named_faults("DTensor's collectives", what="the step"):
+                return self.replica_values(super().call_for_each_replica(fn, args, kwargs))
         finally:
             self._batch_rows = None
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
-from stratagem.comm.process_group import Timeouts, connect
+from stratagem.comm.process_group import Timeouts, connect, live_connection
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery.input import DistributedDataset, InputContext, InputOptions
 from stratagem.distribute.strategy import Strategy
@@ -135,6 +135,11 @@ class PipelineStrategy(Strategy):
                 group = dist.new_group(layout.replica_ranks(s))
                 if s == layout.stage_of(self.rank):
                     replica_group = group
+            # New groups open new gloo connections: each proves the job's secret.
+            job = live_connection()
+            if job is not None:
+                job.prove_group(pipeline_group)
+                job.prove_group(replica_group)
         self._settings = PipelineSettings(
             layout=layout,
             schedule=schedule,

@@ -9,6 +9,7 @@ takes TF's arguments, as in TensorFlow (``MirroredStrategy`` / ``MirroredExtende
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -16,12 +17,20 @@ import torch
 
 from stratagem.comm import ReduceOp
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery import context
+from stratagem.distribute.machinery import context, device_scope
 from stratagem.distribute.machinery.input import InputContext, InputOptions
+from stratagem.distribute.machinery.start_line import announce_start
 
 
 class Strategy:
     """Distribute computation over replicas (``sg.distribute.Strategy``)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Strategy:
+        # Before the subclass builds its ``extended`` (the rendezvous included): the start line
+        # says how long the whole start took.
+        self = super().__new__(cls)
+        self._construction_started = time.monotonic()
+        return self
 
     def __init__(self, extended: StrategyExtended) -> None:
         if not isinstance(extended, StrategyExtended):
@@ -32,6 +41,9 @@ class Strategy:
                 f"strategy (its container is {extended.strategy!r})"
             )
         self._extended = extended
+        # Every strategy's start-up ends here, its ``extended`` complete: say so once.
+        started = getattr(self, "_construction_started", time.monotonic())
+        announce_start(extended, time.monotonic() - started)
 
     # ------------------------------------------------------------------ properties
 
@@ -59,6 +71,7 @@ class Strategy:
     @contextlib.contextmanager
     def scope(self) -> Iterator[Strategy]:
         """Modules, parameters and optimizers created inside are distributed by this strategy."""
+        device_scope.check_strategy(self)  # inside an sg.device naming another device: an error
         context.push_scope(self)
         try:
             with self._extended.in_scope():

@@ -136,9 +136,16 @@ def create_mesh(
             f"process{'es' if world != 1 else ''} (one device per process); expected mesh "
             f"dimensions whose sizes multiply to {world}"
         )
+    from stratagem.comm.process_group import live_connection
     from stratagem.dtensor import translate
 
-    return Mesh(translate.device_mesh(device_type, shape, names), devices)
+    device_mesh = translate.device_mesh(device_type, shape, names)
+    job = live_connection()
+    if job is not None:
+        # Each dimension's group opens gloo connections of its own: each proves the secret.
+        for dim in range(len(shape)):
+            job.prove_group(device_mesh.get_group(dim))
+    return Mesh(device_mesh, devices)
 
 
 def _check_dims(mesh_dims: Sequence[tuple[str, int]]) -> tuple[tuple[str, ...], tuple[int, ...]]:

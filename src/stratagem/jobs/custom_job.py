@@ -64,7 +64,10 @@ class CustomJob:
 
     ``args`` go to the script unchanged; ``environment_variables`` are added to every task's
     environment. ``base_output_dir`` (default ``./stratagem_jobs``) holds one folder per run.
-    ``max_restarts`` and ``grace_period`` are the launcher's.
+    ``max_restarts`` and ``grace_period`` are the launcher's. ``accelerator_count`` (and
+    ``accelerator_type``, recorded only) is Vertex AI's GPUs per machine: a job run here sees
+    this machine's GPUs, and a tuning study with this job as its template gives each running
+    trial its own ``accelerator_count`` of them (``devices_per_trial``).
     """
 
     def __init__(
@@ -79,6 +82,8 @@ class CustomJob:
         base_output_dir: str | os.PathLike[str] | None = None,
         max_restarts: int = 0,
         grace_period: float = 5.0,
+        accelerator_type: str | None = None,
+        accelerator_count: int = 0,
     ) -> None:
         if not isinstance(display_name, str) or not display_name.strip():
             raise JobConfigError(f"display_name must be a non-empty string, got {display_name!r}")
@@ -102,6 +107,8 @@ class CustomJob:
         self.environment_variables = env
         self.base_output_dir = Path(base_output_dir or DEFAULT_BASE_OUTPUT_DIR)
         self.max_restarts = _check_count("max_restarts", max_restarts, 0)
+        self.accelerator_type = accelerator_type
+        self.accelerator_count = _check_count("accelerator_count", accelerator_count, 0)
         self.grace_period = grace_period
         self.state = JobState.JOB_STATE_QUEUED
         self.job_dir: Path | None = None
@@ -118,6 +125,8 @@ class CustomJob:
         ps_replica_count: int = 0,
         environment_variables: Mapping[str, str] | None = None,
         base_output_dir: str | os.PathLike[str] | None = None,
+        accelerator_type: str | None = None,
+        accelerator_count: int = 0,
     ) -> CustomJob:
         """Vertex AI's constructor of the same name; the script runs here, so no container."""
         return cls(
@@ -128,6 +137,8 @@ class CustomJob:
             ps_replica_count,
             environment_variables,
             base_output_dir=base_output_dir,
+            accelerator_type=accelerator_type,
+            accelerator_count=accelerator_count,
         )
 
     @property

@@ -25,8 +25,6 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from stratagem.errors import PeerLostError
-
 SYNCHRONOUS = ("GPipe", "1F1B", "Interleaved1F1B")
 
 
@@ -85,15 +83,8 @@ class TorchSchedule:
         losses: list[torch.Tensor] = []
         args = (x,) if self.is_first else ()
         target = y if self.is_last else None
-        try:
-            out = self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
-            if "closed" in first.lower() or "reset" in first.lower():
-                raise PeerLostError(
-                    f"a stage process of this pipeline was lost during a {self.name} step "
-                    f"(stages {[s.stage_index for s in self.stages]} run here): {first}"
-                ) from e
-            raise
+        # A lost or stuck stage surfaces here as a bare gloo error; the caller's
+        # ``named_faults`` (stages.PipelineModel) names the stage and the operation.
+        out = self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
         outputs = out.detach() if self.is_last and isinstance(out, torch.Tensor) else None
         return [float(loss.detach()) for loss in losses], outputs

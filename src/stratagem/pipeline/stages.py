@@ -9,6 +9,7 @@ stages and gathering them into the whole model are ``stage_checkpoints.py``'s.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -165,7 +166,7 @@ class PipelineModel:
             )
         x, y = self._replica_slice(x, "input"), self._replica_slice(y, "target")
         start = time.perf_counter()
-        losses, _, busy = self._runner.run(x, y, None, keep_outputs=False)
+        losses, _, busy = self._schedule(x, y, None, keep_outputs=False)
         loss = self._mean_loss(losses)
         # The wall time ends after the loss's all-reduce, where every stage meets: so each
         # stage's step spans the same period, its idle tail included.
@@ -183,7 +184,7 @@ class PipelineModel:
             return loss
         x, y = self._replica_slice(x, "input"), self._replica_slice(y, "target")
         start = time.perf_counter()
-        losses, _, busy = self._runner.run(
+        losses, _, busy = self._schedule(
             x, y, optimizer, keep_outputs=False, drain=self.drain_each_step
         )
         loss = self._mean_loss(losses)
@@ -209,7 +210,7 @@ class PipelineModel:
                 f"a replica's batch of {n} does not split into {self.num_microbatches} "
                 "micro-batches"
             )
-        _, outputs, _ = self._runner.run(x, targets, optimizer, keep_outputs=True)
+        _, outputs, _ = self._schedule(x, targets, optimizer, keep_outputs=True)
         if self.schedule_name in SYNCHRONOUS:
             optimizer.step()
         return outputs
@@ -218,7 +219,19 @@ class PipelineModel:
         """PipeDream without ``drain_each_step``: run the backwards (and updates) of the
         micro-batches still in flight. Every process calls it; nothing to do otherwise. ``save``
         and ``restore`` flush first."""
-        self._runner.flush()
+        with self._named_faults():
+            self._runner.flush()
+
+    def _schedule(self, *args: Any, **kwargs: Any) -> tuple:
+        """``StageRunner.run``: torch's schedule sends and receives by itself, so a lost or
+        stuck stage is named here rather than by a bare gloo error."""
+        with self._named_faults():
+            return self._runner.run(*args, **kwargs)
+
+    def _named_faults(self) -> contextlib.AbstractContextManager[None]:
+        return self._comm.named_faults(
+            "the schedule's sends and receives", what=f"stage {self.stage}'s micro-batches"
+        )
 
     def _mean_loss(self, losses: list[float]) -> float:
         """The mean loss over micro-batches and replicas, on every rank (one small all-reduce)."""

@@ -9,6 +9,11 @@ from stratagem.train.manifest import (
     UncheckedSaveWarning,
     UnsafeCheckpointError,
 )
+from stratagem.train.preemption import (
+    PreemptionCheckpointHandler,
+    TerminationConfig,
+    slurm_requeue_config,
+)
 
 __all__ = [
     "Checkpoint",
@@ -18,7 +23,10 @@ __all__ = [
     "DamagedSaveError",
     "FellBackWarning",
     "LoadStatus",
+    "PreemptionCheckpointHandler",
+    "TerminationConfig",
     "UncheckedSaveWarning",
     "UnsafeCheckpointError",
     "latest_checkpoint",
+    "slurm_requeue_config",
 ]

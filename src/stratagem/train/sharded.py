@@ -206,11 +206,12 @@ def restore(checkpoint: Any, path: str, meta: dict[str, Any]) -> LoadStatus:
     import torch.distributed.checkpoint as dcp
 
     saved = meta.get("trackables", {})
+    metadata = read_dcp_metadata(path)  # refuses what would run code, naming it
     state = _state(checkpoint, checkpoint)
+    _expect_saved_entries(checkpoint, state, metadata, ())
     wanted = {
         name: value for name, value in state.items() if name in saved or name == "save_counter"
     }
-    metadata = read_dcp_metadata(path)  # refuses what would run code, naming it
     try:
         # Never DCP's own reader and planner: they unpickle (dcp_reader).
         dcp.load(wanted, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
@@ -232,6 +233,40 @@ def restore(checkpoint: Any, path: str, meta: dict[str, Any]) -> LoadStatus:
     return LoadStatus(path, unused, unrestored, len(saved) - len(unused))
 
 
+def _expect_saved_entries(
+    checkpoint: Any, state: dict[str, Any], metadata: Any, prefix: tuple[str, ...]
+) -> None:
+    """Give each trackable that is no module, optimizer or tensor (its ``state_dict`` has the
+    keys it has now, perhaps none yet: a fresh BackupAndRestore's progress) the tensor entries
+    the checkpoint saved for it, as empty tensors of their saved shapes for DCP to fill."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from stratagem.train.checkpoint import Checkpoint, trackables_of
+
+    paths = metadata.planner_data or {}
+    for name, obj in trackables_of(checkpoint).items():
+        if isinstance(obj, Checkpoint):
+            _expect_saved_entries(obj, state[name], metadata, (*prefix, name))
+            continue
+        if isinstance(obj, torch.nn.Module | torch.optim.Optimizer | torch.Tensor):
+            continue
+        here = (*prefix, name)
+        expected: dict[str, Any] = {}
+        for key, md in metadata.state_dict_metadata.items():
+            path = tuple(paths.get(key, key.split(".")))
+            if path[: len(here)] != here or len(path) == len(here):
+                continue
+            if not isinstance(md, TensorStorageMetadata):
+                continue  # only tensors are read back (dcp_reader: nothing is unpickled)
+            node = expected
+            for part in path[len(here) : -1]:
+                node = node.setdefault(str(part), {})
+            node[str(path[-1])] = torch.empty(md.size, dtype=md.properties.dtype)
+        if expected:
+            live = state[name]
+            state[name] = {**live, **expected} if isinstance(live, dict) else expected
+
+
 def _unsafe_cause(error: BaseException) -> CheckpointError | None:
     """The CheckpointError (a refusal of dcp_reader) that DCP wrapped in its own exception,
     which keeps each process's failure in ``failures``."""
@@ -247,9 +282,14 @@ def _unsafe_cause(error: BaseException) -> CheckpointError | None:
 def whole_module(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` with whole tensors: itself, or a copy whose DTensor weights (a mesh's shards)
     are gathered, which every process must ask for. The copy exports as a plain module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in fsdp:
+        unit.reshard()  # local: a unit still gathered (after an eval forward) holds its shards
     if not any(is_dtensor(t) for t in [*module.parameters(), *module.buffers()]):
         return module
-    plain = copy.deepcopy(module)
+    plain = _without_fsdp(module, {}) if fsdp else copy.deepcopy(module)
     for submodule in plain.modules():  # the same order on every process: one gather each
         for name, p in list(submodule._parameters.items()):
             if is_dtensor(p):
@@ -258,4 +298,36 @@ def whole_module(module: torch.nn.Module) -> torch.nn.Module:
         for name, b in list(submodule._buffers.items()):
             if is_dtensor(b):
                 submodule._buffers[name] = b.full_tensor()
+    return plain
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+def _without_fsdp(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Module:
+    """A copy of a module sharded by FSDP2's ``fully_shard`` as the plain class it was
+    (``FSDPLinear`` → ``Linear``), without FSDP's state and forward hooks: FSDP refuses
+    ``copy.deepcopy``. Its parameters are still the shards; ``whole_module`` gathers them."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    cls = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    state = fully_shard.state(module) if isinstance(module, FSDPModule) else None
+    plain = cls.__new__(cls)
+    for key, value in module.__dict__.items():
+        if key.startswith("__composable_api_state_key"):  # FSDP's state and registry
+            continue
+        if key == "_modules":
+            value = {n: None if m is None else _without_fsdp(m, memo) for n, m in value.items()}
+        elif key in ("_parameters", "_buffers"):
+            # The same tensors, read only: whole_module replaces the shards by whole copies.
+            value = dict(value)
+        elif state is not None and key in _HOOK_DICTS:
+            value = copy.copy(value)
+            for hook_id, hook in list(value.items()):
+                if getattr(hook, "__self__", None) is state:
+                    del value[hook_id]
+            value = copy.deepcopy(value, memo)
+        else:
+            value = copy.deepcopy(value, memo)
+        plain.__dict__[key] = value
     return plain

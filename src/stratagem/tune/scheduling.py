@@ -23,6 +23,7 @@ from stratagem.jobs.custom_job import CustomJob, JobResult, failed_task_log
 from stratagem.jobs.directories import JobDirectories
 from stratagem.jobs.state import JobState
 from stratagem.tune.errors import TuningError
+from stratagem.tune.hparams import write_trial_hparams
 from stratagem.tune.parameter_specs import distributions, format_value
 from stratagem.tune.report import METRIC_FILE_VARIABLE, Report, ReportReader, final_measurement
 from stratagem.tune.study import counted, requeue
@@ -69,6 +70,7 @@ class RunningTrial:
     reports: list[Report] = field(default_factory=list)
     stopped: str | None = None  # why the median rule stopped it
     steps: set[int] = field(default_factory=set)  # steps already reported to Optuna
+    devices: str | None = None  # its CUDA_VISIBLE_DEVICES, with devices_per_trial
 
 
 class TrialScheduler:
@@ -87,6 +89,7 @@ class TrialScheduler:
         self.study = study
         self.progress = progress
         self._wake = threading.Event()
+        self._free_devices = list(job.device_groups)  # each running trial holds one group
 
     def run(self) -> None:
         """Run trials to the count; stop and requeue those in flight if anything goes wrong."""
@@ -103,6 +106,7 @@ class TrialScheduler:
                     assert r.thread is not None
                     r.thread.join()
                     del running[r.trial.number]
+                    self._release_devices(r)
                     count += 1
                     failed += self._end_trial(r)
                     self.progress("ended", study_trial(study, r.trial.number, job.metric_id))
@@ -145,6 +149,12 @@ class TrialScheduler:
             "STRATAGEM_STUDY_NAME": job.display_name,
         }
         r = RunningTrial(trial, directories, ReportReader(metric_file), launcher.Interrupts())
+        if self.job.device_groups:
+            # The scheduler never runs more trials than groups (checked when the job is made).
+            r.devices = self._free_devices.pop(0)
+            env["CUDA_VISIBLE_DEVICES"] = r.devices
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the numbers nvidia-smi shows
+            trial.set_user_attr("cuda_visible_devices", r.devices)
         omp_threads = job.threads_per_task()
 
         def run() -> None:
@@ -167,6 +177,12 @@ class TrialScheduler:
         )
         r.thread.start()
         return r
+
+    def _release_devices(self, r: RunningTrial) -> None:
+        if r.devices is not None:
+            self._free_devices.append(r.devices)
+            # In the machine's order again, so which trial gets which group is reproducible.
+            self._free_devices.sort(key=self.job.device_groups.index)
 
     def _read_reports(self, r: RunningTrial) -> None:
         """Take in new reports; give the objective's to Optuna's pruner, stop the trial if told."""
@@ -199,6 +215,13 @@ class TrialScheduler:
         final = final_measurement(r.reports, job.metric_id, job.goal, job.measurement_selection)
         if final is not None:
             trial.set_user_attr("final_measurement", final)
+        write_trial_hparams(
+            r.directories.tensorboard,
+            trial.params,
+            r.reports,
+            job.metric_id,
+            final["metrics"].get(job.metric_id) if final is not None else None,
+        )
         if r.stopped is not None:
             trial.set_user_attr("error", r.stopped)
             study.tell(trial, state=TrialState.PRUNED)

@@ -40,8 +40,17 @@ OPTIONAL = (
     "median_stopping",
     "median_stopping_min_trials",
     "median_stopping_warmup_steps",
+    "devices_per_trial",
 )
-JOB_KEYS = ("script_path", "args", "replica_count", "ps_replica_count", "environment_variables")
+JOB_KEYS = (
+    "script_path",
+    "args",
+    "replica_count",
+    "ps_replica_count",
+    "environment_variables",
+    "accelerator_type",
+    "accelerator_count",
+)
 
 
 class SpecFileError(StratagemError, ValueError):

@@ -18,6 +18,7 @@ from stratagem.jobs.custom_job import CustomJob
 from stratagem.jobs.directories import slug
 from stratagem.jobs.state import JobState, write_json_atomic
 from stratagem.tune import scheduling
+from stratagem.tune.devices import device_groups
 from stratagem.tune.errors import TuningConfigError, TuningError
 from stratagem.tune.parameter_specs import ParameterSpec, check_parameter_spec, spec_to_json
 from stratagem.tune.report import MEASUREMENT_SELECTIONS
@@ -77,6 +78,12 @@ class HyperparameterTuningJob:
     search reproducible; ``median_stopping`` stops a trial whose intermediate report is worse
     than the median of the other trials at the same step, once ``median_stopping_min_trials``
     trials finished and after ``median_stopping_warmup_steps`` steps.
+    ``devices_per_trial=k`` gives each running trial its own ``k`` GPUs through
+    ``CUDA_VISIBLE_DEVICES`` (the visible GPUs cut into groups of ``k``; there must be enough
+    for ``parallel_trial_count`` trials at once); 0 leaves the GPUs alone. The default is the
+    template's ``accelerator_count`` (Vertex AI's ``CustomJob.from_local_script(...,
+    accelerator_count=2)``: 2 GPUs per trial), 0 unless set. On CPU, the cores are divided
+    between parallel trials' tasks either way.
     """
 
     def __init__(
@@ -96,6 +103,7 @@ class HyperparameterTuningJob:
         median_stopping: bool = True,
         median_stopping_min_trials: int = 3,
         median_stopping_warmup_steps: int = 0,
+        devices_per_trial: int | None = None,
     ) -> None:
         if not isinstance(display_name, str) or not display_name.strip():
             raise TuningConfigError(
@@ -132,6 +140,17 @@ class HyperparameterTuningJob:
         )
         self.median_stopping_warmup_steps = _check_positive(
             "median_stopping_warmup_steps", median_stopping_warmup_steps, 0
+        )
+        if devices_per_trial is None:  # Vertex AI's spelling: the trial template's GPU count
+            devices_per_trial = custom_job.accelerator_count
+        self.devices_per_trial = _check_positive("devices_per_trial", devices_per_trial, 0)
+        # Decided now, from this process's environment, so a machine too small fails at once.
+        self.device_groups = (
+            device_groups(
+                os.environ, devices_per_trial, min(self.parallel_trial_count, self.max_trial_count)
+            )
+            if devices_per_trial
+            else []
         )
         base = Path(base_output_dir) if base_output_dir else custom_job.base_output_dir
         self.study_dir = (base / slug(display_name)).resolve()

@@ -1,0 +1,192 @@
+"""The rendezvous store, sealed with the job's secret: unreadable and unforgeable to outsiders.
+
+torch's ``TCPStore`` has no credentials: anyone who reaches its port can list its keys, read
+every record (the tasks' addresses, gloo's connection details) and write any key (claim a
+task's rank first, or forge a peer's record). ``SealedStore`` wraps it so that, without the
+job's secret (``cluster.job_secret``):
+
+- key names are HMACs of the real names: an outsider cannot compute the key a task is about to
+  claim, so it cannot claim it first;
+- values are encrypted (SHAKE-256 keystream under a per-value random nonce) and authenticated
+  (HMAC-SHA256 over the key, nonce and ciphertext): an outsider reads nothing, and a value it
+  writes or moves from another key fails the check and is reported as
+  ``RendezvousError`` naming the key's owner and the store's address;
+- counters (``add``) are sealed values too, updated with ``compare_set``, so a forged increment
+  is caught the same way.
+
+What it cannot stop: an outsider who reaches the port may still overwrite or delete sealed
+keys, which makes the job fail with that named error (a denial of service, not an entry). Every
+process of the job, torch's own code included (gloo's connection set-up), goes through the
+wrapper, so the job's records never cross the wire in the clear.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import os
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from stratagem.cluster.job_secret import key_for
+from stratagem.errors import RendezvousError
+
+_NONCE = 16
+_TAG = 32
+_MAGIC = b"SGS1"
+
+
+class SealedStore(dist.Store):
+    """``base`` with every key name and value sealed under ``secret``."""
+
+    def __init__(self, base: dist.Store, secret: bytes, *, where: str) -> None:
+        super().__init__()
+        self._base = base
+        self._names = key_for(secret, "store-names")
+        self._cipher = key_for(secret, "store-cipher")
+        self._mac = key_for(secret, "store-mac")
+        self._where = where  # "the rendezvous of worker 0 (localhost:2222)", for errors
+
+    # ------------------------------------------------------------------ sealing
+
+    def _key(self, key: str) -> str:
+        return "sg/" + hmac.new(self._names, key.encode("utf-8"), hashlib.sha256).hexdigest()
+
+    def _seal(self, sealed_key: str, value: bytes) -> bytes:
+        nonce = os.urandom(_NONCE)
+        stream = hashlib.shake_256(self._cipher + nonce).digest(len(value)) if value else b""
+        body = _xor(value, stream)
+        tag = self._tag(sealed_key, nonce, body)
+        return _MAGIC + nonce + body + tag
+
+    def _open(self, key: str, sealed_key: str, raw: bytes) -> bytes:
+        raw = bytes(raw)
+        if len(raw) < len(_MAGIC) + _NONCE + _TAG or not raw.startswith(_MAGIC):
+            raise self._forged(key, f"a record of {len(raw)} bytes in no sealed format")
+        nonce = raw[len(_MAGIC) : len(_MAGIC) + _NONCE]
+        body, tag = raw[len(_MAGIC) + _NONCE : -_TAG], raw[-_TAG:]
+        if not hmac.compare_digest(tag, self._tag(sealed_key, nonce, body)):
+            raise self._forged(key, "a record that fails the job secret's check")
+        stream = hashlib.shake_256(self._cipher + nonce).digest(len(body)) if body else b""
+        return _xor(body, stream)
+
+    def _tag(self, sealed_key: str, nonce: bytes, body: bytes) -> bytes:
+        message = sealed_key.encode("utf-8") + b"|" + nonce + body
+        return hmac.new(self._mac, message, hashlib.sha256).digest()
+
+    def _forged(self, key: str, what: str) -> RendezvousError:
+        return RendezvousError(
+            f"the rendezvous at {self._where} holds, under {key!r}, {what}: a process without "
+            "the job's secret wrote into it, or a task of this job was given another secret "
+            "(every task of a job needs the same STRATAGEM_JOB_SECRET)"
+        )
+
+    # ------------------------------------------------------------------ the Store interface
+
+    def set(self, key: str, value: str | bytes) -> None:
+        k = self._key(key)
+        self._base.set(k, self._seal(k, _bytes(value)))
+
+    def get(self, key: str) -> bytes:
+        k = self._key(key)
+        return self._open(key, k, self._base.get(k))
+
+    def add(self, key: str, amount: int) -> int:
+        k = self._key(key)
+        while True:
+            if self._base.check([k]):
+                current = self._base.get(k)
+                value = int(self._open(key, k, current).decode("ascii")) + amount
+            else:
+                current, value = b"", amount
+            desired = self._seal(k, str(value).encode("ascii"))
+            # Atomic: it stores ``desired`` only if the record is still ``current``; the random
+            # nonce makes ``desired`` ours alone, so equality says our update won.
+            if bytes(self._base.compare_set(k, current, desired)) == desired:
+                return value
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        k = self._key(key)
+        expected_b, desired_b = _bytes(expected), _bytes(desired)
+        while True:
+            if self._base.check([k]):
+                current = bytes(self._base.get(k))
+                value = self._open(key, k, current)
+                if value != expected_b:
+                    return value
+            elif expected_b:
+                return expected_b  # torch's rule for a missing key with an expected value
+            else:
+                current = b""
+            sealed = self._seal(k, desired_b)
+            if bytes(self._base.compare_set(k, current, sealed)) == sealed:
+                return desired_b
+
+    def append(self, key: str, value: str | bytes) -> None:
+        k = self._key(key)
+        while True:
+            current = bytes(self._base.get(k)) if self._base.check([k]) else b""
+            old = self._open(key, k, current) if current else b""
+            sealed = self._seal(k, old + _bytes(value))
+            if bytes(self._base.compare_set(k, current, sealed)) == sealed:
+                return
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        for key, value in zip(keys, values):
+            self.set(key, value)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self._base.check([self._key(k) for k in keys])
+
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
+        sealed = [self._key(k) for k in keys]
+        if timeout is None:
+            self._base.wait(sealed)
+        else:
+            self._base.wait(sealed, timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._base.delete_key(self._key(key))
+
+    def num_keys(self) -> int:
+        return self._base.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._base.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> datetime.timedelta:  # type: ignore[override]
+        return self._base.timeout
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    def clone(self) -> SealedStore:
+        # torch clones the store for each new process group (a mesh's dimensions): the clone
+        # talks to the same server over its own connection, sealed alike.
+        twin = SealedStore.__new__(SealedStore)
+        dist.Store.__init__(twin)
+        twin._base = self._base.clone()
+        twin._names, twin._cipher, twin._mac = self._names, self._cipher, self._mac
+        twin._where = self._where
+        return twin
+
+
+def _xor(a: bytes, b: bytes) -> bytes:
+    if not a:
+        return b""
+    return (int.from_bytes(a, "big") ^ int.from_bytes(b, "big")).to_bytes(len(a), "big")
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode("utf-8") if isinstance(value, str) else bytes(value)
+
+
+def sealed(base: dist.Store, secret: bytes | None, *, where: str) -> dist.Store:
+    """``base`` sealed with ``secret``; ``base`` itself when the job runs insecure."""
+    return base if secret is None else SealedStore(base, secret, where=where)

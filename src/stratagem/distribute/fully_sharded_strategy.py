@@ -1,0 +1,553 @@
+"""FullyShardedStrategy: sharded data parallelism (ZeRO-3 / ZeRO-2, HSDP) on PyTorch's FSDP2.
+
+1. The cluster and the process group come as for MultiWorkerMirroredStrategy (TF_CONFIG,
+   torchrun, SLURM, ``stratagem run``): one process per device, every process a data-parallel
+   replica. The parameters are sharded over a DeviceMesh of the whole job: 1-D (``shard``) by
+   default; a 2-D ``mesh`` with dimensions ``("replicate", "shard")`` gives HSDP (replicate
+   across hosts, shard within one).
+2. Scope: modules built inside are recorded; when the scope ends (or ``sg.keras.Model(module)``
+   takes the model, or a step comes inside the scope, as TF's tutorials train there) each model
+   is sharded with ``torch.distributed.fsdp.fully_shard``: first the chief's initial values are
+   broadcast (workers seeded differently start identical, as under MWMS), then every top-level
+   child that holds parameters (or each module ``wrap`` names) becomes one FSDP unit, then the
+   root. Each unit's parameters are gathered in one collective before its forward and freed
+   after it (``reshard_after_forward=True``, ZeRO-3) or kept until backward ends (``False``,
+   ZeRO-2); FSDP2 prefetches the next unit's gather while this one computes.
+3. The parameters become DTensors sharded along dim 0, so their gradients, and the optimizer
+   state created from them (``torch.optim.Adam``'s ``exp_avg``...), are sharded too. An
+   optimizer created in the scope, over the parameters before sharding replaced them, is
+   pointed at the replacements at its first step.
+4. Gradients: FSDP2 reduce-scatters each unit's gradients during backward. They are summed
+   across replicas (the seeds' convention: ``sg.nn.compute_average_loss`` divides by the
+   global batch), or averaged with ``gradient_aggregation="MEAN"`` (PyTorch's).
+5. ``run``/``reduce``/``gather``/datasets/``Model.fit`` come from the Strategy base over the
+   communicator, as under MWMS. Checkpoints of the sharded weights go through
+   ``torch.distributed.checkpoint`` (``train/sharded.py``) and restore on any number of
+   processes; ``model.save`` writes a whole plain model.
+
+A job of one process has nothing to shard: the strategy then keeps the model as it is (the
+single-process null version), so one script runs alone and on a cluster. An evaluator task
+(TF's side-car evaluation) is such a process: it restores the workers' sharded checkpoints into
+its whole model. A ps task cannot use this strategy.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+)
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
+from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
+from stratagem.comm.process_group import Timeouts, connect, without_backward_context
+from stratagem.distribute.experimental import CommunicationImplementation, CommunicationOptions
+from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery import scope_hooks
+from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.strategy import Strategy
+from stratagem.dtensor import Mesh
+from stratagem.dtensor.layout_map import CreatedModules
+from stratagem.errors import RendezvousError
+
+# Which modules become FSDP units: regexes over module paths (LayoutMap-style, full match),
+# or a predicate over (path, module).
+WrapPolicy = str | list[str] | tuple[str, ...] | Callable[[str, torch.nn.Module], bool]
+
+HSDP_DIMS = ("replicate", "shard")
+# Initial values are broadcast in buckets of about this size: one flat copy of a whole model
+# would double the memory that sharding is about to save.
+BROADCAST_BUCKET_BYTES = 4 << 20
+
+
+class FullyShardedStrategy(Strategy):
+    """``sg.distribute.experimental.FullyShardedStrategy(reshard_after_forward=True, mesh=None,
+    mixed_precision=None, cpu_offload=False)``.
+
+    ``mixed_precision``: a ``torch.distributed.fsdp.MixedPrecisionPolicy``, or a dtype
+    (``torch.bfloat16``, ``"bfloat16"``) to compute in while gradients are reduced in float32.
+    ``cpu_offload``: keep the sharded parameters, gradients and optimizer state in CPU memory
+    (FSDP2's ``CPUOffloadPolicy``; for CUDA jobs). ``wrap``: which modules become FSDP units
+    (regexes over module paths, or a ``(path, module) -> bool`` predicate); by default every
+    top-level child that holds parameters.
+    """
+
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        mesh: Mesh | DeviceMesh | None = None,
+        mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None,
+        cpu_offload: bool = False,
+        *,
+        wrap: WrapPolicy | None = None,
+        communication_options: CommunicationOptions | None = None,
+        cluster_resolver: ClusterResolver | None = None,
+        gradient_aggregation: ReduceOp | str = ReduceOp.SUM,
+    ) -> None:
+        extended = FullyShardedExtended(
+            self,
+            reshard_after_forward=reshard_after_forward,
+            mesh=mesh,
+            mixed_precision=mixed_precision,
+            cpu_offload=cpu_offload,
+            wrap=wrap,
+            communication_options=communication_options,
+            cluster_resolver=cluster_resolver,
+            gradient_aggregation=gradient_aggregation,
+        )
+        super().__init__(extended)
+        self.reshard_after_forward = reshard_after_forward
+        self.mesh = extended.device_mesh
+
+    def __repr__(self) -> str:
+        return (
+            f"FullyShardedStrategy(reshard_after_forward={self.reshard_after_forward}, "
+            f"mesh={self.mesh}, num_replicas_in_sync={self.num_replicas_in_sync})"
+        )
+
+
+class FullyShardedExtended(StrategyExtended):
+    """Models built in scope sharded by ``fully_shard``; steps as MWMS's, one replica each."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        *,
+        reshard_after_forward: bool,
+        mesh: Mesh | DeviceMesh | None,
+        mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None,
+        cpu_offload: bool,
+        wrap: WrapPolicy | None,
+        communication_options: CommunicationOptions | None,
+        cluster_resolver: ClusterResolver | None,
+        gradient_aggregation: ReduceOp | str,
+    ) -> None:
+        name = type(container).__name__
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(
+                f"{name}: reshard_after_forward must be True (ZeRO-3) or False (ZeRO-2), got "
+                f"{reshard_after_forward!r}"
+            )
+        if not isinstance(cpu_offload, bool):
+            raise TypeError(f"{name}: cpu_offload must be True or False, got {cpu_offload!r}")
+        options = communication_options or CommunicationOptions()
+        if not isinstance(options, CommunicationOptions):
+            raise TypeError(
+                f"{name}: communication_options must be "
+                f"sg.distribute.experimental.CommunicationOptions, got {options!r}"
+            )
+        self._mp_policy = _mixed_precision_policy(mixed_precision, name)
+        self._wrap = _check_wrap(wrap, name)
+        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        check_task_types(resolver.cluster_spec(), ("chief", "worker", "evaluator"), name)
+        device = _worker_device(resolver)
+        timeouts = Timeouts.from_env(options.timeout_seconds)
+        comm: Communicator
+        if resolver.rank is None or resolver.world_size == 1:
+            comm = LocalCommunicator()  # an evaluator, or a job of one: nothing to shard
+        else:
+            backend = "gloo"
+            if device.torch_device.type == "cuda" and (
+                options.implementation is not CommunicationImplementation.RING
+            ):
+                backend = "cpu:gloo,cuda:nccl"
+            comm = connect(resolver, backend=backend, timeouts=timeouts)
+        super().__init__(
+            container,
+            [device],
+            comm=comm,
+            cluster_resolver=resolver,
+            gradient_aggregation=gradient_aggregation,
+            sync_timeout=timeouts.operation,
+        )
+        if cpu_offload and device.torch_device.type != "cuda":
+            warnings.warn(
+                f"{name}(cpu_offload=True) keeps the shards in CPU memory between uses on a "
+                f"CUDA device, but this worker computes on {device.name}, where they are "
+                "already; ignoring cpu_offload",
+                stacklevel=4,
+            )
+            cpu_offload = False
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+        self.device_mesh = _device_mesh(mesh, comm, device.torch_device, name)
+        self._recording: list[CreatedModules] = []  # one per scope entered, innermost last
+        # old parameter → its sharded replacement (for optimizers made over the old ones)
+        self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # FSDP's last Works and their tensors (see _HeldAllGather): a few only, as they hold
+        # whole gathered parameters and gradients; FSDP waits for each on CPU, so a gloo thread
+        # is long done with a Work 4 collectives later.
+        self._held_works: collections.deque = collections.deque(maxlen=4)
+
+    def describe(self) -> dict[str, Any]:
+        mesh = self.device_mesh
+        return {
+            **super().describe(),
+            "reshard_after_forward": self.reshard_after_forward,
+            "mesh": None if mesh is None else dict(zip(mesh.mesh_dim_names or (), mesh.shape)),
+        }
+
+    # ------------------------------------------------------------------ placement
+
+    @contextlib.contextmanager
+    def in_scope(self) -> Iterator[None]:
+        # Each scope entry records the modules built in it and shards the outermost ones when
+        # it ends: a model's units are known only once it is whole.
+        with CreatedModules() as created:
+            self._recording.append(created)
+            try:
+                yield
+            finally:
+                self._recording.remove(created)
+        for module in created.roots():
+            self._shard(module)
+
+    def capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        # Sharded with its model later; claimed now, so that an optimizer created in the scope
+        # over these soon-replaced tensors is ours and can be pointed at their replacements.
+        scope_hooks.claim(param, self.strategy)
+        return None
+
+    def capture_buffer(
+        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
+    ) -> torch.Tensor | None:
+        scope_hooks.claim(buffer, self.strategy)
+        return None
+
+    def adopt_captured(self) -> None:
+        pass  # the scopes' exits have sharded everything (in_scope)
+
+    def adopt_pending(self) -> None:
+        # A step inside the scope: shard the models built so far, as the scope's end would.
+        for created in self._recording:
+            for module in created.changed_roots():
+                self._shard(module)
+
+    def adopt_model(self, module: torch.nn.Module) -> None:
+        self._shard(module)
+
+    def distribute_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        self._shard(module)
+        return module
+
+    def _shard(self, module: torch.nn.Module) -> None:
+        """Shard ``module`` in place (once; again is a no-op) and claim its new parameters."""
+        if isinstance(module, FSDPModule) or self.device_mesh is None:
+            self._claim(module)
+            return
+        if not any(True for _ in module.parameters()):
+            return  # an activation, a container of nothing yet: nothing to shard
+        units = self._units(module)
+        _check_dtypes(module, units)
+        before = dict(module.named_parameters(remove_duplicate=False))
+        # Claimed (a module built outside the scope, handed to distribute_module) so that an
+        # optimizer made over them is ours, and is pointed at their replacements.
+        self._claim(module)
+        self._broadcast_initial_values(module)
+        settings: dict[str, Any] = {"mesh": self.device_mesh, "mp_policy": self._mp_policy}
+        if self.cpu_offload:
+            settings["offload_policy"] = CPUOffloadPolicy()
+        # Deepest first: fully_shard groups the parameters no inner unit took.
+        for _, unit in sorted(units, key=lambda pu: -pu[0].count(".")):
+            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **settings)
+        # The root's backward starts right after its forward: FSDP2's default keeps it
+        # gathered then (None), unless ZeRO-2 keeps every unit gathered anyway.
+        fully_shard(
+            module, reshard_after_forward=None if self.reshard_after_forward else False, **settings
+        )
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.set_custom_all_gather(_HeldAllGather(self._held_works))
+                sub.set_custom_reduce_scatter(_HeldReduceScatter(self._held_works))
+                if self.gradient_aggregation is ReduceOp.SUM:
+                    sub.set_gradient_divide_factor(1.0)  # a sum over the replicas
+                    # ... by SUM collectives: gloo has no PREMUL_SUM, the op a factor picks.
+                    sub.set_force_sum_reduction_for_comms(True)
+        for path, new in module.named_parameters(remove_duplicate=False):
+            old = before.get(path)
+            if old is not None and old is not new:
+                self._replaced[old] = new
+        self._claim(module)
+
+    def _units(self, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+        """The modules that become FSDP units below the root (which is always one)."""
+        # A module sharded before (a model inside a new one) is a unit already.
+        if self._wrap is None:
+            return [
+                (path, child)
+                for path, child in module.named_children()
+                if any(True for _ in child.parameters()) and not isinstance(child, FSDPModule)
+            ]
+        matched = [
+            (path, sub)
+            for path, sub in module.named_modules()
+            if path and _wrap_matches(self._wrap, path, sub) and not isinstance(sub, FSDPModule)
+        ]
+        if not matched:
+            paths = [path for path, _ in module.named_modules() if path]
+            raise ValueError(
+                f"FullyShardedStrategy(wrap={_describe_wrap(self._wrap)}) matches no module of "
+                f"{type(module).__name__}; its module paths are {paths[:20]}"
+                f"{' ...' if len(paths) > 20 else ''} (regexes must match a whole path)"
+            )
+        return matched
+
+    def _broadcast_initial_values(self, module: torch.nn.Module) -> None:
+        """The chief's initial parameters and buffers on every process, after checking that
+        every process built the same model."""
+        comm = self._comm
+        # Not the shards of a unit sharded before: they are the same on every process already.
+        everything = [*module.parameters(), *module.buffers()]
+        tensors = [t for t in everything if not isinstance(t, DTensor)]
+        signature = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+        everyone = comm.all_gather_object(signature, what="the shapes of the model to shard")
+        for rank, theirs in enumerate(everyone):
+            if theirs != signature:
+                raise RendezvousError(
+                    f"FullyShardedStrategy: {comm.peer_name(rank)} built a model of "
+                    f"{len(theirs)} tensors but {comm.peer_name(comm.rank)} built one of "
+                    f"{len(signature)}, or of other shapes; every worker must build the same "
+                    f"model. Here: {signature[:8]}; there: {theirs[:8]}"
+                )
+        with torch.no_grad():
+            for group in _buckets(tensors, BROADCAST_BUCKET_BYTES):
+                what = f"initial values of {len(group)} tensors ({group[0].dtype})"
+                if len(group) == 1 and group[0].is_contiguous():
+                    comm.broadcast(group[0].detach(), 0, what=what)  # in place, no copy
+                    continue
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                comm.broadcast(flat, 0, what=what)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def _claim(self, module: torch.nn.Module) -> None:
+        for t in [*module.parameters(), *module.buffers()]:
+            if scope_hooks.owner_of(t) is None:
+                scope_hooks.claim(t, self.strategy)
+
+    # ------------------------------------------------------------------ steps
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # An optimizer made in the scope holds the parameters as they were before sharding
+        # replaced them: point it at the replacements, safe while it holds no state for the
+        # old ones (it has never stepped them).
+        if self.device_mesh is None:
+            return
+        stale = 0
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                if isinstance(p, DTensor):
+                    continue
+                new = self._replaced.get(p)
+                if new is None or optimizer.state.get(p):
+                    stale += 1
+                else:
+                    params[i] = new
+        if stale:
+            total = sum(len(g["params"]) for g in optimizer.param_groups)
+            raise RuntimeError(
+                f"this optimizer updates {stale} of its {total} parameters as they were "
+                "before FullyShardedStrategy sharded the model, and they cannot be replaced "
+                "(not sharded by this strategy, or already stepped); create the optimizer over "
+                "the sharded model (after the scope's end), or shard the model first with "
+                "strategy.distribute_module(model)"
+            )
+
+
+# ---------------------------------------------------------------------- FSDP's collectives
+
+
+class _HeldAllGather(DefaultAllGather):
+    """FSDP2's all-gather, launched as stratagem's own collectives are (``comm/process_group``):
+    without backward's Python context in the thread state a gloo Work captures, and with the
+    Work and its tensors held here, so that a gloo thread never drops the last reference to a
+    Python object, which at interpreter exit aborts the process ("terminate called without an
+    active exception")."""
+
+    def __init__(self, held: collections.deque) -> None:
+        self._held = held
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        with without_backward_context():
+            work = super().__call__(output_tensor, input_tensor, group, async_op)
+        self._held.append((work, output_tensor, input_tensor))
+        return work
+
+
+class _HeldReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter, launched and held as ``_HeldAllGather``'s all-gather."""
+
+    def __init__(self, held: collections.deque) -> None:
+        self._held = held
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work:
+        with without_backward_context():
+            work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        self._held.append((work, output_tensor, input_tensor))
+        return work
+
+
+# ---------------------------------------------------------------------- set-up helpers
+
+
+def _worker_device(resolver: ClusterResolver) -> LogicalDevice:
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        index = resolver.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)  # FSDP2 places shards on the current CUDA device
+        return LogicalDevice(f"cuda:{index}", torch.device("cuda", index))
+    return LogicalDevice("cpu:0", torch.device("cpu"))
+
+
+def _device_mesh(
+    mesh: Mesh | DeviceMesh | None, comm: Communicator, device: torch.device, name: str
+) -> DeviceMesh | None:
+    """The mesh FSDP shards over: the whole job along ``shard``, or the one given (1-D, or
+    2-D ``("replicate", "shard")`` for HSDP). None in a job of one."""
+    world = comm.world_size
+    if isinstance(mesh, Mesh):
+        mesh = mesh.device_mesh
+    if mesh is None:
+        if world == 1:
+            return None
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"{name}: mesh must be a sg.dtensor.Mesh or a torch DeviceMesh, got "
+            f"{type(mesh).__name__}"
+        )
+    dims = tuple(mesh.mesh_dim_names or ())
+    if mesh.size() != world:
+        raise ValueError(
+            f"{name}: the mesh {dict(zip(dims, mesh.shape))} has {mesh.size()} devices but this "
+            f"job has {world} processes; the mesh must span the whole job (one process per "
+            "device)"
+        )
+    if mesh.ndim == 2 and dims != HSDP_DIMS:
+        raise ValueError(
+            f"{name}: a 2-D mesh gives HSDP and needs the dimensions {HSDP_DIMS} (replicate "
+            f"across hosts, shard within one), got {dims}"
+        )
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"{name}: the mesh must be 1-D or 2-D, got {mesh.ndim}-D {dims}")
+    return mesh
+
+
+def _mixed_precision_policy(
+    value: MixedPrecisionPolicy | torch.dtype | str | None, name: str
+) -> MixedPrecisionPolicy:
+    if value is None:
+        return MixedPrecisionPolicy()
+    if isinstance(value, MixedPrecisionPolicy):
+        return value
+    dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"{name}: mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy, "
+            f"a floating dtype or its name ('bfloat16', 'float16'), got {value!r}"
+        )
+    # Compute in ``dtype``; reduce gradients in float32, which keeps the sum exact enough.
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def _check_wrap(wrap: WrapPolicy | None, name: str) -> WrapPolicy | None:
+    if wrap is None or callable(wrap):
+        return wrap
+    patterns = [wrap] if isinstance(wrap, str) else list(wrap)
+    if not patterns or not all(isinstance(p, str) for p in patterns):
+        raise TypeError(
+            f"{name}: wrap must be a regex, a list of regexes or a (path, module) -> bool "
+            f"predicate, got {wrap!r}"
+        )
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{name}: wrap regex {pattern!r} does not compile: {e}") from None
+    return tuple(patterns)
+
+
+def _wrap_matches(wrap: WrapPolicy, path: str, module: torch.nn.Module) -> bool:
+    if callable(wrap):
+        return bool(wrap(path, module))
+    return any(re.fullmatch(p, path) for p in wrap)
+
+
+def _describe_wrap(wrap: WrapPolicy) -> str:
+    return repr(list(wrap)) if isinstance(wrap, tuple) else repr(wrap)
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Tensors of one dtype together, in order, up to ``limit`` bytes a bucket (a larger tensor
+    alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        group, used = open_bucket.get(t.dtype, ([], 0))
+        if group and used + size > limit:
+            group, used = [], 0
+        if not group:
+            buckets.append(group)
+        group.append(t)
+        open_bucket[t.dtype] = (group, used + size)
+    return buckets
+
+
+def _check_dtypes(module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> None:
+    """FSDP2 reduces one unit's gradients in one flat collective, so the trainable parameters
+    of a unit (those no inner unit takes) must share a dtype."""
+    unit_of: dict[int, str] = {}
+    for path, unit in sorted(units, key=lambda pu: -pu[0].count(".")):
+        for p in unit.parameters():
+            unit_of.setdefault(id(p), path)
+    groups: dict[str, dict[torch.dtype, list[str]]] = {}
+    for path, p in module.named_parameters():
+        if p.requires_grad:
+            unit = unit_of.get(id(p), "")
+            groups.setdefault(unit, {}).setdefault(p.dtype, []).append(path)
+    for unit, by_dtype in groups.items():
+        if len(by_dtype) > 1:
+            found = {str(d): paths[:3] for d, paths in by_dtype.items()}
+            raise TypeError(
+                f"FullyShardedStrategy: the FSDP unit {unit or '(the root)'!r} of "
+                f"{type(module).__name__} holds trainable parameters of several dtypes {found}, "
+                "which FSDP cannot reduce in one flat collective; cast the model to one dtype "
+                "(mixed_precision= computes in another), or make each dtype's layers their own "
+                "unit with wrap="
+            )
