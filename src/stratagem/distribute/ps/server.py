@@ -37,9 +37,10 @@ from torch.futures import Future
 
 from stratagem.cluster import ClusterResolver, collective_members, resolve_cluster
 from stratagem.cluster.address import parse_address
+from stratagem.cluster.job_secret import job_secret, task_hosts
 from stratagem.comm.messages import Later, MessageServer
 from stratagem.comm.process_group import Timeouts
-from stratagem.comm.rpc_world import RpcWorld, rpc_members, rpc_name, world_secret
+from stratagem.comm.rpc_world import RpcWorld, rpc_members, rpc_name
 from stratagem.errors import CollectiveTimeoutError, PeerDataError
 
 ShardKey = tuple[int, int]  # (variable, shard index)
@@ -582,7 +583,7 @@ class Server:
             host,
             port,
             name=me,
-            secret=world_secret(spec, me),
+            secret=job_secret(task_hosts(spec), me=me),
             clients=[rpc_name(t, i) for t, i in rpc_members(spec) if t != "ps"],
             methods=methods(self.store, workers),
             handshake_timeout=timeouts.operation,
