@@ -30,8 +30,8 @@ def _spans_processes(extended: Any) -> bool:
 def _backend(facts: dict[str, Any]) -> str:
     if dist.is_available() and dist.is_initialized():
         return str(dist.get_backend())
-    if "mode" in facts:  # a parameter-server strategy: its workers reach the ps over RPC only
-        return "TensorPipe RPC"
+    if "mode" in facts:  # a parameter-server strategy: its workers reach the ps by messages only
+        return "ps messages (comm/messages.py)"
     return "none"
 
 
