@@ -48,9 +48,9 @@ def main() -> None:
                     print(f"  {strategy} {fault} worker {victim}: {e}", flush=True)
                     hung = True
                     continue
-            report = outcome.survivor.stderr
+            report = "\n" + outcome.survivor.stderr
             named = named and (
-                report.startswith(f"stratagem: {EXPECTED[fault]}")
+                f"\nstratagem: {EXPECTED[fault]} on " in report
                 and outcome.victim_name in report
                 and "Traceback" not in report
                 and (outcome.victim is None or outcome.victim.returncode != 0)

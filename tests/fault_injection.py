@@ -31,7 +31,8 @@ class Outcome:
 def _wait_for(proc: Process, text: str, deadline: float, *, err: bool = False) -> None:
     """Poll ``proc``'s output until it shows ``text``; fail if it exits or the deadline passes
     first (the deadline only bounds a hang; it decides nothing else)."""
-    read = proc.errors_so_far if err else proc.output_so_far
+    # stderr read with a newline in front: a report is found whether or not a line precedes it.
+    read = (lambda: "\n" + proc.errors_so_far()) if err else proc.output_so_far
     while text not in read():
         if proc.proc.poll() is not None and text not in read():
             raise AssertionError(f"{proc.name} exited before printing {text!r}")
@@ -52,7 +53,7 @@ def inject(strategy: str, fault: str, victim: int, workdir: Path) -> Outcome:
         target, survivor = cluster.processes[victim], cluster.processes[1 - victim]
         target.kill_group(SIGNALS[fault])
         sent = time.monotonic()
-        _wait_for(survivor, "stratagem: ", sent + 120, err=True)
+        _wait_for(survivor, "\nstratagem: ", sent + 120, err=True)
         seconds = time.monotonic() - sent
         survived = survivor.wait(timeout=60)
         resumed = None

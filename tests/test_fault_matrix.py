@@ -30,10 +30,13 @@ CASES = [
 @pytest.mark.parametrize(("strategy", "fault", "victim"), CASES, ids=lambda v: str(v))
 def test_a_lost_or_stopped_task_is_named_in_one_block(tmp_path, strategy, fault, victim):
     outcome = inject(strategy, fault, victim, tmp_path)
-    report = outcome.survivor.stderr
+    stderr = outcome.survivor.stderr
     assert outcome.survivor.returncode != 0
+    # The report is the last thing said (after the start line, "[stratagem] worker 0 of ...").
+    _, marker, rest = ("\n" + stderr).partition("\nstratagem: ")
+    report = (marker + rest).lstrip("\n") if marker else stderr
     survivor = f"worker {1 - victim} (localhost:"
-    assert report.startswith(f"stratagem: {EXPECTED[fault]} on {survivor}"), report
+    assert report.startswith(f"stratagem: {EXPECTED[fault]} on {survivor}"), stderr
     assert outcome.victim_name in report, report
     # The operation it was in: ours ("all_reduce of ...") or torch's ("DTensor's collectives").
     assert " during " in report or " timed out after " in report, report

@@ -132,7 +132,7 @@ class MirroredVariables:
 
     def pending_gradients(self) -> bool:
         """Whether some replica copy holds a gradient not yet summed into its primary."""
-        return any(c.grad is not None for m in self._mirrors.values() for c in m.copies)
+        return any(c.grad is not None for m in list(self._mirrors.values()) for c in m.copies)
 
     def reduce_gradients(self, ops: CrossDeviceOps) -> None:
         """Add every replica copy's gradient into its primary's ``.grad``; clear the copies'.
@@ -145,7 +145,9 @@ class MirroredVariables:
             return  # the primary's gradient is already the only one
         remote_lists, remote_targets = [], []
         with torch.no_grad():
-            for m in self._mirrors.values():
+            # A snapshot: a primary that dies meanwhile (garbage collection, in any thread) is
+            # forgotten through its finalizer, which changes the dict under an iteration.
+            for m in list(self._mirrors.values()):
                 primary = m.primary()
                 if primary is None:
                     continue
