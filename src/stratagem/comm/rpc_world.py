@@ -29,6 +29,7 @@ import torch.distributed as dist
 from stratagem.cluster import ClusterResolver
 from stratagem.cluster.address import parse_address
 from stratagem.cluster.job_secret import job_secret, task_hosts
+from stratagem.comm import error_report
 from stratagem.comm.liveness import LivenessServer, advertised_host
 from stratagem.comm.rendezvous import Member, open_store, roll_call
 from stratagem.errors import RendezvousError
@@ -66,6 +67,8 @@ class RpcWorld:
         self.world_size = len(self.members)
         self.name = rpc_name(*me)  # type: ignore[arg-type]
         self._spec = spec
+        # An error of ours ends this task as one readable block, as it does an all-reduce task.
+        error_report.install(self.describe(self.rank))
         # Known before anything listens: a multi-machine job without a secret stops here.
         self.secret = job_secret(task_hosts(spec), me=self.describe(self.rank))
         first = self.members[0]
