@@ -63,6 +63,7 @@ from stratagem.distribute.experimental import CommunicationImplementation, Commu
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery import scope_hooks
 from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.replaced_parameters import repoint_optimizer
 from stratagem.distribute.strategy import Strategy
 from stratagem.dtensor import Mesh
 from stratagem.dtensor.layout_map import CreatedModules
@@ -350,31 +351,15 @@ class FullyShardedExtended(StrategyExtended):
     # ------------------------------------------------------------------ steps
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # An optimizer made in the scope holds the parameters as they were before sharding
-        # replaced them: point it at the replacements, safe while it holds no state for the
-        # old ones (it has never stepped them).
         if self.device_mesh is None:
             return
-        stale = 0
-        for group in optimizer.param_groups:
-            params = group["params"]
-            for i, p in enumerate(params):
-                if isinstance(p, DTensor):
-                    continue
-                new = self._replaced.get(p)
-                if new is None or optimizer.state.get(p):
-                    stale += 1
-                else:
-                    params[i] = new
-        if stale:
-            total = sum(len(g["params"]) for g in optimizer.param_groups)
-            raise RuntimeError(
-                f"this optimizer updates {stale} of its {total} parameters as they were "
-                "before FullyShardedStrategy sharded the model, and they cannot be replaced "
-                "(not sharded by this strategy, or already stepped); create the optimizer over "
-                "the sharded model (after the scope's end), or shard the model first with "
-                "strategy.distribute_module(model)"
-            )
+        repoint_optimizer(
+            optimizer,
+            self._replaced,
+            what_happened="FullyShardedStrategy sharded the model",
+            remedy="create the optimizer over the sharded model (after the scope's end), or "
+            "shard the model first with strategy.distribute_module(model)",
+        )
 
 
 # ---------------------------------------------------------------------- FSDP's collectives

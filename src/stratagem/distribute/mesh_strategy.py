@@ -52,6 +52,7 @@ from stratagem.distribute.machinery.input import (
     record_global_batch_size,
     recorded_global_batch_size,
 )
+from stratagem.distribute.machinery.replaced_parameters import repoint_optimizer
 from stratagem.distribute.strategy import Strategy
 from stratagem.dtensor import Layout, LayoutMap, Mesh, MeshError, apply_layout_map, translate
 from stratagem.dtensor.layout_map import CreatedModules
@@ -198,29 +199,13 @@ class MeshExtended(StrategyExtended):
                 scope_hooks.claim(t, self.strategy)
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        # An optimizer made in the scope holds the parameters as they were before the layout
-        # replaced them: point it at the replacements, which is safe while it holds no state
-        # for the old ones (it has never stepped them).
-        stale = 0
-        for group in optimizer.param_groups:
-            params = group["params"]
-            for i, p in enumerate(params):
-                if isinstance(p, DTensor):
-                    continue
-                new = self._replaced.get(p)
-                if new is None or optimizer.state.get(p):
-                    stale += 1
-                else:
-                    params[i] = new
-        if stale:
-            total = sum(len(g["params"]) for g in optimizer.param_groups)
-            raise RuntimeError(
-                f"this optimizer updates {stale} of its {total} parameters as they were "
-                "before MeshStrategy laid the model out on the mesh, and they cannot be "
-                "replaced (not laid out by this strategy, or already stepped); create the "
-                "optimizer over the laid-out model (after a step or the scope's end), or lay "
-                "the model out first with strategy.distribute_module(model)"
-            )
+        repoint_optimizer(
+            optimizer,
+            self._replaced,
+            what_happened="MeshStrategy laid the model out on the mesh",
+            remedy="create the optimizer over the laid-out model (after a step or the scope's "
+            "end), or lay the model out first with strategy.distribute_module(model)",
+        )
 
     # ------------------------------------------------------------------ run
 
