@@ -5,7 +5,7 @@ For each cell: whether the survivor's report names the fault as expected (``Peer
 for a killed task, ``CollectiveTimeoutError`` for a stopped one), names the victim and the
 operation, in one block; whether anything hung; and the seconds from the signal to the report.
 The operation timeout is 5 s, so a stopped peer's report is due by 5 s + the liveness probe
-(2 s) after the survivor's operation began; a killed peer's at once.
+(1.5 s) after the survivor's operation began; a killed peer's at once.
 
 Worker 0 is the chief and hosts the rendezvous store; worker 1 is an ordinary task (a mesh
 process; the pipeline's second stage). Parameter servers are measured by their own tests.

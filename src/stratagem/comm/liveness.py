@@ -109,7 +109,7 @@ def probe(address: str, timeout: float) -> PeerState | None:
     return PeerState(status, position)
 
 
-def probe_all(addresses: dict[int, str], timeout: float = 2.0) -> dict[int, PeerState | None]:
+def probe_all(addresses: dict[int, str], timeout: float = 1.5) -> dict[int, PeerState | None]:
     """Ask every peer at once; the answer for each rank, None for the lost ones."""
     if not addresses:
         return {}
