@@ -41,11 +41,13 @@ def _wait_for(proc: Process, text: str, deadline: float, *, err: bool = False) -
         time.sleep(0.02)
 
 
-def inject(strategy: str, fault: str, victim: int, workdir: Path) -> Outcome:
+def inject(
+    strategy: str, fault: str, victim: int, workdir: Path, *, op_timeout: float = OP_TIMEOUT_S
+) -> Outcome:
     """Train ``strategy`` on two tasks; when both have taken 10 steps, send ``fault`` to task
     ``victim``. The survivor must end with a report; a stopped victim is then resumed and must
     end by itself too (its peer is gone by then)."""
-    env = {"STRATEGY": strategy, "STRATAGEM_OP_TIMEOUT": str(OP_TIMEOUT_S)}
+    env = {"STRATEGY": strategy, "STRATAGEM_OP_TIMEOUT": str(op_timeout)}
     with Cluster(SCRIPT, 2, workdir, env=env) as cluster:
         deadline = time.monotonic() + 180
         for p in cluster.processes:

@@ -18,18 +18,18 @@ from fault_injection import EXPECTED, inject
 
 pytestmark = pytest.mark.multiprocess
 
+# One cell per code path (the full matrix of 12 is the benchmark's): torch's own collectives
+# under a mesh, lost and stopped (the silent liveness port), and a pipeline schedule's sends.
 CASES = [
-    ("mwms", "stop", 0),
     ("mesh", "kill", 1),
     ("mesh", "stop", 0),
     ("pipeline", "kill", 0),
-    ("pipeline", "stop", 1),
 ]
 
 
 @pytest.mark.parametrize(("strategy", "fault", "victim"), CASES, ids=lambda v: str(v))
 def test_a_lost_or_stopped_task_is_named_in_one_block(tmp_path, strategy, fault, victim):
-    outcome = inject(strategy, fault, victim, tmp_path)
+    outcome = inject(strategy, fault, victim, tmp_path, op_timeout=3.0)
     stderr = outcome.survivor.stderr
     assert outcome.survivor.returncode != 0
     # The report is the last thing said (after the start line, "[stratagem] worker 0 of ...").

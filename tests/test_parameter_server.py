@@ -269,7 +269,8 @@ def test_a_stopped_worker_in_sync_mode_is_named_by_the_push_that_waits_for_it(tm
     output = result.stdout
     assert result.returncode != 0, output
     # Not "ps 0 did not answer a push": the ps is fine, worker 1 is stopped.
-    assert "CollectiveTimeoutError: a push to ps 0 (localhost:" in output, output
+    assert "stratagem: CollectiveTimeoutError on worker 0 (localhost:" in output, output
+    assert "  a push to ps 0 (localhost:" in output, output
     assert "the push waits for worker 1's gradient for update 4, and worker 1 (localhost:" in output
     assert "has not answered its liveness probe for 3 s (stopped or stuck" in output, output
     assert "did not answer a push" not in output, output
