@@ -20,8 +20,8 @@ _EXTRA_FACTS = ("mode", "mesh", "num_stages", "schedule")
 
 
 def _spans_processes(extended: Any) -> bool:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return True
+    # By the strategy's own cluster, not by whether a process group is up: the default strategy
+    # (or a OneDevice one) made inside a multi-worker job is still a strategy of one process.
     resolver = extended.cluster_resolver
     spec = resolver.cluster_spec() if resolver is not None else None
     return bool(spec) and sum(spec.num_tasks(job) for job in spec.jobs) > 1
