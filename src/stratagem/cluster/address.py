@@ -111,3 +111,8 @@ def format_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (``localhost``, ``127.x``, ``::1``)."""
+    return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")

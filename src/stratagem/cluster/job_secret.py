@@ -30,7 +30,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from stratagem.cluster.address import parse_address
+from stratagem.cluster.address import is_loopback, parse_address
 from stratagem.cluster.spec import ClusterSpec
 from stratagem.errors import ClusterConfigError
 
@@ -48,7 +48,7 @@ def new_secret() -> str:
 def _on_this_machine(host: str) -> bool:
     """Whether ``host`` is this machine: loopback, or an address this machine can bind."""
     host = host.strip("[]")
-    if host in ("localhost", "::1") or host.startswith("127."):
+    if is_loopback(host):
         return True
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
@@ -106,29 +106,29 @@ def user_secret_path() -> Path:
 
 
 def _user_secret() -> bytes:
-    """This user's own secret for jobs on this machine, made on first use."""
+    """This user's own secret for jobs on this machine, made on first use.
+
+    Written whole under a private name, then linked into place: a task never sees the file
+    empty, and of two tasks making it at once, the first link wins and both read that one."""
     path = user_secret_path()
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass  # another task of the job made it first: read theirs
+            staged = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+            fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(new_secret() + "\n")
+            try:
+                os.link(staged, path)
+            except FileExistsError:
+                pass  # another task of the job made it first: read theirs
+            finally:
+                staged.unlink()
         except OSError as e:
             raise ClusterConfigError(
                 f"cannot make this user's job secret file {path} ({e}); set "
                 f"{SECRET_VARIABLE} (or {SECRET_FILE_VARIABLE}) for the job instead"
             ) from None
-        else:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(new_secret() + "\n")
-    for _ in range(100):
-        # A task that lost the race to create the file may find it still empty for a moment.
-        try:
-            return _read_file(path, str(path))
-        except ClusterConfigError:
-            if path.stat().st_size:
-                raise
     return _read_file(path, str(path))
 
 

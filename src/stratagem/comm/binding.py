@@ -12,11 +12,9 @@ import os
 import socket
 import struct
 
+from stratagem.cluster.address import is_loopback
+
 BIND_ALL_VARIABLE = "STRATAGEM_BIND_ALL"
-
-
-def is_loopback(host: str) -> bool:
-    return host in ("localhost", "127.0.0.1", "::1") or host.startswith("127.")
 
 
 def bind_all_requested() -> bool:

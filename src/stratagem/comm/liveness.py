@@ -18,7 +18,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from stratagem.comm.binding import bind_address, bind_hint, is_loopback
+from stratagem.cluster.address import is_loopback
+from stratagem.comm.binding import bind_address, bind_hint
 from stratagem.errors import RendezvousError
 
 _MAX_ANSWER_BYTES = 4096
