@@ -44,12 +44,13 @@ from stratagem.cluster.roles import describe_jobs
 from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import RpcWorld
 from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery import scope_hooks
 from stratagem.distribute.machinery.input import (
     DistributedDatasetFromFunction,
     InputContext,
     InputOptions,
 )
-from stratagem.distribute.partitioners import Partitioner
+from stratagem.distribute.partitioners import Partitioner, Shard
 from stratagem.distribute.ps.client import IndependentWorker, PsClient
 from stratagem.distribute.ps.server import Server, UpdateRule
 from stratagem.distribute.strategy import Strategy
@@ -74,6 +75,7 @@ class ParameterServerStrategy(Strategy):
         staleness_policy: str = "apply",
         max_gradient_staleness: int | None = None,
         compression: str | None = None,
+        _world: RpcWorld | None = None,
     ) -> None:
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         spec = resolver.cluster_spec()
@@ -115,7 +117,7 @@ class ParameterServerStrategy(Strategy):
         if resolver.task_type == "ps":
             Server(resolver).join()
             raise SystemExit(0)  # the job is done: the rest of the script is the workers'
-        extended = ParameterServerExtended(self, resolver, variable_partitioner, rule)
+        extended = ParameterServerExtended(self, resolver, variable_partitioner, rule, _world)
         super().__init__(extended)
         self.mode = mode
         self._client = extended.client
@@ -150,9 +152,13 @@ class ParameterServerExtended(StrategyExtended):
         resolver: ClusterResolver,
         partitioner: Partitioner | None,
         rule: UpdateRule,
+        world: RpcWorld | None = None,
     ) -> None:
         timeouts = Timeouts.from_env()
-        world = RpcWorld(resolver, rendezvous_timeout=timeouts.rendezvous)
+        # A coordinator's worker task (``sg.distribute.Server``) has joined the world already
+        # and says goodbye to the ps itself when the chief is done.
+        serving = world is not None
+        world = world or RpcWorld(resolver, rendezvous_timeout=timeouts.rendezvous)
         # An evaluator reads the parameters while the workers train; it pushes nothing.
         self._evaluator = resolver.task_type == "evaluator"
         workers = collective_members(resolver.cluster_spec())
@@ -168,7 +174,15 @@ class ParameterServerExtended(StrategyExtended):
             timeout=timeouts.operation,
         )
         self.world = world
-        atexit.register(self.client.finish)
+        if not serving:
+            atexit.register(self.client.finish)
+        else:
+            # A coordinator's worker reads the W workers' input, the chief none: its input
+            # pipeline is its index among the worker tasks (the ps still know it by its place
+            # among chief and workers, the client's index).
+            spec = resolver.cluster_spec()
+            self.worker_index = sorted(spec.task_indices("worker")).index(resolver.task_id or 0)
+            self.num_workers = spec.num_tasks("worker")
         super().__init__(
             container,
             ["cpu:0"],
@@ -189,6 +203,16 @@ class ParameterServerExtended(StrategyExtended):
         params = [t for t, is_param in tensors if is_param]
         if params:
             self.client.create(params)
+
+    def bind_variable(
+        self, shards: list[Shard], shape: tuple[int, ...], dtype: torch.dtype, trainable: bool
+    ) -> tuple[torch.Tensor, bool]:
+        """A coordinator's worker: its copy of the chief's variable in ``shards``, owned by
+        this strategy (its optimizer steps push to the ps); and whether it is new."""
+        p, new = self.client.variable(shards, shape, dtype, trainable)
+        if new:
+            scope_hooks.claim(p, self._container)
+        return p, new
 
     def check_optimizer(
         self, optimizer: torch.optim.Optimizer, num_params: int, num_outside: int

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from stratagem.distribute.coordinator.code_refs import Portable
+
 
 class Reduction(enum.Enum):
     """How a loss object reduces per-example losses (``sg.keras.losses.Reduction``)."""
@@ -31,8 +33,9 @@ class Reduction(enum.Enum):
         raise ValueError(f"unknown reduction {value!r}; expected one of {[m.value for m in cls]}")
 
 
-class Loss:
-    """Base class: ``call(y_true, y_pred)`` gives per-example losses; ``__call__`` reduces."""
+class Loss(Portable):
+    """Base class: ``call(y_true, y_pred)`` gives per-example losses; ``__call__`` reduces.
+    A coordinator's worker rebuilds a loss from its attributes (``Portable``)."""
 
     def __init__(
         self, reduction: Reduction | str = Reduction.AUTO, name: str | None = None

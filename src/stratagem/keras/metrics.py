@@ -15,15 +15,22 @@ from typing import Any
 import torch
 
 from stratagem.distribute import ReduceOp, Strategy, get_strategy
+from stratagem.distribute.coordinator.code_refs import Portable
 from stratagem.distribute.machinery.context import current_replica
 
 
-class Metric:
+class Metric(Portable):
     """Base class: subclasses define the state (``_initial``), ``_accumulate`` and ``_compute``.
     ``direction`` is Keras 3's ``_direction``: whether higher (``"up"``) or lower (``"down"``)
-    is better, which ``mode="auto"`` callbacks read; None when the metric does not say."""
+    is better, which ``mode="auto"`` callbacks read; None when the metric does not say.
+
+    A scheduled function of a ``ClusterCoordinator`` that updates a metric updates the worker's
+    copy, which starts empty each call; its totals come back with the function's value and are
+    added here, so the chief's ``result()`` is over every worker (TF's one value)."""
 
     direction: str | None = None
+    _sg_local = ("_strategy", "_states", "_lock")
+    _sg_accumulates = True
 
     _state_names: tuple[str, ...] = ()
     _state_shape: tuple[int, ...] = ()  # every state tensor's shape (scalars by default)
@@ -127,6 +134,25 @@ class Metric:
             device = self._strategy.extended.replica_devices[0]
             for s, t in zip(self._state(device), totals):
                 s.copy_(t)
+
+    def _sg_after_rebuild(self) -> None:
+        self._strategy = get_strategy()
+        self._states = {}
+        self._lock = threading.Lock()
+
+    def _sg_totals(self) -> torch.Tensor:
+        return torch.stack(self._totals(across_workers=False))
+
+    def _sg_add_totals(self, totals: torch.Tensor) -> None:
+        expected = (len(self._state_names), *self._state_shape)
+        if tuple(totals.shape) != expected:
+            raise ValueError(
+                f"metric {self.name}: a worker's totals of shape {tuple(totals.shape)} do not "
+                f"fit this metric's {expected}"
+            )
+        with torch.no_grad():
+            for s, t in zip(self._state(torch.device("cpu")), totals):
+                s.add_(t.to(s.device, s.dtype))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from stratagem.distribute.coordinator.code_refs import Portable
 
-class Optimizer:
+
+class Optimizer(Portable):
     """A recipe for a ``torch.optim`` optimizer; ``build(params)`` makes the optimizer."""
 
     torch_class: type[torch.optim.Optimizer] = torch.optim.SGD
@@ -119,7 +121,7 @@ class Adagrad(Optimizer):
         )
 
 
-class BoundOptimizer:
+class BoundOptimizer(Portable):
     """A torch optimizer with Keras's ``learning_rate`` attribute; everything else delegates.
 
     With ``gradient_accumulation_steps=k``, ``Model.train_step``'s ``zero_grad``, ``backward``

@@ -28,9 +28,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
 from stratagem.comm.messages import Connection
 from stratagem.comm.process_group import Timeouts
 from stratagem.distribute.coordinator import code_refs
+from stratagem.distribute.machinery import scope_hooks
 from stratagem.errors import PeerLostError
 
 
@@ -105,10 +109,11 @@ class PerWorkerDataset:
 
 
 class _Closure:
-    def __init__(self, cid: int, name: str, call: list[Any]) -> None:
+    def __init__(self, cid: int, name: str, call: list[Any], accumulators: dict[str, Any]) -> None:
         self.cid = cid
         self.name = name
         self.call = call  # the "run" request's arguments
+        self.accumulators = accumulators  # the metrics it sent: their totals come back
         self.value = RemoteValue(name)
 
 
@@ -159,12 +164,14 @@ class ClusterCoordinator:
         self._replayed: dict[int, int] = {}  # per worker rank: how much of the log it made
         self._next_id = 0
         self._closing = False
+        self._buffer_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.completed = 0  # functions whose value was set (each counted once)
         program = code_refs.program_file()
         root = code_refs.program_root()
-        hello = [None, None]
+        hello: list[Any] = [None, None]
         if program is not None:
             hello = [program.relative_to(root).as_posix(), code_refs.file_hash(program)]
+        hello.append(strategy.extended.client.rule.compression)
         self._workers: list[tuple[int, Connection]] = []
         try:
             for rank in world.ranks("worker"):
@@ -196,6 +203,8 @@ class ClusterCoordinator:
     ) -> RemoteValue:
         """Queue ``fn(*args, **kwargs)`` for a free worker; its ``RemoteValue``, at once."""
         self._raise_if_error()
+        # Variables created in a scope still open are made on the ps before a function uses them.
+        self.strategy.extended.adopt_pending()
         name = code_refs.source_line(fn)
         describer = code_refs.Describer(special=self._special)
         ref = describer.function(fn, what=name)
@@ -214,6 +223,7 @@ class ClusterCoordinator:
                 self._next_id,
                 name,
                 [self._next_id, describer.functions, ref["ref"], call_args, call_kwargs],
+                describer.accumulators,
             )
             self._queue.append(closure)
             self._lock.notify_all()
@@ -266,6 +276,8 @@ class ClusterCoordinator:
             return PerWorkerIterator(self._next_id)
 
     def _special(self, value: Any) -> dict[str, Any] | None:
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value)
         if isinstance(value, PerWorkerIterator):
             return {"iterator": value.iterator_id}
         if isinstance(value, PerWorkerDataset):
@@ -278,6 +290,34 @@ class ClusterCoordinator:
             raise TypeError(
                 f"{value!r} is passed to schedule: fetch it first (coordinator.fetch); a "
                 "RemoteValue does not travel to another worker here yet"
+            )
+        return None
+
+    def _tensor(self, value: torch.Tensor) -> dict[str, Any] | None:
+        """A variable on the ps goes as its shards (the worker binds its copy to them); a
+        buffer of a module built in the scope as a key and its value (the worker's own from
+        then on); any other tensor by value (None: the describer's default)."""
+        extended = self.strategy.extended
+        shards = extended.client.shards_of(value)
+        if shards is not None:
+            return {
+                "variable": [
+                    [s.variable, s.index, s.start, s.rows, s.nbytes, s.ps] for s in shards
+                ],
+                "shape": list(value.shape),
+                "dtype": str(value.dtype).removeprefix("torch."),
+                "trainable": bool(value.requires_grad),
+            }
+        if scope_hooks.owner_of(value) is self.strategy:
+            key = self._buffer_keys.get(value)
+            if key is None:
+                key = self._buffer_keys[value] = len(self._buffer_keys)
+            return {"buffer": key, "value": value.detach()}
+        if isinstance(value, torch.nn.Parameter):
+            raise TypeError(
+                f"a parameter of shape {tuple(value.shape)} was created outside "
+                "ParameterServerStrategy.scope(): it has no variable on the ps for a worker to "
+                "update. Build the model inside strategy.scope()"
             )
         return None
 
@@ -396,6 +436,8 @@ class ClusterCoordinator:
                 closure.value._settle(error=error)
                 self._fail(error)
             elif closure.value._settle(outcome["value"]):
+                # Once per function: a rerun's totals never count twice.
+                code_refs.add_totals(closure.accumulators, outcome.get("totals", {}))
                 self.completed += 1
             self._lock.notify_all()
         return True

@@ -11,10 +11,19 @@ Its method table is fixed: ``hello`` (the chief's program file must hash as this
 own copy of the program. A function runs on a thread of its own, so the chief's connection keeps
 getting "waiting" notes while it runs (a long function is not a silent worker). What it returns
 must be plain data; what it raises comes back as its type, message and traceback text.
+
+The model, optimizer, loss and metrics a function captures arrive by state and are rebuilt for
+each call. Their parameters are the chief's variables on the ps: this worker keeps one copy of
+each (``bind_variable``, owned by its own ``ParameterServerStrategy``), pulls its current value
+before each call, and an optimizer step inside the function pushes gradients to the ps, which
+applies them (asynchronously, as TF2). A buffer (a BatchNorm's statistics) is this worker's
+own: it starts from the chief's value and then stays here. A metric starts empty in each call;
+its totals go back with the value, and the chief adds them to its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import traceback
@@ -22,15 +31,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.futures import Future
 
 from stratagem.cluster import ClusterResolver, collective_members
 from stratagem.comm import plain_data
-from stratagem.comm.messages import Connection, Later
+from stratagem.comm.messages import Later
 from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import rpc_name, serve_and_join
 from stratagem.distribute.coordinator import code_refs
-from stratagem.errors import CollectiveTimeoutError, PeerLostError
+from stratagem.distribute.partitioners import Shard
 
 _current_worker_index: int | None = None
 
@@ -95,7 +105,8 @@ class WorkerServer:
         self.root = code_refs.program_root()
         self._datasets: dict[int, Any] = {}
         self._iterators: dict[int, Iterator[Any]] = {}
-        self._strategy: Any = None
+        self._classes: dict[tuple, type] = {}  # the program's classes made here, per worker
+        self._local_buffers: dict[int, torch.Tensor] = {}  # the chief's buffer key -> this worker's
         self._goodbye = threading.Event()
         self.functions_run = 0
         _current_worker_index = self.worker_index
@@ -108,6 +119,11 @@ class WorkerServer:
             operation_timeout=timeouts.operation,
             rendezvous_timeout=timeouts.rendezvous,
         )
+        from stratagem.distribute.parameter_server_strategy import ParameterServerStrategy
+
+        # The strategy scheduled functions see (``strategy`` captured on the chief): one
+        # replica, the chief's variables on the ps, pushes applied there.
+        self._strategy = ParameterServerStrategy(resolver, _world=self.world)
 
     # --------------------------------------------------------------------- the method table
 
@@ -120,34 +136,54 @@ class WorkerServer:
             "goodbye": self._goodbye.set,
         }
 
-    def _hello(self, program: Any, sha: Any) -> dict[str, Any]:
+    def _hello(self, program: Any, sha: Any, compression: Any = None) -> dict[str, Any]:
         check_same_program(program, sha, me=self.me, root=self.root)
+        client = self._strategy.extended.client
+        if compression not in (None, "bf16"):
+            raise ValueError(f"compression must be None or 'bf16'; the chief sent {compression!r}")
+        client.rule = dataclasses.replace(client.rule, compression=compression)
         return {"worker_index": self.worker_index}
 
-    def _resolve(self, entry: dict[str, Any]) -> Any:
+    def _resolve(self, entry: dict[str, Any], pull: list[torch.Tensor]) -> Any:
+        if "variable" in entry:
+            shards = [Shard(*(int(x) for x in s)) for s in entry["variable"]]
+            p, _ = self._strategy.extended.bind_variable(
+                shards,
+                tuple(int(n) for n in entry["shape"]),
+                code_refs.dtype_named(str(entry["dtype"])),
+                bool(entry["trainable"]),
+            )
+            pull.append(p)
+            return p
+        if "buffer" in entry:
+            value = entry["value"]
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"a buffer is a tensor; got {type(value).__name__}")
+            # This worker's own from the first call on (TF's local variables).
+            return self._local_buffers.setdefault(int(entry["buffer"]), value.clone())
         if "iterator" in entry:
             return self._iterators[int(entry["iterator"])]
         if "dataset" in entry:
             return self._datasets[int(entry["dataset"])]
         if "strategy" in entry:
-            if self._strategy is None:
-                # No ps-bound variables yet (a later slice): the worker's own one-replica strategy.
-                from stratagem.distribute.one_device_strategy import OneDeviceStrategy
-
-                self._strategy = OneDeviceStrategy("cpu")
             return self._strategy
         if "coordinator" in entry:
             return CoordinatorOnWorker(self.me)
         raise ValueError(f"unknown reference {entry!r}")
 
-    def _rebuilder(self, table: Any) -> code_refs.Rebuilder:
-        return code_refs.Rebuilder(table, root=self.root, resolve_special=self._resolve)
+    def _rebuilder(self, table: Any, pull: list[torch.Tensor]) -> code_refs.Rebuilder:
+        return code_refs.Rebuilder(
+            table,
+            root=self.root,
+            resolve_special=lambda entry: self._resolve(entry, pull),
+            classes=self._classes,
+        )
 
-    def _guarded(self, body: Callable[[], Any]) -> dict[str, Any]:
+    def _guarded(self, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         try:
-            result = body()
-            plain_data.check(result, what="the function's return value")
-            return {"value": result}
+            outcome = body()  # {"value": ..., and what else the chief gets back}
+            plain_data.check(outcome["value"], what="the function's return value")
+            return outcome
         except BaseException as e:
             # The worker's own frames (this module) are not the user's story: start at theirs.
             tb = e.__traceback__
@@ -156,7 +192,7 @@ class WorkerServer:
             text = "".join(traceback.format_exception(type(e), e, tb))
             return {"error": [type(e).__name__, str(e), text]}
 
-    def _in_thread(self, body: Callable[[], Any], what: str) -> Later:
+    def _in_thread(self, body: Callable[[], dict[str, Any]], what: str) -> Later:
         """Run ``body`` on a thread of its own; the reply (its outcome) comes when it is done,
         and until then the chief hears that it runs here (a long function is not a silence)."""
         future: Future = Future()
@@ -166,26 +202,31 @@ class WorkerServer:
         return Later(future, lambda: (f"{what} runs on {self.me}", [self.world.name]))
 
     def _make_dataset(self, ds_id: int, table: Any, key: Any) -> Later:
-        def make() -> None:
-            self._datasets[int(ds_id)] = self._rebuilder(table).function(str(key))()
+        def make() -> dict[str, Any]:
+            self._datasets[int(ds_id)] = self._rebuilder(table, []).function(str(key))()
+            return {"value": None}
 
         return self._in_thread(make, "dataset_fn")
 
     def _make_iterator(self, it_id: int, ds_id: int) -> Later:
-        def make() -> None:
+        def make() -> dict[str, Any]:
             self._iterators[int(it_id)] = iter(self._datasets[int(ds_id)])
+            return {"value": None}
 
         return self._in_thread(make, "iter() of a per-worker dataset")
 
     def _run(self, closure_id: int, table: Any, key: Any, args: Any, kwargs: Any) -> Later:
-        def body() -> Any:
-            rebuilder = self._rebuilder(table)
+        def body() -> dict[str, Any]:
+            pull: list[torch.Tensor] = []
+            rebuilder = self._rebuilder(table, pull)
             fn = rebuilder.function(str(key))
+            call_args = [rebuilder.value(a) for a in args]
+            call_kwargs = {k: rebuilder.value(v) for k, v in kwargs.items()}
+            if pull:  # the variables' current values (other workers have pushed since)
+                self._strategy.extended.client.pull(list({id(p): p for p in pull}.values()))
             self.functions_run += 1
-            return fn(
-                *[rebuilder.value(a) for a in args],
-                **{k: rebuilder.value(v) for k, v in kwargs.items()},
-            )
+            value = fn(*call_args, **call_kwargs)
+            return {"value": value, "totals": code_refs.totals_of(rebuilder.accumulators)}
 
         return self._in_thread(body, f"the scheduled function {closure_id}")
 
@@ -200,33 +241,10 @@ class WorkerServer:
                 if world.has_ended(chief):
                     print(f"{self.me}: the chief ended; this worker stops", file=sys.stderr)
                     break
-            self._leave_ps()
         finally:
-            self.server.close()
-            world.shutdown()
-
-    def _leave_ps(self) -> None:
-        world = self.world
-        for rank in world.ranks("ps"):
+            # Tell each ps this worker is done (a stuck ps is named after the operation
+            # timeout), hang up, and leave the world.
             try:
-                connection = Connection(
-                    world.address(rank),
-                    me=world.name,
-                    peer=world.describe(rank),
-                    secret=world.secret,
-                    timeout=self._timeout,
-                )
-            except PeerLostError:
-                continue  # a ps that is gone needs no goodbye
-            try:
-                connection.call(
-                    "leave",
-                    [self._collective_index],
-                    what=f"{self.me}'s goodbye",
-                    silent=world.silent,
-                    peer_ended=lambda rank=rank: world.has_ended(rank),
-                )
-            except (PeerLostError, CollectiveTimeoutError) as e:
-                print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                self._strategy.extended.client.finish()
             finally:
-                connection.close()
+                self.server.close()

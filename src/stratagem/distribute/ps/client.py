@@ -61,7 +61,7 @@ class PsClient:
         self._worker_index = worker_index
         self._chief = chief
         self._ps_names = world.names("ps")
-        self._variables: list[torch.Tensor] = []  # in creation order: the variable ids
+        self._variables: dict[int, torch.Tensor] = {}  # variable id -> this worker's copy
         self._shards: dict[int, list[Shard]] = {}  # id(param) -> its shards
         self._versions: dict[tuple[int, tuple], int] = {}  # (ps, group keys) -> version pulled
         self._restores = 0  # checkpoints of ours restored: every worker restores the same
@@ -97,7 +97,7 @@ class PsClient:
         fetch them, so all start equal. Each call is one creation (a model built in a scope; a
         script may build several, in the same order on every worker), named on the ps by its
         first variable id."""
-        first = len(self._variables)
+        first = max(self._variables, default=-1) + 1
         plan = plan_shards(
             [tuple(p.shape) for p in params],
             [p.dtype for p in params],
@@ -109,7 +109,7 @@ class PsClient:
             shards = [
                 Shard(first + offset, s.index, s.start, s.rows, s.nbytes, s.ps) for s in shards
             ]
-            self._variables.append(p)
+            self._variables[first + offset] = p
             self._shards[id(p)] = shards
             for s in shards:
                 per_ps[s.ps][(s.variable, s.index)] = _rows(p, s).detach().clone()
@@ -128,6 +128,30 @@ class PsClient:
             )
             for i, values in enumerate(fetched):
                 self._write(list(per_ps[i]), values)
+
+    def shards_of(self, p: torch.Tensor) -> list[Shard] | None:
+        """Where ``p``'s rows live on the ps (None for a tensor that is not a variable)."""
+        return self._shards.get(id(p))
+
+    def variable(
+        self, shards: list[Shard], shape: tuple[int, ...], dtype: torch.dtype, trainable: bool
+    ) -> tuple[torch.Tensor, bool]:
+        """This worker's copy of the chief's variable cut into ``shards`` (a coordinator's
+        worker: the chief created it); made on first use, then the same tensor every call.
+        Returns it and whether it is new (its values still to pull)."""
+        vid = shards[0].variable
+        p = self._variables.get(vid)
+        if p is not None:
+            if tuple(p.shape) != tuple(shape) or p.dtype != dtype:
+                raise ValueError(
+                    f"variable {vid} is {tuple(shape)} {dtype} on the chief and "
+                    f"{tuple(p.shape)} {p.dtype} on this worker"
+                )
+            return p, False
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=trainable)
+        self._variables[vid] = p
+        self._shards[id(p)] = list(shards)
+        return p, True
 
     def _write(self, keys: list[server.ShardKey], values: list[torch.Tensor]) -> None:
         """Copy shard values pulled from a ps into the local parameters (those received
@@ -202,15 +226,17 @@ class PsClient:
         t = t.detach()
         return t.to(torch.bfloat16) if self.rule.compression == "bf16" else t.contiguous()
 
-    def pull(self) -> None:
-        """Bring this worker's copies up to the ps's current values."""
-        keys = self._keys_per_ps(self._variables)
+    def pull(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Bring this worker's copies (or those of ``params``) up to the ps's current values."""
+        keys = self._keys_per_ps(self._variables.values() if params is None else params)
         pulled = self._ask(
             "read",
             "a pull of the parameters",
             lambda i: [[list(k) for k in keys[i]]],
+            ps=[i for i, k in enumerate(keys) if k],
             into=lambda i: self._homes(keys[i]),
         )
+        keys = [k for k in keys if k]
         for mine, values in zip(keys, pulled):
             self._write(mine, values)
 
@@ -276,7 +302,7 @@ class PsClient:
         values: list[dict] = [{} for _ in self._ps_names]
         states: list[dict] = [{} for _ in self._ps_names]
         if modules:
-            for p in self._variables:
+            for p in self._variables.values():
                 for s in self._shards[id(p)]:
                     values[s.ps][(s.variable, s.index)] = _rows(p, s).detach().clone()
         for optimizer in optimizers:
