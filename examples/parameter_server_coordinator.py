@@ -20,6 +20,7 @@ Differences from the tutorial, each for a reason:
 """
 
 import argparse
+import os
 import sys
 
 import numpy as np
@@ -30,9 +31,10 @@ import stratagem as sg
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--epochs", type=int, default=8)
 parser.add_argument("--steps-per-epoch", type=int, default=20)
-parser.add_argument("--fit-epochs", type=int, default=4)
+parser.add_argument("--fit-epochs", type=int, default=8)
 parser.add_argument("--global-batch-size", type=int, default=64)
 parser.add_argument("--lr", type=float, default=0.05)
+parser.add_argument("--working-dir", default=os.path.join("runs", "parameter_server_coordinator"))
 args = parser.parse_args()
 
 cluster_resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
@@ -145,3 +147,35 @@ for batch_data, labels in eval_dataset_fn():
     coordinator.schedule(eval_step, args=(batch_data, labels))
 coordinator.join()
 print(f"Evaluation accuracy: {float(eval_accuracy.result()):f}", flush=True)
+
+
+# ------------------------------------------------------------------------------ Model.fit
+# The tutorial's first part: Keras's fit on the chief schedules the steps on the workers; each
+# worker's dataset comes from dataset_fn (a DatasetCreator); callbacks run on the chief.
+dc = sg.keras.utils.experimental.DatasetCreator(dataset_fn)
+
+with strategy.scope():
+    fit_model = sg.keras.Model(
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    )
+    fit_model.compile(
+        sg.keras.optimizers.SGD(learning_rate=args.lr, momentum=0.9),
+        loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=5,
+    )
+
+working_dir = args.working_dir
+log_dir = os.path.join(working_dir, "log")
+ckpt_filepath = os.path.join(working_dir, "ckpt")
+
+callbacks = [
+    sg.keras.callbacks.TensorBoard(log_dir=log_dir),
+    sg.keras.callbacks.ModelCheckpoint(filepath=ckpt_filepath),
+]
+fit_model.fit(dc, epochs=args.fit_epochs, steps_per_epoch=args.steps_per_epoch, callbacks=callbacks)
+
+# evaluate visits every test example exactly once, spread over the workers.
+_, (x_test, y_test) = load_digits()
+loss, fit_accuracy = fit_model.evaluate(x_test, y_test, batch_size=60, verbose=0)
+print(f"Model.fit: test loss {loss:f}, test accuracy {fit_accuracy:f}", flush=True)

@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -121,6 +122,10 @@ class ParameterServerStrategy(Strategy):
         super().__init__(extended)
         self.mode = mode
         self._client = extended.client
+        # The chief of a cluster with a chief coordinates (TF2: ClusterCoordinator, fit
+        # schedules); without one every worker runs the loop (between-graph, TF1).
+        self.coordinated = resolver.task_type == "chief" and "worker" in spec.jobs
+        self.cluster_coordinator: Any = None  # the one ClusterCoordinator, once made
 
     def __repr__(self) -> str:
         e = self.extended
@@ -175,7 +180,10 @@ class ParameterServerExtended(StrategyExtended):
         )
         self.world = world
         if not serving:
-            atexit.register(self.client.finish)
+            # A coordinating chief does not wait for its workers at exit: they stop serving
+            # only when it has ended (or said goodbye).
+            coordinating = resolver.task_type == "chief"
+            atexit.register(functools.partial(self.client.finish, wait=not coordinating))
         else:
             # A coordinator's worker reads the W workers' input, the chief none: its input
             # pipeline is its index among the worker tasks (the ps still know it by its place

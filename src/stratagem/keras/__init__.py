@@ -9,6 +9,7 @@ from stratagem.keras import (
     models,
     optimizers,
     regularizers,
+    utils,
 )
 from stratagem.keras import tracking as _tracking  # noqa: F401  (sg.train.Checkpoint tracks Model)
 from stratagem.keras.model import Model
@@ -24,4 +25,5 @@ __all__ = [
     "optimizers",
     "regularizers",
     "remat",
+    "utils",
 ]

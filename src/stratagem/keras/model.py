@@ -26,10 +26,11 @@ import torch
 
 from stratagem import nn as sg_nn
 from stratagem.distribute import ReduceOp, Strategy, get_strategy, has_strategy
+from stratagem.distribute.coordinator.code_refs import Portable
 from stratagem.distribute.machinery.scope_hooks import owner_of
 from stratagem.distribute.pipeline_strategy import PipelineStrategy
 from stratagem.keras import callbacks as callbacks_module
-from stratagem.keras import losses, metrics, optimizers
+from stratagem.keras import coordinated, losses, metrics, optimizers
 from stratagem.keras.data_adapter import DataPosition, FitData, global_batches
 from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
 from stratagem.keras.mixed_precision import LossScaleOptimizer
@@ -42,7 +43,7 @@ from stratagem.train.storage import is_checkpoint
 Logs = dict[str, float]
 
 
-class Model:
+class Model(Portable):
     """A module with Keras's training API. Build the module inside ``strategy.scope()`` to
     distribute it; ``Model(module)`` remembers that strategy (as a Keras model does), and
     the dtype policy: ``dtype`` (a ``mixed_precision.Policy`` or its name), else the global
@@ -50,7 +51,15 @@ class Model:
 
     ``remat=True`` checkpoints each direct child of ``module`` (``sg.recompute_grad``): its
     activations are recomputed during backward instead of kept, as under Keras 3's
-    ``RematScope(mode="full")``."""
+    ``RematScope(mode="full")``.
+
+    On the chief of a cluster with a chief (``ParameterServerStrategy`` with a
+    ``ClusterCoordinator``), ``fit`` and ``evaluate`` schedule their steps on the workers
+    (``keras.coordinated``), which rebuild the model from its state for each function."""
+
+    # What a coordinator's worker does not get (``Portable``): this process's fit and its
+    # compiled forward (the worker runs the module eagerly).
+    _sg_local = ("history", "_fit_data", "_pipeline", "_forward", "_example_input")
 
     def __init__(
         self,
@@ -198,6 +207,10 @@ class Model:
         names = [m.name for m in self.compiled_metrics]
         if len(set(names)) != len(names) or "loss" in names:
             raise ValueError(f"metric names must be distinct and not 'loss'; got {names}")
+
+    def _sg_after_rebuild(self) -> None:
+        self.history = self._fit_data = self._pipeline = self._forward = None
+        self._example_input = None
 
     def _require_compiled(self, what: str) -> None:
         if self.optimizer is None or self._loss_tracker is None:
@@ -371,6 +384,12 @@ class Model:
         if steps_per_epoch is not None:
             _check_count("steps_per_epoch", steps_per_epoch, minimum=1)
         strategy = self.distribute_strategy
+        coordinator = coordinated.coordinator_for(strategy)
+        if coordinator is not None:
+            return self._fit_coordinated(
+                coordinator, x, y, batch_size, epochs, verbose, callbacks, validation_data,
+                shuffle, initial_epoch, steps_per_epoch,
+            )  # fmt: skip
         _check_validation_shape(x, validation_data)
         data = FitData(x, y, batch_size, shuffle=shuffle, strategy=strategy)
         steps = steps_per_epoch or data.steps
@@ -413,6 +432,66 @@ class Model:
             if self.stop_training:
                 break
         self._fit_data = None
+        cbs.on_train_end(logs)
+        return self.history
+
+    def _fit_coordinated(
+        self, coordinator: Any, x: Any, y: Any, batch_size: int | None, epochs: int,
+        verbose: int | str, callbacks: Iterable[Any] | None, validation_data: Any,
+        shuffle: bool, initial_epoch: int, steps_per_epoch: int | None,
+    ) -> callbacks_module.History:  # fmt: skip
+        """``fit`` on the chief of a coordinated cluster (TF2's): each execution of
+        ``steps_per_execution`` batches is a function scheduled on a free worker, which reads
+        its own dataset; the chief joins at each epoch's end, where the metrics are complete
+        (their totals come back with each function), and runs the callbacks."""
+        coordinated.check_fit(steps_per_epoch, x)
+        assert self.optimizer is not None and steps_per_epoch is not None
+        if self.optimizer.gradient_accumulation_steps:
+            raise ValueError(
+                "gradient_accumulation_steps is not supported under a ClusterCoordinator: each "
+                "worker applies its own gradients on the ps, asynchronously"
+            )
+        strategy = self.distribute_strategy
+        if isinstance(x, coordinated.DatasetCreator):
+            if y is not None or batch_size is not None:
+                raise ValueError(
+                    "fit(DatasetCreator): y and batch_size must be None; the dataset_fn's "
+                    "dataset carries the targets and is batched"
+                )
+            dataset_fn = coordinated.creator_dataset_fn(strategy, x)
+        else:
+            size = batch_size or 32
+            dataset_fn = coordinated.worker_dataset_fn(strategy, x, y, size, shuffle)
+        iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        self.history = callbacks_module.History()
+        cbs = self._callbacks(callbacks, verbose, epochs=epochs, steps=steps_per_epoch)
+        self.stop_training = False
+        _set_training(self.module, True)
+        cbs.on_train_begin()
+        logs: Logs = {}
+        for epoch in range(initial_epoch, epochs):
+            self._reset_metrics()
+            cbs.on_epoch_begin(epoch)
+            step = 0
+            while step < steps_per_epoch and not self.stop_training:
+                k = min(self.steps_per_execution, steps_per_epoch - step)
+                cbs.on_train_batch_begin(step)
+                coordinator.schedule(coordinated.train_steps, args=(self, iterator, k))
+                for _ in range(k):
+                    self.optimizer.finish_batch()  # iterations: batches scheduled
+                step += k
+                # As TF's: batch logs would wait for the workers; the epoch's come at its end.
+                cbs.on_train_batch_end(step - 1, {})
+            coordinator.join()
+            logs = self._logs()
+            if validation_data is not None:
+                val_batch = batch_size if _is_array(_split_xy(validation_data)[0]) else None
+                val = self._evaluate_logs(validation_data, val_batch, verbose=0)
+                logs.update({f"val_{k}": v for k, v in val.items()})
+                _set_training(self.module, True)
+            cbs.on_epoch_end(epoch, logs)
+            if self.stop_training:
+                break
         cbs.on_train_end(logs)
         return self.history
 
@@ -504,9 +583,23 @@ class Model:
         _set_training(self.module, False)
         self._reset_metrics()
         count = 0
-        for batch in strategy.experimental_distribute_dataset(batches):
-            self._test_batch(batch)
-            count += 1
+        coordinator = coordinated.coordinator_for(strategy)
+        if coordinator is not None:
+            # Each batch goes with its function: every one is evaluated once, on a free worker.
+            group: list[Any] = []
+            for batch in batches:
+                group.append(batch)
+                count += 1
+                if len(group) == self.steps_per_execution:
+                    coordinator.schedule(coordinated.test_batches, args=(self, group))
+                    group = []
+            if group:
+                coordinator.schedule(coordinated.test_batches, args=(self, group))
+            coordinator.join()
+        else:
+            for batch in strategy.experimental_distribute_dataset(batches):
+                self._test_batch(batch)
+                count += 1
         if count == 0:
             raise ValueError("evaluate found no batch: the data is empty")
         logs = self._logs()

@@ -138,7 +138,16 @@ class ClusterCoordinator:
     """``sg.distribute.coordinator.ClusterCoordinator(strategy)``: on the chief of a cluster
     with a chief, workers and ps tasks; ``strategy`` is its ``ParameterServerStrategy``."""
 
+    def __new__(cls, strategy: Any) -> ClusterCoordinator:
+        # One coordinator per strategy, as TF's: fit finds the one the script made.
+        existing = getattr(strategy, "cluster_coordinator", None)
+        if isinstance(existing, cls):
+            return existing
+        return super().__new__(cls)
+
     def __init__(self, strategy: Any) -> None:
+        if getattr(self, "strategy", None) is strategy:
+            return  # the strategy's coordinator, made before
         from stratagem.distribute.parameter_server_strategy import ParameterServerStrategy
 
         if not isinstance(strategy, ParameterServerStrategy):
@@ -195,6 +204,7 @@ class ClusterCoordinator:
         for thread in self._threads:
             thread.start()
         atexit.register(self.shutdown)
+        strategy.cluster_coordinator = self
 
     # ----------------------------------------------------------------------- scheduling
 
@@ -222,7 +232,7 @@ class ClusterCoordinator:
             closure = _Closure(
                 self._next_id,
                 name,
-                [self._next_id, describer.functions, ref["ref"], call_args, call_kwargs],
+                [self._next_id, describer.functions, ref, call_args, call_kwargs],
                 describer.accumulators,
             )
             self._queue.append(closure)
@@ -261,7 +271,7 @@ class ClusterCoordinator:
         with self._lock:
             self._next_id += 1
             dataset_id = self._next_id
-            args = [dataset_id, describer.functions, ref["ref"]]
+            args = [dataset_id, describer.functions, ref]
             self._resources.append(("make_dataset", args, f"dataset_fn {name}"))
             self._lock.notify_all()
         return PerWorkerDataset(self, dataset_id)

@@ -107,6 +107,7 @@ class WorkerServer:
         self._iterators: dict[int, Iterator[Any]] = {}
         self._classes: dict[tuple, type] = {}  # the program's classes made here, per worker
         self._local_buffers: dict[int, torch.Tensor] = {}  # the chief's buffer key -> this worker's
+        self._ready: Future = Future()  # set once the strategy below exists
         self._goodbye = threading.Event()
         self.functions_run = 0
         _current_worker_index = self.worker_index
@@ -124,6 +125,7 @@ class WorkerServer:
         # The strategy scheduled functions see (``strategy`` captured on the chief): one
         # replica, the chief's variables on the ps, pushes applied there.
         self._strategy = ParameterServerStrategy(resolver, _world=self.world)
+        self._ready.set_result(None)
 
     # --------------------------------------------------------------------- the method table
 
@@ -136,7 +138,16 @@ class WorkerServer:
             "goodbye": self._goodbye.set,
         }
 
-    def _hello(self, program: Any, sha: Any, compression: Any = None) -> dict[str, Any]:
+    def _hello(self, program: Any, sha: Any, compression: Any = None) -> Later:
+        # The chief may greet this server before its strategy is made (the server listens
+        # from before the roll call): the answer waits for it.
+        return Later(
+            self._ready,
+            lambda: (f"{self.me} is still joining the job", []),
+            lambda _: self._greet(program, sha, compression),
+        )
+
+    def _greet(self, program: Any, sha: Any, compression: Any) -> dict[str, Any]:
         check_same_program(program, sha, me=self.me, root=self.root)
         client = self._strategy.extended.client
         if compression not in (None, "bf16"):
@@ -203,7 +214,7 @@ class WorkerServer:
 
     def _make_dataset(self, ds_id: int, table: Any, key: Any) -> Later:
         def make() -> dict[str, Any]:
-            self._datasets[int(ds_id)] = self._rebuilder(table, []).function(str(key))()
+            self._datasets[int(ds_id)] = self._rebuilder(table, []).value(key)()
             return {"value": None}
 
         return self._in_thread(make, "dataset_fn")
@@ -219,7 +230,7 @@ class WorkerServer:
         def body() -> dict[str, Any]:
             pull: list[torch.Tensor] = []
             rebuilder = self._rebuilder(table, pull)
-            fn = rebuilder.function(str(key))
+            fn = rebuilder.value(key)
             call_args = [rebuilder.value(a) for a in args]
             call_kwargs = {k: rebuilder.value(v) for k, v in kwargs.items()}
             if pull:  # the variables' current values (other workers have pushed since)

@@ -326,15 +326,17 @@ class PsClient:
         """What each ps applied, dropped and held back so far."""
         return self._ask("stats", "a request for its statistics")
 
-    def finish(self) -> None:
+    def finish(self, *, wait: bool = True) -> None:
         """At exit: tell every ps this worker is done (the answer comes when every worker is,
         or was lost; a wait on a worker that stopped answering ends after the operation
-        timeout, naming it), then hang up and leave."""
+        timeout, naming it), then hang up and leave. Without ``wait`` (a coordinating chief,
+        whose workers stop only once it has ended) the ps answers at once."""
         # A ps whose connection broke (it ended, or stopped answering) gets no goodbye: that
         # error was raised already.
         open_ps = [i for i, c in enumerate(self._connections) if not c.closed]
+        method = "leave" if wait else "depart"
         try:
-            self._ask("leave", "this worker's goodbye", lambda i: [self._worker_index], ps=open_ps)
+            self._ask(method, "this worker's goodbye", lambda i: [self._worker_index], ps=open_ps)
         except PeerLostError:
             pass  # a ps that is gone needs no goodbye; the error that mattered came earlier
         except CollectiveTimeoutError as e:

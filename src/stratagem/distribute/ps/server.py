@@ -545,6 +545,10 @@ def methods(store: ShardStore, worker_names: list[str]) -> dict[str, Callable[..
             still_training("the goodbye waits for the workers still training to finish"),
         )
 
+    def depart(worker: int) -> None:
+        # A coordinating chief leaves without waiting: its workers stop when it has ended.
+        store.leave(int(worker))
+
     def loaded(count: int) -> Later:
         return Later(
             store.loaded(int(count)),
@@ -557,6 +561,7 @@ def methods(store: ShardStore, worker_names: list[str]) -> dict[str, Callable[..
 
     return {
         "create": create,
+        "depart": depart,
         "fetch": fetch,
         "push": push,
         "read": lambda keys: store.read(_keys(keys)),

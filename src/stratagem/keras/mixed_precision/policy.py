@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from stratagem.distribute.coordinator.code_refs import Portable
+
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
@@ -31,7 +33,7 @@ _MIXED = ("mixed_float16", "mixed_bfloat16")
 VALID_NAMES: tuple[str, ...] = (*_MIXED, *_DTYPES)
 
 
-class Policy:
+class Policy(Portable):
     """A dtype policy (``tf.keras.mixed_precision.Policy``): ``name``, ``compute_dtype`` and
     ``variable_dtype`` (dtype names, as Keras gives them)."""
 

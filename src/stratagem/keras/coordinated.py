@@ -1,0 +1,143 @@
+"""``Model.fit``/``evaluate`` on the chief of a TF2 parameter-server cluster (a coordinator).
+
+TF2 trains a ``ParameterServerStrategy`` model on the chief: ``fit`` makes (or takes) the
+strategy's ``ClusterCoordinator`` and schedules its train function on the workers, which read
+their own datasets; callbacks run on the chief. As there:
+
+- ``steps_per_epoch`` is required (a worker's dataset repeats: the chief cannot see its end);
+- the training data is a ``DatasetCreator(dataset_fn)`` (each worker calls
+  ``dataset_fn(input_context)``, sharding by its ``input_pipeline_id``), or arrays, which travel
+  to every worker once, each shuffling and sharding its copy and repeating it;
+- one scheduled function runs ``steps_per_execution`` batches;
+- ``evaluate`` sends every batch of a finite dataset with its function, so each is visited
+  exactly once (a function lost with its worker runs again elsewhere; its metric totals count
+  once, when its value is set).
+
+The functions scheduled here (``train_steps``, ``test_batches``) are this module's: a worker
+runs its own copy of them on the model rebuilt from the chief's state (``code_refs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from stratagem import data as sg_data
+from stratagem.distribute.coordinator import ClusterCoordinator
+from stratagem.distribute.machinery.input import InputContext, InputOptions
+from stratagem.distribute.parameter_server_strategy import ParameterServerStrategy
+from stratagem.keras.data_adapter import _as_tensor
+
+
+class DatasetCreator:
+    """``tf.keras.utils.experimental.DatasetCreator(dataset_fn, input_options=None)``: what
+    ``fit`` takes under a coordinator. ``dataset_fn(input_context)`` makes one worker's
+    dataset; it runs on each worker (sent by reference, as any scheduled function)."""
+
+    def __init__(
+        self,
+        dataset_fn: Callable[[InputContext], Any],
+        input_options: InputOptions | None = None,
+    ) -> None:
+        if not callable(dataset_fn):
+            raise TypeError(
+                f"DatasetCreator takes a callable dataset_fn(input_context); got {dataset_fn!r}"
+            )
+        self.dataset_fn = dataset_fn
+        self.input_options = input_options
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.dataset_fn(*args, **kwargs)
+
+
+def coordinator_for(strategy: Any) -> ClusterCoordinator | None:
+    """The strategy's ``ClusterCoordinator`` when this process is the chief of a cluster with
+    a chief (TF2's coordinated training); None for every other strategy and task."""
+    if isinstance(strategy, ParameterServerStrategy) and strategy.coordinated:
+        return ClusterCoordinator(strategy)
+    return None
+
+
+def worker_dataset_fn(
+    strategy: Any, x: Any, y: Any, batch_size: int, shuffle: bool
+) -> Callable[[], Any]:
+    """The per-worker dataset of arrays ``x``, ``y``: the worker's shard of the examples,
+    shuffled each pass when asked, in batches of its part of the global ``batch_size``,
+    repeated (``steps_per_epoch`` ends an epoch). ``strategy`` (the chief's) is the worker's
+    own there: its index among the workers picks the shard."""
+    xs = _as_tensor(x, "x")
+    ys = None if y is None else _as_tensor(y, "y")
+
+    def dataset_fn() -> Any:
+        context = _input_context(strategy)
+        examples = sg_data.Dataset.from_tensor_slices(xs if ys is None else (xs, ys))
+        examples = examples.shard(context.num_input_pipelines, context.input_pipeline_id)
+        if shuffle:
+            examples = examples.shuffle(len(xs))
+        per_worker = context.get_per_replica_batch_size(batch_size)
+        return examples.batch(per_worker).repeat()
+
+    return dataset_fn
+
+
+def creator_dataset_fn(strategy: Any, creator: DatasetCreator) -> Callable[[], Any]:
+    """The per-worker dataset of a ``DatasetCreator``: its ``dataset_fn`` with the worker's
+    input context."""
+    dataset_fn = creator.dataset_fn
+
+    def made() -> Any:
+        return dataset_fn(_input_context(strategy))
+
+    return made
+
+
+def _input_context(strategy: Any) -> InputContext:
+    extended = strategy.extended
+    return InputContext(
+        num_input_pipelines=extended.num_workers,
+        input_pipeline_id=extended.worker_index,
+        num_replicas_in_sync=1,
+    )
+
+
+def train_steps(model: Any, iterator: Iterator[Any], steps: int) -> None:
+    """Scheduled by ``fit``: ``steps`` batches of the worker's iterator, each a train step on
+    the worker (its optimizer step pushes the gradients to the ps)."""
+    extended = model.distribute_strategy.extended
+    for _ in range(steps):
+        extended.train_batch(model, next(iterator))
+
+
+def test_batches(model: Any, batches: list[Any]) -> None:
+    """Scheduled by ``evaluate``: these batches (sent with the function) through test steps."""
+    extended = model.distribute_strategy.extended
+    for batch in batches:
+        extended.test_batch(model, batch)
+
+
+def check_fit(steps_per_epoch: int | None, x: Any) -> None:
+    """What coordinated ``fit`` needs: TF's own requirements, said as TF says them."""
+    if steps_per_epoch is None:
+        raise ValueError(
+            "`steps_per_epoch` must be specified with ParameterServerStrategy: each worker's "
+            "dataset repeats, so the chief cannot see where an epoch ends"
+        )
+    if not isinstance(x, DatasetCreator | torch.Tensor) and not hasattr(x, "__array__"):
+        raise TypeError(
+            "fit under a ClusterCoordinator takes arrays (sent to every worker) or a "
+            "sg.keras.utils.experimental.DatasetCreator(dataset_fn) (each worker makes its own "
+            f"dataset); got {type(x).__name__}"
+        )
+
+
+__all__ = [
+    "DatasetCreator",
+    "check_fit",
+    "coordinator_for",
+    "creator_dataset_fn",
+    "test_batches",
+    "train_steps",
+    "worker_dataset_fn",
+]

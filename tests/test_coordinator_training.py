@@ -1,0 +1,171 @@
+"""TF2 coordinated training: objects sent by state (in one process), and real jobs: one worker
+trains exactly as a single process, a worker killed mid-step loses nothing, and TF's tutorial
+(examples/parameter_server_coordinator.py) reaches its accuracy."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import stratagem as sg
+from cluster_utils import WORKERS, Process, child_env
+from stratagem.comm import plain_data
+from stratagem.distribute.coordinator import code_refs
+
+HERE = Path(__file__).resolve().parent
+EXAMPLE = HERE.parent / "examples" / "parameter_server_coordinator.py"
+
+
+class Block(torch.nn.Module):
+    """A class of the program (this file): rebuilt from its class body, super() and all."""
+
+    scale = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 2)
+        self.norm = torch.nn.BatchNorm1d(2)
+        self.note = {"kind": "block", "sizes": {3, 2}}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.linear(x)) * Block.scale  # its own name: the worker's class
+
+
+def _send(value, special=None, resolve=None, classes=None):
+    describer = code_refs.Describer(root=HERE, special=special)
+    entry = describer.value(value, owner="test", name="value")
+    frame = plain_data.encode({"table": describer.functions, "entry": entry}, what="test")
+    sent = plain_data.decode(frame, sender="chief", what="test")
+    rebuilder = code_refs.Rebuilder(
+        sent["table"], root=HERE, resolve_special=resolve, classes=classes
+    )
+    return rebuilder.value(sent["entry"]), describer, rebuilder
+
+
+def test_a_model_optimizer_loss_and_metric_travel_by_state_and_a_metric_totals_back():
+    torch.manual_seed(0)
+    block = Block()
+    optimizer = torch.optim.SGD(block.parameters(), lr=0.3, momentum=0.5)
+    loss = sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    metric = sg.keras.metrics.SparseCategoricalAccuracy()
+    metric.update_state(torch.tensor([1]), torch.tensor([[0.0, 1.0]]))  # the chief's: 1 of 1
+    # Parameters go as specials (the ps variables), each the same object on the worker.
+    params = {id(p): i for i, p in enumerate(block.parameters())}
+    copies: dict[int, torch.nn.Parameter] = {}
+
+    def special(v):
+        return {"param": params[id(v)]} if id(v) in params else None
+
+    def resolve(e):
+        original = list(block.parameters())[e["param"]]
+        return copies.setdefault(e["param"], torch.nn.Parameter(original.detach().clone()))
+
+    classes: dict = {}
+    (b2, opt2, loss2, metric2), describer, rebuilder = _send(
+        [block, optimizer, loss, metric], special, resolve, classes
+    )
+    assert type(b2) is not Block and type(b2).__qualname__ == "Block"  # the worker's own class
+    assert b2.note == {"kind": "block", "sizes": {3, 2}} and b2.norm.eps == block.norm.eps
+    assert all(p2 is copies[i] for i, p2 in enumerate(b2.parameters()))
+    assert opt2.param_groups[0]["params"] == list(b2.parameters())
+    assert opt2.param_groups[0]["lr"] == 0.3 and not opt2.state  # the state is the ps's
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    torch.testing.assert_close(b2(x), block(x))
+    torch.testing.assert_close(loss2(y, b2(x)), loss(y, block(x)))
+    # The metric starts empty on the worker; its totals come back and add to the chief's.
+    assert float(metric2.result()) == 0.0
+    metric2.update_state(y, torch.eye(2)[[0, 0, 1, 1]])  # 2 of 4 right
+    code_refs.add_totals(describer.accumulators, code_refs.totals_of(rebuilder.accumulators))
+    assert metric.state_dict()["count"] == 5 and float(metric.result()) == pytest.approx(3 / 5)
+    # A second call makes the same class (one class per worker, so isinstance holds).
+    (b3, *_), _, _ = _send([block, optimizer, loss, metric], special, resolve, classes)
+    assert type(b3) is type(b2)
+    with pytest.raises(ValueError, match="sent totals for 'o9'"):
+        code_refs.add_totals(describer.accumulators, {"o9": torch.zeros(2)})
+
+
+def test_what_may_not_be_made_on_a_worker_is_refused():
+    # A table naming an arbitrary class as a "module" is refused before anything is made.
+    table = {
+        "o0": {
+            "kind": "module",
+            "class": {"k": "named", "module": "pathlib", "qualname": "Path"},
+            "state": {},
+        }
+    }
+    with pytest.raises(ValueError, match="not made here"):
+        code_refs.Rebuilder(table, root=HERE).value({"k": "object", "ref": "o0"})
+
+    def local_class():
+        class Inner(torch.nn.Module):
+            def forward(self, x):
+                return x + offset
+
+        offset = 1
+        return Inner()
+
+    with pytest.raises(
+        TypeError, match=r"defined inside a function and reads its locals \['offset'\]"
+    ):
+        code_refs.Describer(root=HERE).value(local_class(), owner="f", name="m")
+
+
+@pytest.mark.multiprocess
+def test_one_worker_in_order_trains_exactly_as_one_process(tmp_path):
+    result = _job(tmp_path, "same", workers=1)
+    for name, (got, want) in result["weights"].items():
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    # BatchNorm statistics: the worker's own, kept from call to call.
+    for name, (got, want) in result["buffers"].items():
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+    for got, want in result["losses"]:
+        assert got == pytest.approx(want, rel=1e-5)
+    assert result["accuracy"][0] == pytest.approx(result["accuracy"][1], rel=1e-6)
+    assert result["mean_loss"][0] == pytest.approx(result["mean_loss"][1], rel=1e-5)
+    # Model.fit through the coordinator (steps_per_execution 3) == a local fit.
+    for got, want in result["fit_weights"]:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    coordinated, local = result["fit_history"]
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(coordinated[key], local[key], rtol=1e-5)
+    assert result["fit_iterations"] == 12
+    np.testing.assert_allclose(*result["evaluate"], rtol=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_a_worker_killed_mid_step_loses_no_function_and_training_completes(tmp_path):
+    result = _job(tmp_path, "kill", workers=2, tolerate=True)
+    assert result["killed"]
+    # 90 steps, each completed once; worker 1 ran 4 before it died in its 5th, which ran again.
+    assert result["completed"] == 90 and len(result["ran_on"]) == 90
+    assert result["ran_on"].count(1) == 4
+    assert result["test_count"] == 360 and result["test_accuracy"] >= 0.9
+
+
+@pytest.mark.multiprocess
+def test_tfs_parameter_server_tutorial_ported_reaches_its_accuracy(tmp_path):
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "--chief", "-n", "2", "--ps", "1"]
+    argv += [str(EXAMPLE), "--working-dir", str(tmp_path / "work")]
+    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=300)
+    output = result.stdout
+    assert result.returncode == 0, output
+    custom = float(re.search(r"\[chief\] Evaluation accuracy: ([\d.]+)", output).group(1))
+    fit = float(re.search(r"Model.fit: test loss [\d.]+, test accuracy ([\d.]+)", output).group(1))
+    assert custom >= 0.9 and fit >= 0.9, output
+    assert "Epoch 8/8" in output and (tmp_path / "work" / "ckpt").is_dir()
+
+
+def _job(tmp_path: Path, mode: str, *, workers: int, tolerate: bool = False) -> dict:
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "--chief", "-n", str(workers)]
+    argv += ["--ps", "1", *(["--tolerate-worker-loss"] if tolerate else [])]
+    argv += [str(WORKERS / "coordinator_training.py"), str(tmp_path), mode]
+    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=300)
+    assert result.returncode == 0, result.stdout
+    assert f"coordinator training {mode} done" in result.stdout, result.stdout
+    return json.loads((tmp_path / "result.json").read_text())

@@ -1,0 +1,197 @@
+"""Training through a ClusterCoordinator: `stratagem run --chief -n W --ps 1 THIS OUT MODE`.
+
+MODE ``same`` (one worker): a model of this program's own class (with BatchNorm buffers), an
+SGD optimizer with momentum and two metrics, built in the chief's scope, trained by scheduled
+functions on fixed batches, in order; then ``Model.fit`` on arrays. The chief trains a plain
+copy of each the same way in its own process and writes both, to compare.
+
+MODE ``kill`` (two workers): worker 1 kills itself (-9) in the middle of its 5th step; every
+scheduled step still completes once, and the test accuracy is reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import stratagem as sg
+
+OUT = Path(sys.argv[1])
+MODE = sys.argv[2]
+
+resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
+if resolver.task_type in ("worker", "ps"):
+    sg.distribute.Server(resolver).join()
+    sys.exit(0)
+
+
+class Net(torch.nn.Module):
+    """This program's own class: a worker makes it from its copy of this file."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Linear(64, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU()
+        )
+        self.head = torch.nn.Linear(hidden, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def digits() -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    (x, y), (xt, yt) = sg.data.datasets.load_digits(image_size=8)
+    flat = lambda a: torch.from_numpy((a.reshape(len(a), -1) / np.float32(255)).astype(np.float32))  # noqa: E731
+    return (flat(x), torch.from_numpy(y)), (flat(xt), torch.from_numpy(yt))
+
+
+(x_train, y_train), (x_test, y_test) = digits()
+strategy = sg.distribute.experimental.ParameterServerStrategy(resolver)
+coordinator = sg.distribute.coordinator.ClusterCoordinator(strategy)
+torch.manual_seed(0)
+with strategy.scope():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    accuracy = sg.keras.metrics.SparseCategoricalAccuracy()
+    mean_loss = sg.keras.metrics.Mean()
+loss_fn = sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def train_on(net, opt, acc, mean, x, y):
+    """One step; the same code on a worker (scheduled) and on the chief (the reference)."""
+    pred = net(x)
+    loss = loss_fn(y, pred)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    acc.update_state(y, pred)
+    mean.update_state(loss.detach())
+    return loss.detach()
+
+
+def step(x, y):
+    return strategy.run(train_on, args=(model, optimizer, accuracy, mean_loss, x, y))
+
+
+def worker_buffers():
+    return {name: b.clone() for name, b in model.named_buffers()}
+
+
+def evaluate(x, y, metric):
+    model.eval()
+    with torch.no_grad():
+        metric.update_state(y, model(x))
+
+
+def step_or_die(iterator, calls_dir):
+    """A step; worker 1 kills itself halfway through its 5th (after the forward pass)."""
+    x, y = next(iterator)
+    me = sg.distribute.coordinator.experimental_get_current_worker_index()
+    pred = model(x)
+    loss = loss_fn(y, pred)
+    if me == 1:
+        mark = Path(calls_dir, f"call-{len(list(Path(calls_dir).iterdir()))}")
+        mark.touch()
+        if mark.name == "call-4":
+            os.kill(os.getpid(), signal.SIGKILL)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return me
+
+
+def worker_dataset():
+    context = strategy.extended
+    data = sg.data.Dataset.from_tensor_slices((x_train, y_train))
+    data = data.shard(context.num_workers, context.worker_index)
+    return data.shuffle(2048).batch(32).repeat()
+
+
+result: dict = {}
+if MODE == "same":
+    reference = Net()
+    reference.load_state_dict(model.state_dict())
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    ref_accuracy = sg.keras.metrics.SparseCategoricalAccuracy()
+    ref_mean = sg.keras.metrics.Mean()
+    order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(1))
+    batches = [order[i : i + 48] for i in range(0, 48 * 12, 48)]
+    losses = [coordinator.schedule(step, args=(x_train[b], y_train[b])) for b in batches]
+    coordinator.join()
+    ref_losses = [
+        train_on(reference, ref_optimizer, ref_accuracy, ref_mean, x_train[b], y_train[b])
+        for b in batches
+    ]
+    strategy.pull()  # the chief's copies: the ps's values
+    result["weights"] = {
+        n: [p.tolist(), reference.state_dict()[n].tolist()] for n, p in model.named_parameters()
+    }
+    buffers = coordinator.schedule(worker_buffers).fetch()
+    result["buffers"] = {
+        n: [b.tolist(), reference.state_dict()[n].tolist()] for n, b in buffers.items()
+    }
+    result["losses"] = [[float(v.fetch()), float(r)] for v, r in zip(losses, ref_losses)]
+    result["accuracy"] = [float(accuracy.result()), float(ref_accuracy.result())]
+    result["mean_loss"] = [float(mean_loss.result()), float(ref_mean.result())]
+
+    # Model.fit on arrays, one worker: its dataset is the arrays in order, repeated.
+    def keras_model(strategy_scope):
+        torch.manual_seed(3)
+        with strategy_scope:
+            net = sg.keras.Model(
+                torch.nn.Sequential(
+                    torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10)
+                )
+            )
+            net.compile(
+                sg.keras.optimizers.SGD(0.1),
+                loss=loss_fn,
+                metrics=["accuracy"],
+                steps_per_execution=3,
+            )
+        return net
+
+    fitted = keras_model(strategy.scope())
+    history = fitted.fit(
+        x_train, y_train, batch_size=40, epochs=2, steps_per_epoch=6, shuffle=False, verbose=0
+    )
+    local = keras_model(sg.distribute.get_strategy().scope())
+    local_history = local.fit(
+        x_train, y_train, batch_size=40, epochs=2, steps_per_epoch=6, shuffle=False, verbose=0
+    )
+    strategy.pull()
+    result["fit_weights"] = [
+        [p.tolist(), q.tolist()]
+        for p, q in zip(fitted.module.parameters(), local.module.parameters())
+    ]
+    result["fit_history"] = [history.history, local_history.history]
+    result["fit_iterations"] = fitted.optimizer.iterations
+    result["evaluate"] = [
+        fitted.evaluate(x_test, y_test, batch_size=50, verbose=0),
+        local.evaluate(x_test, y_test, batch_size=50, verbose=0),
+    ]
+else:
+    calls = OUT / "calls"
+    calls.mkdir()
+    iterator = iter(coordinator.create_per_worker_dataset(worker_dataset))
+    scheduled = [coordinator.schedule(step_or_die, args=(iterator, str(calls))) for _ in range(90)]
+    coordinator.join()
+    ran_on = [v.fetch() for v in scheduled]
+    result["killed"] = len(list(calls.iterdir())) == 5
+    result["completed"] = coordinator.completed
+    result["ran_on"] = ran_on
+    test_accuracy = sg.keras.metrics.SparseCategoricalAccuracy()
+    for i in range(0, len(x_test), 60):
+        coordinator.schedule(evaluate, args=(x_test[i : i + 60], y_test[i : i + 60], test_accuracy))
+    coordinator.join()
+    result["test_accuracy"] = float(test_accuracy.result())
+    result["test_count"] = float(test_accuracy.state_dict()["count"])
+
+(OUT / "result.json").write_text(json.dumps(result))
+print(f"coordinator training {MODE} done", flush=True)
