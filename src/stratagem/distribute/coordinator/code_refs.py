@@ -119,6 +119,17 @@ def program_file() -> Path | None:
 
 
 _file_hashes: dict[Path, tuple[tuple[int, int], str]] = {}
+# id(code) -> (the code, its hash, its global names), each computed once; the code is kept, so
+# its id is never reused by another.
+_code_facts: dict[int, tuple[types.CodeType, str | None, list[str] | None]] = {}
+_in_program_cache: dict[tuple[type, Path], bool] = {}
+# A bare module's attributes: what a described module leaves out when empty (its hooks), and
+# the worker puts back as fresh empty ones.
+_MODULE_DEFAULTS = {
+    k: v
+    for k, v in vars(torch.nn.Module()).items()
+    if v is None or (isinstance(v, dict | set) and not v)
+}
 _compiled_files: dict[tuple[Path, str], types.CodeType] = {}
 
 
@@ -145,10 +156,16 @@ def compiled(path: Path, sha: str) -> types.CodeType:
 
 
 def code_hash(code: types.CodeType) -> str:
-    """A hash of ``code`` that is the same in every process compiling the same source."""
+    """A hash of ``code`` that is the same in every process compiling the same source (kept per
+    code object: code is immutable, and every schedule describes its function again)."""
+    known = _code_facts.get(id(code))
+    if known is not None and known[0] is code and known[1] is not None:
+        return known[1]
     h = hashlib.sha256()
     hash_into(h, code)
-    return h.hexdigest()
+    digest = h.hexdigest()
+    _code_facts[id(code)] = (code, digest, known[2] if known else None)
+    return digest
 
 
 def hash_into(h: Any, value: Any) -> None:
@@ -183,13 +200,22 @@ def hash_into(h: Any, value: Any) -> None:
 
 def global_names(code: types.CodeType) -> list[str]:
     """The global names ``code`` and the code nested in it load or store, in first-use order."""
+    known = _code_facts.get(id(code))
+    if known is not None and known[0] is code and known[2] is not None:
+        return known[2]
+    names = _global_names(code)
+    _code_facts[id(code)] = (code, known[1] if known else None, names)
+    return names
+
+
+def _global_names(code: types.CodeType) -> list[str]:
     names: dict[str, None] = {}
     for ins in dis.get_instructions(code):
         if ins.opname in _GLOBAL_OPS:
             names[str(ins.argval)] = None
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names.update(dict.fromkeys(global_names(const)))
+            names.update(dict.fromkeys(_global_names(const)))
     return list(names)
 
 
@@ -356,11 +382,15 @@ class Describer:
 
     def _in_program(self, cls: type) -> bool:
         """Whether ``cls`` is defined in a file of the program (not an installed library)."""
+        known = _in_program_cache.get((cls, self.root))
+        if known is not None:
+            return known
         try:
-            path = Path(inspect.getfile(cls)).resolve()
+            inside = Path(inspect.getfile(cls)).resolve().is_relative_to(self.root)
         except (TypeError, OSError):
-            return False
-        return path.is_relative_to(self.root)
+            inside = False
+        _in_program_cache[(cls, self.root)] = inside
+        return inside
 
     def _object(self, value: Any, *, owner: str, name: str) -> dict[str, Any]:
         """An object by state: a table entry made once per object (shared and cyclic
@@ -376,7 +406,14 @@ class Describer:
         self.functions[key] = desc  # before the state: the state may refer back to it
         desc["class"] = self.value(type(value), owner=owner, name=f"the class of {name}")
         if kind == "module":
-            state = dict(vars(value))
+            # Empty hooks and the like are left out; the worker puts back fresh empty ones.
+            state = {
+                k: v
+                for k, v in vars(value).items()
+                if not (
+                    k in _MODULE_DEFAULTS and (v is None or (isinstance(v, dict | set) and not v))
+                )
+            }
         elif kind == "optimizer":
             state = {k: v for k, v in vars(value).items() if k != "state"}  # state: on the ps
         else:
@@ -578,6 +615,8 @@ class Rebuilder:
         self._built[key] = obj  # first: the state may refer back to it
         state = {k: self.value(v) for k, v in desc["state"].items()}
         if kind == "module":
+            for k, default in _MODULE_DEFAULTS.items():
+                state.setdefault(k, type(default)() if default is not None else None)
             obj.__setstate__(state)  # torch's own, as unpickling a module does
         elif kind == "optimizer":
             obj.__setstate__({**state, "state": collections.defaultdict(dict)})

@@ -1,0 +1,203 @@
+"""TF2's ClusterCoordinator against between-graph parameter-server training, side by side.
+
+Every job is a real cluster on this machine (``stratagem run``) with 1 ps, training an MLP on
+digits (8x8, batch 32, SGD with momentum) for a fixed wall time. A step is the real forward and
+backward plus an injected sleep standing for more compute (``--delay``), then the push to the
+ps. Measured, per round (the variants' order rotating from round to round):
+
+- ``empty``: a chief scheduling empty functions on 2 workers: functions/s (the dispatch cost);
+- ``between``: 2 workers each running the training loop themselves (between-graph, async):
+  updates/s the ps applied;
+- ``coordinated``: a chief scheduling the same step on 2 workers (``ClusterCoordinator``, each
+  function one step on the worker's per-worker iterator): updates/s. Target: >= 0.8x between;
+- with ``--stragglers``, 3 workers of which worker 2 is three times slower: ``sync``
+  (between-graph, every update the mean of the 3 workers' gradients, so each waits for the
+  straggler) and ``coordinated3`` (functions go to whichever worker is free). Target:
+  coordinated >= 1.8x sync.
+
+The ratios are medians over rounds of the two variants measured in the same round.
+
+    python benchmarks/coordinator.py                 # about 4 minutes on 2 cores
+    python benchmarks/coordinator.py --quick         # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_round_ratio, rotated_rounds, run_launcher_job
+
+BATCH = 32
+
+
+def build(sg, torch, seed: int):
+    """The model, optimizer and data every job trains (built in the strategy's scope)."""
+    import numpy as np
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    (x, y), _ = sg.data.datasets.load_digits(image_size=8)
+    return model, optimizer, torch.from_numpy(x / np.float32(255)), torch.from_numpy(y)
+
+
+def own_work(compute: float, delay: float, slow: bool) -> None:
+    """The injected part of a step's own work (3x the whole for the straggler)."""
+    time.sleep(3 * delay + 2 * compute if slow else delay)
+
+
+def between_task(args: argparse.Namespace) -> None:
+    """A task of a between-graph job: every worker trains; worker 0 reports the ps's count."""
+    import torch
+
+    import stratagem as sg
+
+    strategy = sg.distribute.ParameterServerStrategy(mode=args.mode)
+    task = strategy.cluster_resolver.task_id
+    with strategy.scope():
+        model, optimizer, x, y = build(sg, torch, 0)
+    generator = torch.Generator().manual_seed(task)
+
+    def step() -> None:
+        begin = time.perf_counter()
+        rows = torch.randint(0, len(x), (BATCH,), generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[rows]), y[rows]).backward()
+        own_work(time.perf_counter() - begin, args.delay, args.stragglers and task == 2)
+        optimizer.step()
+
+    step()  # the first push connects and builds the ps's optimizer: not timed
+    (before,) = strategy.ps_stats() if task == 0 else [{"steps": 0}]
+    start = time.perf_counter()
+    while time.perf_counter() - start < args.seconds:
+        step()
+    if task == 0:
+        (after,) = strategy.ps_stats()
+        seconds = time.perf_counter() - start
+        print("RESULT " + json.dumps({"per_s": (after["steps"] - before["steps"]) / seconds}))
+
+
+def coordinated_task(args: argparse.Namespace) -> None:
+    """A task of a coordinated job: workers and the ps serve, the chief schedules."""
+    import torch
+
+    import stratagem as sg
+
+    resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type in ("worker", "ps"):
+        sg.distribute.Server(resolver).join()
+        return
+    strategy = sg.distribute.ParameterServerStrategy(resolver)
+    coordinator = sg.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model, optimizer, x, y = build(sg, torch, 0)
+    delay, stragglers = args.delay, args.stragglers
+
+    def batches():
+        index = sg.distribute.coordinator.experimental_get_current_worker_index()
+        generator = torch.Generator().manual_seed(index)
+        while True:
+            rows = torch.randint(0, len(x), (BATCH,), generator=generator)
+            yield x[rows], y[rows]
+
+    def step(iterator) -> None:
+        begin = time.perf_counter()
+        features, labels = next(iterator)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(features), labels).backward()
+        index = sg.distribute.coordinator.experimental_get_current_worker_index()
+        own_work(time.perf_counter() - begin, delay, stragglers and index == 2)
+        optimizer.step()
+
+    def empty() -> None:
+        return None
+
+    iterator = iter(coordinator.create_per_worker_dataset(batches))
+    fn, fn_args = (empty, ()) if args.empty else (step, (iterator,))
+    for _ in range(4):  # every worker's first call (its connections, the ps's optimizer)
+        coordinator.schedule(fn, args=fn_args)
+    coordinator.join()
+    (before,) = strategy.ps_stats()
+    outstanding: list = []
+    done = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < args.seconds:
+        while len(outstanding) < 8:  # keep every worker busy: a few queued behind each
+            outstanding.append(coordinator.schedule(fn, args=fn_args))
+        outstanding.pop(0).fetch()
+        done += 1
+    coordinator.join()
+    seconds = time.perf_counter() - start
+    (after,) = strategy.ps_stats()
+    done += len(outstanding)
+    per_s = done / seconds if args.empty else (after["steps"] - before["steps"]) / seconds
+    print("RESULT " + json.dumps({"per_s": per_s}), flush=True)
+
+
+def job(variant: str, seconds: float, delay: float) -> float:
+    common = ["--seconds", str(seconds), "--delay", str(delay)]
+    if variant == "empty":
+        argv = ["--chief", "-n", "2", "--ps", "1", __file__, "--coordinated", "--empty"]
+    elif variant == "between":
+        argv = ["-n", "2", "--ps", "1", __file__, "--between", "--mode", "async"]
+    elif variant == "coordinated":
+        argv = ["--chief", "-n", "2", "--ps", "1", __file__, "--coordinated"]
+    elif variant == "sync":
+        argv = ["-n", "3", "--ps", "1", __file__, "--between", "--mode", "sync", "--stragglers"]
+    else:  # coordinated3
+        argv = ["--chief", "-n", "3", "--ps", "1", __file__, "--coordinated", "--stragglers"]
+    return float(run_launcher_job(argv + common, timeout=seconds + 180)["per_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--between", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--coordinated", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--empty", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="async", help=argparse.SUPPRESS)
+    parser.add_argument("--seconds", type=float, default=8.0, help="training time per job")
+    parser.add_argument("--delay", type=float, default=0.03, help="injected step time, seconds")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every variant")
+    parser.add_argument("--stragglers", action="store_true", help="also the straggler pair")
+    parser.add_argument("--quick", action="store_true", help="1 short round")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    if args.between:
+        between_task(args)
+        return
+    if args.coordinated:
+        coordinated_task(args)
+        return
+    rounds, seconds = (1, 3.0) if args.quick else (args.rounds, args.seconds)
+    names = ["empty", "between", "coordinated"]
+    if args.stragglers:
+        names += ["sync", "coordinated3"]
+    samples = rotated_rounds(
+        {n: (lambda n=n: job(n, seconds, args.delay)) for n in names}, rounds, "per s"
+    )
+    medians = {n: statistics.median(v) for n, v in samples.items()}
+    ratios = {"coordinated / between": median_round_ratio(samples, "coordinated", "between")}
+    if args.stragglers:
+        ratios["coordinated3 / sync"] = median_round_ratio(samples, "coordinated3", "sync")
+    print(f"\nempty functions/s on 2 workers: {medians['empty']:.0f}")
+    print("| variant | updates/s (median) |\n| --- | --- |")
+    for name in names[1:]:
+        print(f"| {name} | {medians[name]:.1f} |")
+    targets = {"coordinated / between": 0.8, "coordinated3 / sync": 1.8}
+    for what, ratio in ratios.items():
+        met = "met" if ratio >= targets[what] else "NOT met"
+        print(f"{what}: {ratio:.2f} (target >= {targets[what]}): {met}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"samples": samples, "ratios": ratios}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
