@@ -17,15 +17,18 @@ import re
 import socket
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch.distributed as dist
 
-from cluster_utils import WORKERS, Process, child_env
-from stratagem.cluster import launcher
+from cluster_utils import WORKERS, Process, child_env, free_ports
+from stratagem.cluster import SimpleClusterResolver, launcher
+from stratagem.cluster.tasks import INCARNATION_VARIABLE
 from stratagem.comm import rendezvous
 from stratagem.comm.liveness import LivenessServer
 from stratagem.comm.rendezvous import Member, reclaim, roll_call
+from stratagem.comm.rpc_world import RpcWorld
 from stratagem.comm.sealed_store import SealedStore
 from stratagem.errors import RendezvousError
 
@@ -118,6 +121,43 @@ def test_a_restart_without_the_secret_or_without_an_earlier_incarnation_is_refus
     impostor.set("member/1", rendezvous._encode(_member(1, "127.0.0.1:9", incarnation=5)))
     record = rendezvous.decode_member(store.get("member/1"), key="member/1", me="test")
     assert record.incarnation == 1 and record.pid == 101
+
+
+def test_every_members_view_of_a_restarted_worker_goes_from_ended_to_alive(monkeypatch):
+    """Real ``RpcWorld``s in one process (a chief hosting the sealed store, a worker): the
+    worker leaves, comes back as incarnation 2, and the chief's view follows it."""
+    monkeypatch.setenv("STRATAGEM_JOB_SECRET", SECRET.decode())
+    monkeypatch.delenv(INCARNATION_VARIABLE, raising=False)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # RpcWorld installs its own
+    chief_port, worker_port = free_ports(2)
+    cluster = {"chief": [f"localhost:{chief_port}"], "worker": [f"localhost:{worker_port}"]}
+
+    def world(task_type: str) -> RpcWorld:
+        resolver = SimpleClusterResolver(cluster, task_type=task_type, task_id=0)
+        return RpcWorld(resolver, rendezvous_timeout=30)
+
+    with ThreadPoolExecutor(1) as pool:
+        chief_world = pool.submit(world, "chief")
+        first = world("worker")
+        chief = chief_world.result(timeout=30)
+    try:
+        assert chief.state(1) == "alive" and chief.incarnations[1] == 1
+        monkeypatch.setenv(INCARNATION_VARIABLE, "2")
+        with pytest.raises(RendezvousError, match="still answers"):
+            world("worker")  # a restart while the first incarnation answers: refused
+        first.shutdown()
+        assert chief.state(1) == "ended"
+        second = world("worker")
+        try:
+            assert chief.state(1) == "alive"
+            assert chief.incarnations[1] == 2 and chief.liveness[1] == second.liveness[1]
+            assert second.incarnations == {0: 1, 1: 2}
+        finally:
+            second.shutdown()
+        assert chief.state(1) == "ended"
+    finally:
+        first.shutdown()
+        chief.shutdown()
 
 
 # --------------------------------------------------------------------------- the launcher

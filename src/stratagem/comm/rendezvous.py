@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from stratagem.cluster import progress
 from stratagem.cluster.address import format_address
+from stratagem.cluster.tasks import INCARNATION_VARIABLE
 from stratagem.comm.binding import bind_address, bind_hint
 from stratagem.comm.liveness import refuses
 from stratagem.comm.sealed_store import sealed
@@ -230,7 +231,9 @@ def roll_call(
         if claims > 1:
             raise RendezvousError(
                 f"two processes claim {me.name} (rank {me.rank} of {me.world_size}); "
-                f"this one is pid {me.pid} on {me.host}: give each task its own index"
+                f"this one is pid {me.pid} on {me.host}: give each task its own index (a "
+                "coordinator's worker restarted by hand after its process ended says so with "
+                f"{INCARNATION_VARIABLE}=2, 3, ...)"
             )
         store.set(f"member/{me.rank}", _encode(me))
     deadline = time.monotonic() + timeout_s
