@@ -421,12 +421,8 @@ class ClusterCoordinator:
             self._lock.notify_all()
             if self._closing:
                 return
-        print(
-            f"{self._world.describe(rank)} was lost ({error}); the other workers take its work "
-            "until it rejoins",
-            file=sys.stderr,
-            flush=True,
-        )
+        who = self._world.describe(rank)
+        print(f"{error}; the other workers take its work until {who} rejoins", file=sys.stderr)
         threading.Thread(
             target=self._await_rejoin,
             args=(rank,),
