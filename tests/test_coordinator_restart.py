@@ -238,7 +238,10 @@ def test_worker_restarts_need_a_coordinator_cluster():
 @pytest.mark.multiprocess
 def test_a_killed_worker_is_restarted_rejoins_and_takes_work_again(tmp_path):
     argv = [sys.executable, "-m", "stratagem.cli", "run", "--chief", "-n", "2", "--ps", "1"]
-    argv += ["--restart-workers", "1", str(WORKERS / "coordinator_restart_job.py"), str(tmp_path)]
+    # A long grace period costs nothing (tasks that exit are not waited for) and keeps the
+    # verdict on "exited 0" free of the machine's load.
+    argv += ["--restart-workers", "2", "--grace-period", "60"]
+    argv += [str(WORKERS / "coordinator_restart_job.py"), str(tmp_path)]
     env = child_env({"STRATAGEM_JOB_SECRET": "job-secret-of-the-restart-test-0123456789abcdef"})
     result = Process(argv, env, tmp_path, "launcher", merge_output=True).wait(timeout=300)
     output = result.stdout
@@ -265,5 +268,16 @@ def test_a_killed_worker_is_restarted_rejoins_and_takes_work_again(tmp_path):
     assert sorted(v for v, _ in on_1) == [1000.0 + k for k in range(len(on_1))]
     on_0 = sorted(v for _, w, v, _ in r["after"] if w == 0)
     assert on_0 == [1.0 + k for k in range(len(on_0))]  # worker 0's iterator went on
-    assert r["completed"] == 10  # 2 reads + 4 + 4, each counted once
+    # Killed idle (by the chief, between joins), worker 1 came back as incarnation 3.
+    assert r["second_pid"] == new_pid
+    assert "worker 1 failed: killed by signal 9 (SIGKILL); restarting it alone (restart 2 of 2" in (
+        output
+    )
+    third = re.search(r"worker 1 restarted \(incarnation 3\): pid (\d+)", output)
+    assert third, output
+    assert sorted(i for i, *_ in r["idle"]) == [0, 1, 2, 3]
+    on_1 = [(v, pid) for _, w, v, pid in r["idle"] if w == 1]
+    assert on_1 and all(pid == int(third.group(1)) for _, pid in on_1), (on_1, output)
+    assert sorted(v for v, _ in on_1) == [1000.0 + k for k in range(len(on_1))]
+    assert r["completed"] == 14  # 2 reads + 4 + 4 + 4, each counted once
     assert "worker 1 exited 0" in output and "ps 0 exited 0" in output, output

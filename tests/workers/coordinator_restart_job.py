@@ -1,11 +1,13 @@
 """A worker restarted alone rejoins a ClusterCoordinator job.
 
-`stratagem run --chief -n 2 --ps 1 --restart-workers 1 coordinator_restart_job.py OUT`
+`stratagem run --chief -n 2 --ps 1 --restart-workers 2 coordinator_restart_job.py OUT`
 
 Worker 1 kills itself (-9) inside a function; the launcher restarts it (incarnation 2); the
 chief reconnects, the new worker remakes the per-worker dataset and iterator, and takes work
-again. No step waits on a clock: worker 0 holds each of its functions until worker 1 has done
-what the step is about (a marker file), so a worker that never comes back fails the job with a
+again. Then the chief kills worker 1 (-9) while it is idle, between two joins: the chief
+finds the loss when it next sends it a function, and incarnation 3 takes work again. No step
+waits on a clock: worker 0 holds each of its functions until worker 1 has done what the step
+is about (a marker file), so a worker that never comes back fails the job with a
 named TimeoutError instead of passing. The chief writes what it saw to OUT/result.json.
 """
 
@@ -56,11 +58,10 @@ def dataset_fn() -> list[torch.Tensor]:
 
 
 def read(iterator, i: int) -> list:
-    """Before the kill: one read on each worker (worker 0 holds until worker 1 has read)."""
+    """Before the kill: one read on each worker (each holds until the other has read)."""
     value = float(next(iterator))
     Path(OUT, f"read-{me()}").touch()
-    if me() == 0:
-        wait_for(Path(OUT, "read-1"), "worker 1's first read")
+    wait_for(Path(OUT, f"read-{1 - me()}"), f"worker {1 - me()}'s first read")
     return [i, me(), value]
 
 
@@ -83,12 +84,35 @@ def after_restart(i: int, iterator) -> list:
     return [i, me(), value, os.getpid()]
 
 
+def after_idle_kill(i: int, iterator) -> list:
+    """After worker 1 was killed idle: worker 0 holds until incarnation 3 has run one."""
+    value = float(next(iterator))
+    Path(OUT, f"idle-{me()}-{i}").touch()
+    if me() == 0:
+        wait_for_any(Path(OUT), "idle-1-*", "worker 1's third incarnation to take a function")
+    return [i, me(), value, os.getpid()]
+
+
 def wait_for_any(folder: Path, pattern: str, why: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not list(folder.glob(pattern)):
         if time.monotonic() > deadline:
             raise TimeoutError(f"worker {me()} waited {WAIT_S} s for {why}")
         time.sleep(0.05)
+
+
+def wait_until_dead(pid: int) -> None:
+    """Until ``pid`` has exited (gone, or a zombie its launcher has not reaped yet)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"worker 1 (pid {pid}) did not die of SIGKILL in {WAIT_S} s")
 
 
 def main() -> None:
@@ -102,10 +126,18 @@ def main() -> None:
     coordinator.join()
     after = [coordinator.schedule(after_restart, args=(i, iterator)) for i in range(4)]
     coordinator.join()
+    # Worker 1 (its second incarnation, whose pid the chief's view now holds) dies idle.
+    second_pid = strategy.extended.world.pid("worker", 1)
+    os.kill(second_pid, signal.SIGKILL)
+    wait_until_dead(second_pid)  # so no function reaches it: it is lost while idle
+    idle = [coordinator.schedule(after_idle_kill, args=(i, iterator)) for i in range(4)]
+    coordinator.join()
     result = {
         "reads": coordinator.fetch(reads),
         "killed": coordinator.fetch(killed),
         "after": coordinator.fetch(after),
+        "second_pid": second_pid,
+        "idle": coordinator.fetch(idle),
         "completed": coordinator.completed,
         "chief_pid": os.getpid(),
     }
