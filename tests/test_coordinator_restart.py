@@ -240,7 +240,7 @@ def test_a_killed_worker_is_restarted_rejoins_and_takes_work_again(tmp_path):
     argv = [sys.executable, "-m", "stratagem.cli", "run", "--chief", "-n", "2", "--ps", "1"]
     # A long grace period costs nothing (tasks that exit are not waited for) and keeps the
     # verdict on "exited 0" free of the machine's load.
-    argv += ["--restart-workers", "2", "--grace-period", "60"]
+    argv += ["--restart-workers", "3", "--grace-period", "60"]
     argv += [str(WORKERS / "coordinator_restart_job.py"), str(tmp_path)]
     env = child_env({"STRATAGEM_JOB_SECRET": "job-secret-of-the-restart-test-0123456789abcdef"})
     result = Process(argv, env, tmp_path, "launcher", merge_output=True).wait(timeout=300)
@@ -270,7 +270,7 @@ def test_a_killed_worker_is_restarted_rejoins_and_takes_work_again(tmp_path):
     assert on_0 == [1.0 + k for k in range(len(on_0))]  # worker 0's iterator went on
     # Killed idle (by the chief, between joins), worker 1 came back as incarnation 3.
     assert r["second_pid"] == new_pid
-    assert "worker 1 failed: killed by signal 9 (SIGKILL); restarting it alone (restart 2 of 2" in (
+    assert "worker 1 failed: killed by signal 9 (SIGKILL); restarting it alone (restart 2 of 3" in (
         output
     )
     third = re.search(r"worker 1 restarted \(incarnation 3\): pid (\d+)", output)
@@ -279,5 +279,13 @@ def test_a_killed_worker_is_restarted_rejoins_and_takes_work_again(tmp_path):
     on_1 = [(v, pid) for _, w, v, pid in r["idle"] if w == 1]
     assert on_1 and all(pid == int(third.group(1)) for _, pid in on_1), (on_1, output)
     assert sorted(v for v, _ in on_1) == [1000.0 + k for k in range(len(on_1))]
-    assert r["completed"] == 14  # 2 reads + 4 + 4 + 4, each counted once
+    # Both killed idle: with no worker left the coordinator waited; both came back (worker 0's
+    # first restart, worker 1's third) and ran the last functions, each on a new process.
+    assert "restarting it alone (restart 3 of 3" in output, output
+    assert re.search(r"\[chief\] worker 0 \(\S+\) restarted \(incarnation 2\); rejoined", output)
+    assert re.search(r"\[chief\] worker 1 \(\S+\) restarted \(incarnation 4\); rejoined", output)
+    assert sorted(i for i, *_ in r["all_lost"]) == [0, 1, 2, 3]
+    assert {w for _, w, _ in r["all_lost"]} == {0, 1}
+    assert not {pid for *_, pid in r["all_lost"]} & {*r["all_killed"], new_pid}
+    assert r["completed"] == 18  # 2 reads + 4 + 4 + 4 + 4, each counted once
     assert "worker 1 exited 0" in output and "ps 0 exited 0" in output, output

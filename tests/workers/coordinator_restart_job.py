@@ -1,11 +1,13 @@
 """A worker restarted alone rejoins a ClusterCoordinator job.
 
-`stratagem run --chief -n 2 --ps 1 --restart-workers 2 coordinator_restart_job.py OUT`
+`stratagem run --chief -n 2 --ps 1 --restart-workers 3 coordinator_restart_job.py OUT`
 
 Worker 1 kills itself (-9) inside a function; the launcher restarts it (incarnation 2); the
 chief reconnects, the new worker remakes the per-worker dataset and iterator, and takes work
 again. Then the chief kills worker 1 (-9) while it is idle, between two joins: the chief
-finds the loss when it next sends it a function, and incarnation 3 takes work again. No step
+finds the loss when it next sends it a function, and incarnation 3 takes work again. Last,
+the chief kills both workers while idle: with no worker left it waits for a restarted one
+(``--restart-workers``) instead of failing, and both come back. No step
 waits on a clock: worker 0 holds each of its functions until worker 1 has done what the step
 is about (a marker file), so a worker that never comes back fails the job with a
 named TimeoutError instead of passing. The chief writes what it saw to OUT/result.json.
@@ -93,6 +95,13 @@ def after_idle_kill(i: int, iterator) -> list:
     return [i, me(), value, os.getpid()]
 
 
+def after_all_lost(i: int) -> list:
+    """After both workers were killed: each new incarnation holds until the other has one."""
+    Path(OUT, f"all-{me()}").touch()
+    wait_for(Path(OUT, f"all-{1 - me()}"), f"worker {1 - me()} to come back too")
+    return [i, me(), os.getpid()]
+
+
 def wait_for_any(folder: Path, pattern: str, why: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not list(folder.glob(pattern)):
@@ -132,12 +141,22 @@ def main() -> None:
     wait_until_dead(second_pid)  # so no function reaches it: it is lost while idle
     idle = [coordinator.schedule(after_idle_kill, args=(i, iterator)) for i in range(4)]
     coordinator.join()
+    # Both workers die idle: the coordinator has none left until the launcher restarts them.
+    all_killed = [strategy.extended.world.pid("worker", w) for w in (0, 1)]
+    for pid in all_killed:
+        os.kill(pid, signal.SIGKILL)
+    for pid in all_killed:
+        wait_until_dead(pid)
+    all_lost = [coordinator.schedule(after_all_lost, args=(i,)) for i in range(4)]
+    coordinator.join()
     result = {
         "reads": coordinator.fetch(reads),
         "killed": coordinator.fetch(killed),
         "after": coordinator.fetch(after),
         "second_pid": second_pid,
         "idle": coordinator.fetch(idle),
+        "all_killed": all_killed,
+        "all_lost": coordinator.fetch(all_lost),
         "completed": coordinator.completed,
         "chief_pid": os.getpid(),
     }

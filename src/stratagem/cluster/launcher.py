@@ -38,6 +38,7 @@ from stratagem.cluster.progress import LEVEL_VARIABLE
 from stratagem.cluster.tasks import (
     CONFLICTING_ENV,
     CONFLICTING_ENV_PREFIXES,
+    RESTART_WORKERS_VARIABLE,
     TASK_TYPES,
     LaunchError,
     Task,
@@ -236,6 +237,10 @@ def run_job(
     counts = {"chief": int(chief), "worker": workers, "ps": ps, "evaluator": int(evaluator)}
     num_tasks = sum(counts.values())
     base_env = dict(os.environ if base_env is None else base_env)
+    # Only this launcher's own setting: the tasks' coordinator waits for restarted workers.
+    base_env.pop(RESTART_WORKERS_VARIABLE, None)
+    if restart_workers:
+        base_env[RESTART_WORKERS_VARIABLE] = str(restart_workers)
     if omp_threads is None and "OMP_NUM_THREADS" not in base_env:
         omp_threads = max(1, usable_cpus() // num_tasks)
     python = python or sys.executable

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import atexit
 import collections
+import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from stratagem.cluster.tasks import restart_workers_of
 from stratagem.comm.messages import Connection
 from stratagem.comm.process_group import Timeouts
 from stratagem.distribute.coordinator import code_refs
@@ -175,6 +178,9 @@ class ClusterCoordinator:
             hello = [program.relative_to(root).as_posix(), code_refs.file_hash(program)]
         self._hello = hello  # said again to a worker that rejoins
         self._incarnations = dict(world.incarnations)  # of the workers connected to
+        # The launcher restarts lost workers (--restart-workers): losing all is not the end.
+        self._expect_rejoin = restart_workers_of(os.environ) > 0
+        self._all_lost_at: float | None = None
         self._workers: list[tuple[int, Connection]] = []
         try:
             for rank in world.ranks("worker"):
@@ -417,12 +423,24 @@ class ClusterCoordinator:
         with self._lock:
             self._workers = [(r, c) for r, c in self._workers if r != rank]
             if not self._workers and not self._closing:
-                self._fail(RuntimeError(f"every worker was lost; the last: {error}"))
+                if self._expect_rejoin:
+                    self._all_lost_at = time.monotonic()
+                else:
+                    self._fail(RuntimeError(f"every worker was lost; the last: {error}"))
             self._lock.notify_all()
             if self._closing:
                 return
+            waiting = self._all_lost_at is not None and not self._workers
         who = self._world.describe(rank)
-        print(f"{error}; the other workers take its work until {who} rejoins", file=sys.stderr)
+        if waiting:
+            patience = Timeouts.from_env().rendezvous
+            print(
+                f"{error}; every worker is lost: waiting up to {patience:g} s for a restarted one "
+                "to rejoin (--restart-workers; STRATAGEM_RENDEZVOUS_TIMEOUT)",
+                file=sys.stderr,
+            )
+        else:
+            print(f"{error}; the other workers take its work until {who} rejoins", file=sys.stderr)
         threading.Thread(
             target=self._await_rejoin,
             args=(rank,),
@@ -440,6 +458,7 @@ class ClusterCoordinator:
             with self._lock:
                 if self._lock.wait_for(lambda: self._closing, timeout=_REJOIN_POLL_S):
                     return
+                self._give_up_when_none_rejoins()
             # ``state`` looks the rank up again once its known process has ended.
             if world.state(rank) != "alive" or world.incarnations[rank] <= known:
                 continue
@@ -477,6 +496,7 @@ class ClusterCoordinator:
                     return
                 self._incarnations[rank] = incarnation
                 self._replayed[rank] = 0
+                self._all_lost_at = None
                 self._workers.append((rank, connection))
                 self._start_dispatch(rank, connection)
                 resources = len(self._resources)
@@ -488,6 +508,22 @@ class ClusterCoordinator:
                 flush=True,
             )
             return
+
+    def _give_up_when_none_rejoins(self) -> None:
+        """Every worker lost, none back within the rendezvous timeout: fail what is queued, as
+        without restarts (the lock is held)."""
+        patience = Timeouts.from_env().rendezvous
+        lost_at = self._all_lost_at
+        if lost_at is None or self._workers or time.monotonic() - lost_at <= patience:
+            return
+        self._all_lost_at = None
+        self._fail(
+            RuntimeError(
+                f"every worker was lost and none rejoined within {patience:g} s "
+                "(STRATAGEM_RENDEZVOUS_TIMEOUT): the launcher's --restart-workers ran out, or "
+                "the restarted workers could not start"
+            )
+        )
 
     def _ask(
         self, rank: int, connection: Connection, method: str, args: list[Any], what: str
