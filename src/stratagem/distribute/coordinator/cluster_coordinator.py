@@ -439,8 +439,10 @@ class ClusterCoordinator:
                 "to rejoin (--restart-workers; STRATAGEM_RENDEZVOUS_TIMEOUT)",
                 file=sys.stderr,
             )
-        else:
+        elif self._expect_rejoin:
             print(f"{error}; the other workers take its work until {who} rejoins", file=sys.stderr)
+        else:  # a worker restarted by hand (STRATAGEM_TASK_INCARNATION) may still rejoin
+            print(f"{error}; the other workers take its work", file=sys.stderr)
         threading.Thread(
             target=self._await_rejoin,
             args=(rank,),
