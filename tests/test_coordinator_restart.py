@@ -73,8 +73,10 @@ def _sign_in(store: dist.Store, liveness_of_1: str) -> None:
     assert roll_call(store, first, timeout_s=5, peer_name=_names, report=print)[1] == first
 
 
-def test_a_restarted_rank_is_accepted_with_the_secret_once_its_process_ended():
-    _, store = _job_store()
+@pytest.mark.parametrize("secret", [True, False], ids=["sealed", "insecure"])
+def test_a_restarted_rank_is_accepted_with_the_secret_once_its_process_ended(secret):
+    # A job run insecure (STRATAGEM_INSECURE=1) has a plain store: the same rules, no seal.
+    store = _job_store()[1] if secret else dist.HashStore()
     _sign_in(store, _ended_address())
     again = _member(1, "127.0.0.1:7", incarnation=2, pid=200)
     members = roll_call(store, again, timeout_s=5, peer_name=_names, report=print)
