@@ -31,6 +31,8 @@ CLUSTER_VARS = (
     "SLURM_PROCID",
     "SLURM_STEP_ID",
     "STRATAGEM_RESTART_COUNT",
+    "STRATAGEM_TASK_INCARNATION",
+    "STRATAGEM_RESTART_WORKERS",
     # The job's secret: a test's job uses this user's own (a local job) unless it gives one.
     "STRATAGEM_JOB_SECRET",
     "STRATAGEM_JOB_SECRET_FILE",

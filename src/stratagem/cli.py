@@ -53,6 +53,7 @@ RUN_OPTIONS_WITH_VALUE = (
     "--workers",
     "--ps",
     "--max-restarts",
+    "--restart-workers",
     "--grace-period",
     "--host",
     "--nnodes",
@@ -77,6 +78,15 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         metavar="R",
         help="restart the whole job up to R times after a failure (default 0)",
+    )
+    parser.add_argument(
+        "--restart-workers",
+        type=int,
+        default=0,
+        metavar="W",
+        help="with --chief and --ps (a ClusterCoordinator's cluster): restart a worker that"
+        " fails alone, up to W times per worker; it rejoins the running job and takes work"
+        " again (default 0)",
     )
     parser.add_argument(
         "--grace-period",
@@ -173,6 +183,7 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
             tolerate_worker_loss=args.tolerate_worker_loss,
             quiet=args.quiet,
             nodes=nodes,
+            restart_workers=args.restart_workers,
         )
     except launcher.LaunchError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import IO, TextIO
 
-from stratagem.cluster.tasks import Task, count_tasks, plural
+from stratagem.cluster.tasks import INCARNATION_VARIABLE, Task, count_tasks, plural
 
 #: Seconds a task gets between SIGTERM and SIGKILL when the launcher stops it.
 KILL_TIMEOUT_S = 5.0
@@ -150,6 +150,7 @@ class _Running:
     exit: tuple[float, int] | None = None  # (time.monotonic(), status), set by the watcher
     status: int | None = None  # as Popen.returncode, once the watch loop has seen the exit
     stopped: bool = False  # the launcher signalled it: its exit is no failure of its own
+    incarnation: int = 1  # 2 and up: the launcher restarted this task alone
 
 
 def _watch_exit(running: _Running) -> None:
@@ -190,10 +191,14 @@ class Job:
         interrupts: Interrupts | None = None,
         kill_timeout: float = KILL_TIMEOUT_S,
         tolerate_worker_loss: bool = False,
+        restart_workers: int = 0,
     ) -> None:
         self.tasks = list(tasks)
         # Asynchronous parameter-server training goes on without a lost worker (not the chief).
         self.tolerate_worker_loss = tolerate_worker_loss
+        # A coordinator's worker that fails is restarted alone, up to this many times each.
+        self.restart_workers = restart_workers
+        self._restarts: dict[str, int] = {}  # task name -> times restarted
         self._lost: list[_Running] = []
         self.target = list(target)
         self.grace_period = grace_period
@@ -214,29 +219,33 @@ class Job:
     def start(self) -> None:
         """Start every task; print ``<task> pid <pid> at <address>`` for each."""
         for task in self.tasks:
-            proc = subprocess.Popen(
-                [self.python, *self.target],
-                env=dict(task.env),
-                stdin=subprocess.DEVNULL,  # N tasks reading one terminal would steal its input
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,  # one pipe keeps the order of stdout and stderr lines
-                start_new_session=True,  # its own process group: pid == pgid
-            )
-            assert proc.stdout is not None
-            reader = threading.Thread(
-                target=_pump,
-                args=(proc.stdout, f"[{task.name}] ", self.console),
-                name=f"stratagem-output-{task.name}",
-                daemon=True,  # an escaped grandchild holding the pipe must not keep us alive
-            )
-            running = _Running(task, proc, reader)
-            running.watcher = threading.Thread(
-                target=_watch_exit, args=(running,), name=f"stratagem-exit-{task.name}", daemon=True
-            )
-            reader.start()
-            running.watcher.start()
+            running = self._spawn(task, dict(task.env))
             self._running.append(running)
-            self.console.log(f"{task.name} pid {proc.pid} at {task.address}")
+            self.console.log(f"{task.name} pid {running.proc.pid} at {task.address}")
+
+    def _spawn(self, task: Task, env: dict[str, str], incarnation: int = 1) -> _Running:
+        proc = subprocess.Popen(
+            [self.python, *self.target],
+            env=env,
+            stdin=subprocess.DEVNULL,  # N tasks reading one terminal would steal its input
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # one pipe keeps the order of stdout and stderr lines
+            start_new_session=True,  # its own process group: pid == pgid
+        )
+        assert proc.stdout is not None
+        reader = threading.Thread(
+            target=_pump,
+            args=(proc.stdout, f"[{task.name}] ", self.console),
+            name=f"stratagem-output-{task.name}",
+            daemon=True,  # an escaped grandchild holding the pipe must not keep us alive
+        )
+        running = _Running(task, proc, reader, incarnation=incarnation)
+        running.watcher = threading.Thread(
+            target=_watch_exit, args=(running,), name=f"stratagem-exit-{task.name}", daemon=True
+        )
+        reader.start()
+        running.watcher.start()
+        return running
 
     def wait(self) -> Outcome | None:
         """Watch the tasks until the attempt is decided; None if the launcher was interrupted.
@@ -249,7 +258,8 @@ class Job:
         outcome: Outcome | None = None
         deadline = math.inf
         while self.interrupts.signum is None:
-            self._collect_exits()
+            # A worker is restarted only while the attempt is undecided: not once the job ends.
+            self._collect_exits(restart=outcome is None)
             if outcome is None:
                 outcome = self._decide()
                 if outcome is not None:
@@ -314,8 +324,10 @@ class Job:
                     " group); not waiting for it"
                 )
 
-    def _collect_exits(self) -> None:
-        """Take in the exits the watchers saw since the last call, in the order they happened."""
+    def _collect_exits(self, *, restart: bool = False) -> None:
+        """Take in the exits the watchers saw since the last call, in the order they happened;
+        with ``restart``, a coordinator's worker that failed is restarted if it may be."""
+        restarting: list[_Running] = []
         exits = []
         for r in self._running:
             seen = r.exit  # read once: a watcher may set it at any moment
@@ -325,6 +337,8 @@ class Job:
             r.status = status
             if r.stopped:
                 self.console.log(f"{r.task.name} stopped: {describe_status(r.status)}")
+            elif r.status != 0 and restart and self._may_restart(r):
+                restarting.append(r)
             elif r.status != 0 and self._may_lose(r):
                 self.console.log(
                     f"{r.task.name} was lost: {describe_status(r.status)}; the job goes on "
@@ -336,6 +350,40 @@ class Job:
                 self._first_failure = self._first_failure or r
             else:
                 self.console.log(f"{r.task.name} exited 0")
+        for r in restarting:
+            self._restart(r)
+
+    def _may_restart(self, r: _Running) -> bool:
+        """Whether a failed task is a coordinator's worker to restart alone: a worker of a job
+        with a chief that still runs (a restart after the chief's end would wait for a
+        rendezvous that is gone), with restarts left."""
+        if r.task.type != "worker" or self._restarts.get(r.task.name, 0) >= self.restart_workers:
+            return False
+        chiefs = [c for c in self._running if c.task.type == "chief"]
+        return bool(chiefs) and all(c.status is None for c in chiefs)
+
+    def _restart(self, r: _Running) -> None:
+        """Start task ``r`` again, alone, as its next incarnation: the same address and
+        TF_CONFIG, so it rejoins the running job under its rank (``comm.rendezvous.reclaim``)."""
+        count = self._restarts[r.task.name] = self._restarts.get(r.task.name, 0) + 1
+        assert r.status is not None
+        self.console.log(
+            f"{r.task.name} failed: {describe_status(r.status)}; restarting it alone "
+            f"(restart {count} of {self.restart_workers}, --restart-workers)"
+        )
+        # What it left behind goes too; then it is reaped, joined, and replaced in the list.
+        _signal_group(r.proc.pid, signal.SIGKILL)
+        r.watcher.join()
+        r.proc.wait()
+        r.reader.join(_READER_JOIN_S)
+        incarnation = r.incarnation + 1
+        env = {**r.task.env, INCARNATION_VARIABLE: str(incarnation)}
+        new = self._spawn(r.task, env, incarnation)
+        self._running[self._running.index(r)] = new
+        self.console.log(
+            f"{r.task.name} restarted (incarnation {incarnation}): pid {new.proc.pid} at "
+            f"{r.task.address}"
+        )
 
     def _decide(self) -> Outcome | None:
         failed = self._first_failure
@@ -343,8 +391,14 @@ class Job:
             assert failed.status is not None
             reason = f"{failed.task.name} failed: {describe_status(failed.status)}"
             return Outcome(exit_code_of(failed.status), reason)
+        # A restarted worker does not hold the job's end: it rejoined a running chief, and it
+        # stops when the chief says goodbye (or ends), within the grace period.
         leaders = [
-            r for r in self._running if r.task.type in ("chief", "worker") and r not in self._lost
+            r
+            for r in self._running
+            if r.task.type in ("chief", "worker")
+            and r not in self._lost
+            and (r.incarnation == 1 or r.status is not None)
         ]
         if all(r.status == 0 for r in leaders):
             lost = f" ({plural(len(self._lost), 'worker')} lost)" if self._lost else ""

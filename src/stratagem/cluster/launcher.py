@@ -38,6 +38,7 @@ from stratagem.cluster.progress import LEVEL_VARIABLE
 from stratagem.cluster.tasks import (
     CONFLICTING_ENV,
     CONFLICTING_ENV_PREFIXES,
+    RESTART_WORKERS_VARIABLE,
     TASK_TYPES,
     LaunchError,
     Task,
@@ -91,10 +92,13 @@ def check_arguments(
     grace_period: float,
     host: str,
     chief: bool = False,
+    restart_workers: int = 0,
 ) -> None:
     """Raise ``LaunchError`` for arguments ``launch`` cannot run; it starts nothing before this.
 
     A job with a chief may have no workers (a chief alone is a job of one, as on Vertex AI).
+    ``restart_workers`` needs a chief and ps tasks: only a ClusterCoordinator's worker can
+    rejoin a running job (a collective group cannot take a member back).
     """
     if workers < (0 if chief else 1):
         if chief:
@@ -104,6 +108,15 @@ def check_arguments(
         raise LaunchError(f"the number of ps tasks must be 0 or more, got {ps}")
     if max_restarts < 0:
         raise LaunchError(f"the number of restarts must be 0 or more, got {max_restarts}")
+    if restart_workers < 0:
+        raise LaunchError(f"the number of worker restarts must be 0 or more, got {restart_workers}")
+    if restart_workers and not (chief and ps):
+        raise LaunchError(
+            f"--restart-workers {restart_workers} restarts a ClusterCoordinator's worker alone, "
+            f"which needs a cluster with a chief and ps tasks (got chief={chief}, ps={ps}): "
+            "a worker of a collective job cannot rejoin it; restart the whole job with "
+            "--max-restarts"
+        )
     if not (math.isfinite(grace_period) and grace_period >= 0):
         raise LaunchError(f"the grace period must be 0 or more seconds, got {grace_period}")
     if not host or any(c.isspace() for c in host):
@@ -141,11 +154,15 @@ def launch(
     tolerate_worker_loss: bool = False,
     quiet: bool = False,
     nodes: Nodes | None = None,
+    restart_workers: int = 0,
 ) -> int:
     """Run ``python *target`` as a local cluster job; return the exit code for the launcher.
 
     With ``tolerate_worker_loss`` (asynchronous parameter-server training), a worker other than
-    the chief that fails is reported as lost and the job goes on without it.
+    the chief that fails is reported as lost and the job goes on without it. With
+    ``restart_workers`` R (a cluster with a chief and ps tasks: a ClusterCoordinator's), a
+    worker that fails while the chief runs is restarted alone, up to R times per worker; it
+    rejoins the running job. A failed chief or ps still ends the attempt (``max_restarts``).
 
     ``target`` is what follows the interpreter: ``["train.py", *args]`` or
     ``["-m", "package.train", *args]``. Returns 0 when the chief and workers exited 0; the
@@ -174,6 +191,7 @@ def launch(
         tolerate_worker_loss=tolerate_worker_loss,
         base_env=base_env,
         nodes=nodes,
+        restart_workers=restart_workers,
     ).exit_code
 
 
@@ -194,6 +212,7 @@ def run_job(
     interrupts: Interrupts | None = None,
     tolerate_worker_loss: bool = False,
     nodes: Nodes | None = None,
+    restart_workers: int = 0,
 ) -> Outcome:
     """``launch``, returning the job's ``Outcome`` (exit code and reason) instead of the code.
 
@@ -211,12 +230,17 @@ def run_job(
         grace_period=grace_period,
         host=host,
         chief=chief,
+        restart_workers=restart_workers,
     )
     if nodes is not None:
         _check_nodes(nodes, ps=ps, evaluator=evaluator, chief=chief, max_restarts=max_restarts)
     counts = {"chief": int(chief), "worker": workers, "ps": ps, "evaluator": int(evaluator)}
     num_tasks = sum(counts.values())
     base_env = dict(os.environ if base_env is None else base_env)
+    # Only this launcher's own setting: the tasks' coordinator waits for restarted workers.
+    base_env.pop(RESTART_WORKERS_VARIABLE, None)
+    if restart_workers:
+        base_env[RESTART_WORKERS_VARIABLE] = str(restart_workers)
     if omp_threads is None and "OMP_NUM_THREADS" not in base_env:
         omp_threads = max(1, usable_cpus() // num_tasks)
     python = python or sys.executable
@@ -263,6 +287,7 @@ def run_job(
                 console=console,
                 interrupts=interrupts,
                 tolerate_worker_loss=tolerate_worker_loss,
+                restart_workers=restart_workers,
             ) as job:
                 try:
                     job.start()

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from stratagem.cluster.job_secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, new_secret
+from stratagem.cluster.resolver import env_int
 from stratagem.errors import StratagemError
 
 #: Task types in the order they are started and listed, named as in TF_CONFIG.
@@ -31,8 +32,15 @@ CONFLICTING_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
     "STRATAGEM_CONFIG",
+    "STRATAGEM_TASK_INCARNATION",  # a task of ours restarted alone: its own tasks start as 1
 )
 CONFLICTING_ENV_PREFIXES = ("TORCHELASTIC_",)
+#: Set by the launcher in a task it restarted alone (2, 3, ...): the task rejoins the running
+#: job under its rank as that incarnation (``comm.rendezvous.reclaim``). Unset: 1.
+INCARNATION_VARIABLE = "STRATAGEM_TASK_INCARNATION"
+#: Set by the launcher in every task of a job whose workers it restarts alone (R of
+#: ``--restart-workers R``): a coordinator that lost every worker waits for one to rejoin.
+RESTART_WORKERS_VARIABLE = "STRATAGEM_RESTART_WORKERS"
 
 
 class LaunchError(StratagemError, ValueError):
@@ -108,6 +116,20 @@ def task_env(
     if omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     return env
+
+
+def task_incarnation(environ: Mapping[str, str]) -> int:
+    """This task's incarnation: 1, or the launcher's count when it restarted the task alone."""
+    value = env_int(environ, INCARNATION_VARIABLE, minimum=1, default=1)
+    assert value is not None
+    return value
+
+
+def restart_workers_of(environ: Mapping[str, str]) -> int:
+    """How many times the launcher restarts each worker alone (0: it does not)."""
+    value = env_int(environ, RESTART_WORKERS_VARIABLE, minimum=0, default=0)
+    assert value is not None
+    return value
 
 
 def _listen_address(host: str) -> str:

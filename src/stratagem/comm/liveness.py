@@ -110,6 +110,19 @@ def probe(address: str, timeout: float) -> PeerState | None:
     return PeerState(status, position)
 
 
+def refuses(address: str, timeout: float = 2.0) -> bool:
+    """Whether nothing listens at a liveness ``address`` any more: the connection is refused,
+    so the process that published it has ended. A silent or unreachable one is not ended."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 def probe_all(addresses: dict[int, str], timeout: float = 1.5) -> dict[int, PeerState | None]:
     """Ask every peer at once; the answer for each rank, None for the lost ones."""
     if not addresses:

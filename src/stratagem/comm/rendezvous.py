@@ -3,6 +3,11 @@
 torch's own rendezvous waits silently and then reports a bare timeout. Here every process
 signs in under its rank with a description of the cluster it believes in, so a missing peer,
 two processes claiming one rank, or two different cluster descriptions are reported by name.
+
+A task the launcher restarted alone (a coordinator cluster's worker, ``--restart-workers``)
+signs in again with a higher ``incarnation``: it takes its rank back only from an incarnation
+whose process has ended (its liveness port refuses), by an atomic swap of its record, in a
+store sealed with the job's secret. A second live claim of a rank is refused as before.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import torch.distributed as dist
 
 from stratagem.cluster import progress
 from stratagem.cluster.address import format_address
+from stratagem.cluster.tasks import INCARNATION_VARIABLE
 from stratagem.comm.binding import bind_address, bind_hint
+from stratagem.comm.liveness import refuses
 from stratagem.comm.sealed_store import sealed
 from stratagem.errors import RendezvousError
 
@@ -60,6 +67,7 @@ class Member:
     pid: int
     host: str
     liveness: str  # host:port of its liveness server
+    incarnation: int = 1  # 2 and up: the launcher restarted this task alone (it rejoins)
 
 
 def listen_socket(host: str, port: int, *, owner: str) -> socket.socket:
@@ -191,6 +199,11 @@ def _decode(raw: bytes, *, key: str, me: str) -> Member:
     return Member(**data)
 
 
+def decode_member(raw: bytes, *, key: str, me: str) -> Member:
+    """A sign-in record read from the rendezvous under ``key``, checked as the roll call does."""
+    return _decode(raw, key=key, me=me)
+
+
 def roll_call(
     store: dist.Store,
     me: Member,
@@ -200,21 +213,29 @@ def roll_call(
     report: Callable[[str], None] = progress.info,
     first_report_s: float = FIRST_REPORT_S,
     report_every_s: float = REPORT_EVERY_S,
+    ended: Callable[[str], bool] = refuses,
 ) -> list[Member]:
     """Sign in and wait for every rank; name the missing, the duplicated and the mismatched.
 
     Returns the members in rank order. Mismatches are reported as soon as both sides have
     signed in, not at the end of the timeout. While some are missing, ``report`` gets a line
     naming who has arrived and who is missing, after ``first_report_s`` and then at most every
-    ``report_every_s``.
+    ``report_every_s``. A restarted task (``me.incarnation`` > 1) takes its rank back first
+    (``reclaim``); ``ended(address)`` says whether a liveness address refuses (its process is
+    gone).
     """
-    claims = store.add(f"claim/{me.rank}", 1)
-    if claims > 1:
-        raise RendezvousError(
-            f"two processes claim {me.name} (rank {me.rank} of {me.world_size}); "
-            f"this one is pid {me.pid} on {me.host}: give each task its own index"
-        )
-    store.set(f"member/{me.rank}", _encode(me))
+    if me.incarnation > 1:
+        reclaim(store, me, ended=ended)
+    else:
+        claims = store.add(f"claim/{me.rank}", 1)
+        if claims > 1:
+            raise RendezvousError(
+                f"two processes claim {me.name} (rank {me.rank} of {me.world_size}); "
+                f"this one is pid {me.pid} on {me.host}: give each task its own index (a "
+                "coordinator's worker restarted by hand after its process ended says so with "
+                f"{INCARNATION_VARIABLE}=2, 3, ...)"
+            )
+        store.set(f"member/{me.rank}", _encode(me))
     deadline = time.monotonic() + timeout_s
     reporter = _Reporter(report, first_report_s, report_every_s)
     seen: dict[int, Member] = {me.rank: me}
@@ -240,6 +261,47 @@ def roll_call(
             )
         reporter.maybe(lambda waited: _progress_line(me, seen, waited, timeout_s, peer_name))
         time.sleep(_POLL_S)
+
+
+def reclaim(store: dist.Store, me: Member, *, ended: Callable[[str], bool] = refuses) -> Member:
+    """A restarted task takes its rank back: the earlier incarnation's record, replaced.
+
+    Refused (``RendezvousError``) when no earlier incarnation signed in (a restart joins a
+    running job only), when the record already holds this incarnation or a later one (two
+    restarts of one task), when the earlier process still answers at its liveness address (a
+    duplicate live claim), or when another process swapped the record first. The swap is one
+    ``compare_set``: of two racing restarts, one wins. In a job with a secret the store is
+    sealed, so only a process holding the secret can read the record or write one that others
+    accept. Returns the earlier incarnation's record.
+    """
+    key = f"member/{me.rank}"
+    what = f"{me.name} (pid {me.pid} on {me.host}, restarted as incarnation {me.incarnation})"
+    if not store.check([key]):
+        raise RendezvousError(
+            f"{what} finds no earlier incarnation of rank {me.rank} in the rendezvous: a task "
+            "restarted alone rejoins a running job, whose other tasks are still there"
+        )
+    raw = bytes(store.get(key))
+    previous = _decode(raw, key=key, me=me.name)
+    _check_agreement(me, previous)
+    if previous.incarnation >= me.incarnation:
+        raise RendezvousError(
+            f"two processes claim {me.name} as incarnation {me.incarnation}: {what}, and "
+            f"incarnation {previous.incarnation} (pid {previous.pid} on {previous.host}) "
+            "signed in already; restart a task once"
+        )
+    if not ended(previous.liveness):
+        raise RendezvousError(
+            f"{what} claims rank {me.rank}, but its incarnation {previous.incarnation} (pid "
+            f"{previous.pid} on {previous.host}) still answers at {previous.liveness}: a task "
+            "is restarted only after its process ended"
+        )
+    mine = _encode(me).encode("utf-8")
+    if bytes(store.compare_set(key, raw, mine)) != mine:
+        raise RendezvousError(
+            f"{what} lost the race for rank {me.rank}: another process re-claimed it first"
+        )
+    return previous
 
 
 def _progress_line(

@@ -13,6 +13,12 @@ task can tell a peer that is gone (its port refuses: the process ended) from one
 on that: a worker tells each ps it is done and waits for the answer, which each ps gives once
 every worker is done or found gone; a wait on a peer that stopped answering ends after the
 operation timeout, naming it.
+
+In a cluster with a chief, a worker the launcher restarted alone rejoins (``--restart-workers``):
+it signs in again under its rank with a higher incarnation (``rendezvous.reclaim``). Every
+member's view follows: a worker seen as ended is looked up again in the rendezvous (hosted by
+the chief, rank 0), and when a newer incarnation signed in, its liveness address replaces the
+old one, so the rank is alive again (``refresh``).
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ import torch.distributed as dist
 from stratagem.cluster import ClusterResolver
 from stratagem.cluster.address import parse_address
 from stratagem.cluster.job_secret import job_secret, task_hosts
+from stratagem.cluster.tasks import task_incarnation
 from stratagem.comm import error_report
 from stratagem.comm.liveness import LivenessServer, advertised_host
 from stratagem.comm.messages import MessageServer
-from stratagem.comm.rendezvous import Member, open_store, roll_call
+from stratagem.comm.rendezvous import Member, decode_member, open_store, roll_call
 from stratagem.errors import RendezvousError
 
 RPC_TASK_TYPES = ("chief", "worker", "ps", "evaluator")
@@ -87,7 +94,17 @@ class RpcWorld:
         store = dist.PrefixStore(f"stratagem-rpc/{resolver.attempt}/", base)
         cluster = json.dumps({j: spec.num_tasks(j) for j in sorted(spec.jobs)}, sort_keys=True)
         self._liveness = LivenessServer(advertised_host(host))
-        member = Member(
+        # Only a coordinator's workers come back alone: they hold no state the job shares (the
+        # chief replays their datasets); a ps or the chief restarts with the whole job.
+        self._rejoinable = set(self.ranks("worker")) if "chief" in spec.jobs else set()
+        incarnation = task_incarnation(os.environ)
+        if incarnation > 1 and self.rank not in self._rejoinable:
+            raise RendezvousError(
+                f"{self.describe(self.rank)} was restarted alone (incarnation {incarnation}), "
+                "but only a worker of a cluster with a chief (a ClusterCoordinator's) can rejoin "
+                "a running job; restart the whole job instead (--max-restarts)"
+            )
+        self.me = Member(
             rank=self.rank,
             world_size=self.world_size,
             name=self.describe(self.rank),
@@ -95,11 +112,15 @@ class RpcWorld:
             pid=os.getpid(),
             host=socket.gethostname(),
             liveness=self._liveness.address,
+            incarnation=incarnation,
         )
-        everyone = roll_call(store, member, timeout_s=rendezvous_timeout, peer_name=self.describe)
+        everyone = roll_call(store, self.me, timeout_s=rendezvous_timeout, peer_name=self.describe)
         self.liveness = {m.rank: m.liveness for m in everyone}
         self.pids = {m.rank: m.pid for m in everyone}
+        self.incarnations = {m.rank: m.incarnation for m in everyone}
         self._base = base  # the rank-0 store lives until this process leaves
+        self._store = store
+        self._store_lock = threading.Lock()
         self._running = True
 
     def describe(self, rank: int) -> str:
@@ -135,8 +156,37 @@ class RpcWorld:
 
     def state(self, rank: int) -> str:
         """``"alive"`` (its liveness server answers), ``"ended"`` (its port refuses: the
-        process is gone) or ``"silent"`` (it accepts but does not answer: stopped or stuck)."""
-        return _state(self.liveness[rank])
+        process is gone) or ``"silent"`` (it accepts but does not answer: stopped or stuck).
+        A worker that ended is looked up again: restarted, it is alive again (``refresh``)."""
+        state = _state(self.liveness[rank])
+        if state == "ended" and self.refresh(rank):
+            state = _state(self.liveness[rank])
+        return state
+
+    def refresh(self, rank: int) -> bool:
+        """Whether a newer incarnation of member ``rank`` signed in (a worker the launcher
+        restarted alone); if so, this view now holds its liveness address and pid.
+
+        The record is read from the rendezvous, which the chief (rank 0) hosts: a member other
+        than the chief reads it only while the chief answers, as a store whose host is gone
+        makes c10d wait and print a C++ trace."""
+        if rank not in self._rejoinable or not self._running:
+            return False
+        if self.rank != 0 and _state(self.liveness[0]) == "ended":
+            return False
+        key = f"member/{rank}"
+        try:
+            with self._store_lock:
+                raw = bytes(self._store.get(key))
+        except (RuntimeError, RendezvousError):  # the store went away meanwhile
+            return False
+        record = decode_member(raw, key=key, me=self.name)
+        if record.rank != rank or record.incarnation <= self.incarnations[rank]:
+            return False
+        self.liveness[rank] = record.liveness
+        self.pids[rank] = record.pid
+        self.incarnations[rank] = record.incarnation
+        return True
 
     def has_ended(self, rank: int) -> bool:
         """Whether member ``rank``'s process has ended (its liveness server refuses)."""

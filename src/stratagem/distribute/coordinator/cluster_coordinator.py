@@ -17,25 +17,36 @@ TF2's parameter-server training: the chief (the coordinator) runs the training l
    next ``schedule`` raise it once (then it is cleared). ``fetch`` of the failed function's
    value raises it; of a cancelled one, a ``CancelledError``.
 5. A worker whose connection is lost (its process ended) gives its in-flight function back to
-   the queue: another worker runs it, and its value is set once.
+   the queue: another worker runs it, and its value is set once. When the launcher restarts
+   that worker (``stratagem run --restart-workers``), its new incarnation signs in again
+   (``comm.rendezvous.reclaim``); the coordinator sees it in the rendezvous, connects, has it
+   replay the per-worker resources from the start of the log, and dispatches to it again.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import os
+import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from stratagem.cluster.tasks import restart_workers_of
 from stratagem.comm.messages import Connection
 from stratagem.comm.process_group import Timeouts
 from stratagem.distribute.coordinator import code_refs
 from stratagem.distribute.machinery import scope_hooks
 from stratagem.errors import PeerLostError
+
+# How often the coordinator looks for a lost worker's next incarnation (a store read and a
+# liveness probe, both on this machine's chief: cheap).
+_REJOIN_POLL_S = 0.25
 
 
 class CancelledError(RuntimeError):
@@ -181,6 +192,11 @@ class ClusterCoordinator:
         if program is not None:
             hello = [program.relative_to(root).as_posix(), code_refs.file_hash(program)]
         hello.append(strategy.extended.client.rule.compression)
+        self._hello = hello  # said again to a worker that rejoins
+        self._incarnations = dict(world.incarnations)  # of the workers connected to
+        # The launcher restarts lost workers (--restart-workers): losing all is not the end.
+        self._expect_rejoin = restart_workers_of(os.environ) > 0
+        self._all_lost_at: float | None = None
         self._workers: list[tuple[int, Connection]] = []
         try:
             for rank in world.ranks("worker"):
@@ -197,12 +213,9 @@ class ClusterCoordinator:
             for _, connection in self._workers:
                 connection.close()
             raise
-        self._threads = [
-            threading.Thread(target=self._dispatch, args=(rank, c), daemon=True)
-            for rank, c in self._workers
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._threads: list[threading.Thread] = []
+        for rank, connection in self._workers:
+            self._start_dispatch(rank, connection)
         atexit.register(self.shutdown)
         strategy.cluster_coordinator = self
 
@@ -357,6 +370,12 @@ class ClusterCoordinator:
             )
         self._lock.notify_all()
 
+    def _start_dispatch(self, rank: int, connection: Connection) -> None:
+        """Start worker ``rank``'s dispatch thread (at the start, and when it rejoins)."""
+        thread = threading.Thread(target=self._dispatch, args=(rank, connection), daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
     def _dispatch(self, rank: int, connection: Connection) -> None:
         replayed = 0  # the per-worker resources this worker has made
         while True:
@@ -456,8 +475,109 @@ class ClusterCoordinator:
         with self._lock:
             self._workers = [(r, c) for r, c in self._workers if r != rank]
             if not self._workers and not self._closing:
-                self._fail(RuntimeError(f"every worker was lost; the last: {error}"))
+                if self._expect_rejoin:
+                    self._all_lost_at = time.monotonic()
+                else:
+                    self._fail(RuntimeError(f"every worker was lost; the last: {error}"))
             self._lock.notify_all()
+            if self._closing:
+                return
+            waiting = self._all_lost_at is not None and not self._workers
+        who = self._world.describe(rank)
+        if waiting:
+            patience = Timeouts.from_env().rendezvous
+            print(
+                f"{error}; every worker is lost: waiting up to {patience:g} s for a restarted one "
+                "to rejoin (--restart-workers; STRATAGEM_RENDEZVOUS_TIMEOUT)",
+                file=sys.stderr,
+            )
+        elif self._expect_rejoin:
+            print(f"{error}; the other workers take its work until {who} rejoins", file=sys.stderr)
+        else:  # a worker restarted by hand (STRATAGEM_TASK_INCARNATION) may still rejoin
+            print(f"{error}; the other workers take its work", file=sys.stderr)
+        threading.Thread(
+            target=self._await_rejoin,
+            args=(rank,),
+            name=f"stratagem-rejoin-{rank}",
+            daemon=True,
+        ).start()
+
+    def _await_rejoin(self, rank: int) -> None:
+        """Wait for a newer incarnation of lost worker ``rank`` (restarted by the launcher);
+        connect to it, and give it a dispatch thread that replays the per-worker resources
+        from the start of the log before its first function. Ends at shutdown."""
+        world = self._world
+        known = self._incarnations.get(rank, 1)
+        while True:
+            with self._lock:
+                if self._lock.wait_for(lambda: self._closing, timeout=_REJOIN_POLL_S):
+                    return
+                self._give_up_when_none_rejoins()
+            # ``state`` looks the rank up again once its known process has ended.
+            if world.state(rank) != "alive" or world.incarnations[rank] <= known:
+                continue
+            incarnation = world.incarnations[rank]
+            try:
+                connection = Connection(
+                    world.address(rank),
+                    me=world.name,
+                    peer=world.describe(rank),
+                    secret=world.secret,
+                    timeout=Timeouts.from_env().operation,
+                )
+            except PeerLostError:
+                known = incarnation  # it ended again before we met: wait for the next one
+                continue
+            try:
+                self._ask(rank, connection, "hello", self._hello, "the coordinator's hello")
+            except PeerLostError:
+                connection.close()
+                known = incarnation
+                continue
+            except Exception as e:  # another program, or it answered outside the protocol
+                connection.close()
+                with self._lock:
+                    self._fail(
+                        RuntimeError(
+                            f"{world.describe(rank)} rejoined (incarnation {incarnation}) but "
+                            f"cannot serve this coordinator: {e}"
+                        )
+                    )
+                return
+            with self._lock:
+                if self._closing:
+                    connection.close()
+                    return
+                self._incarnations[rank] = incarnation
+                self._replayed[rank] = 0
+                self._all_lost_at = None
+                self._workers.append((rank, connection))
+                self._start_dispatch(rank, connection)
+                resources = len(self._resources)
+                self._lock.notify_all()
+            print(
+                f"{world.describe(rank)} restarted (incarnation {incarnation}); rejoined the "
+                f"coordinator (it remakes {resources} per-worker resources, then takes work)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+
+    def _give_up_when_none_rejoins(self) -> None:
+        """Every worker lost, none back within the rendezvous timeout: fail what is queued, as
+        without restarts (the lock is held)."""
+        patience = Timeouts.from_env().rendezvous
+        lost_at = self._all_lost_at
+        if lost_at is None or self._workers or time.monotonic() - lost_at <= patience:
+            return
+        self._all_lost_at = None
+        self._fail(
+            RuntimeError(
+                f"every worker was lost and none rejoined within {patience:g} s "
+                "(STRATAGEM_RENDEZVOUS_TIMEOUT): the launcher's --restart-workers ran out, or "
+                "the restarted workers could not start"
+            )
+        )
 
     def _ask(
         self, rank: int, connection: Connection, method: str, args: list[Any], what: str
