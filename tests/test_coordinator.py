@@ -90,14 +90,15 @@ def test_the_code_hash_is_the_same_in_another_process_with_other_string_hashing(
     program = (
         "from __future__ import annotations\nimport hashlib, types\nfrom pathlib import Path\n"
     )
-    program += inspect.getsource(code_refs.hash_into) + inspect.getsource(code_refs.code_hash)
+    program += inspect.getsource(code_refs.hash_into)
+    program += inspect.getsource(code_refs.compute_code_hash)
     program += (
         f"top = compile(Path({str(HERE / 'test_coordinator.py')!r}).read_bytes(), 'x', 'exec')\n"
         "def walk(c):\n"
         "    yield c\n"
         "    for k in c.co_consts:\n"
         "        if hasattr(k, 'co_code'): yield from walk(k)\n"
-        f"print(next(code_hash(c) for c in walk(top) if c.co_firstlineno == {line}))\n"
+        f"print(next(compute_code_hash(c) for c in walk(top) if c.co_firstlineno == {line}))\n"
     )
     for seed in ("1", "2"):
         out = subprocess.run(

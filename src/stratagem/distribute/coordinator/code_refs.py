@@ -161,11 +161,16 @@ def code_hash(code: types.CodeType) -> str:
     known = _code_facts.get(id(code))
     if known is not None and known[0] is code and known[1] is not None:
         return known[1]
-    h = hashlib.sha256()
-    hash_into(h, code)
-    digest = h.hexdigest()
+    digest = compute_code_hash(code)
     _code_facts[id(code)] = (code, digest, known[2] if known else None)
     return digest
+
+
+def compute_code_hash(code: types.CodeType) -> str:
+    """``code_hash`` computed afresh."""
+    h = hashlib.sha256()
+    hash_into(h, code)
+    return h.hexdigest()
 
 
 def hash_into(h: Any, value: Any) -> None:
