@@ -139,10 +139,15 @@ def test_one_worker_in_order_trains_exactly_as_one_process(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_worker_killed_mid_step_loses_no_function_and_training_completes(tmp_path):
-    result = _job(tmp_path, "kill", workers=2, tolerate=True)
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_a_worker_killed_or_stopped_mid_step_loses_no_function_and_training_completes(
+    tmp_path, fault
+):
+    # A stopped worker sends no note: the chief gives up on it after the operation timeout.
+    result = _job(tmp_path, fault, workers=2, tolerate=True, env={"STRATAGEM_OP_TIMEOUT": "3"})
     assert result["killed"]
-    # 90 steps, each completed once; worker 1 ran 4 before it died in its 5th, which ran again.
+    # 90 steps, each completed once; worker 1 ran 4 before it died (or stopped) in its 5th,
+    # which ran again on worker 0.
     assert result["completed"] == 90 and len(result["ran_on"]) == 90
     assert result["ran_on"].count(1) == 4
     assert result["test_count"] == 360 and result["test_accuracy"] >= 0.9
@@ -161,11 +166,15 @@ def test_tfs_parameter_server_tutorial_ported_reaches_its_accuracy(tmp_path):
     assert "Epoch 8/8" in output and (tmp_path / "work" / "ckpt").is_dir()
 
 
-def _job(tmp_path: Path, mode: str, *, workers: int, tolerate: bool = False) -> dict:
+def _job(
+    tmp_path: Path, mode: str, *, workers: int, tolerate: bool = False, env: dict | None = None
+) -> dict:
     argv = [sys.executable, "-m", "stratagem.cli", "run", "--chief", "-n", str(workers)]
     argv += ["--ps", "1", *(["--tolerate-worker-loss"] if tolerate else [])]
     argv += [str(WORKERS / "coordinator_training.py"), str(tmp_path), mode]
-    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=300)
+    result = Process(argv, child_env(env), tmp_path, "launcher", merge_output=True).wait(
+        timeout=300
+    )
     assert result.returncode == 0, result.stdout
     assert f"coordinator training {mode} done" in result.stdout, result.stdout
     return json.loads((tmp_path / "result.json").read_text())

@@ -42,7 +42,7 @@ from stratagem.comm.messages import Connection
 from stratagem.comm.process_group import Timeouts
 from stratagem.distribute.coordinator import code_refs
 from stratagem.distribute.machinery import scope_hooks
-from stratagem.errors import PeerLostError
+from stratagem.errors import CollectiveTimeoutError, PeerLostError
 
 # How often the coordinator looks for a lost worker's next incarnation (a store read and a
 # liveness probe, both on this machine's chief: cheap).
@@ -436,15 +436,19 @@ class ClusterCoordinator:
             outcome = self._ask(
                 rank, connection, "run", closure.call, f"the function {closure.name}"
             )
-        except PeerLostError as e:
+        except (PeerLostError, CollectiveTimeoutError) as e:
+            # Ended, or stopped answering (stopped or stuck: no note for the operation
+            # timeout): as TF's, another worker runs the function. A stuck worker that comes
+            # back may still push what it computed, as in TF; its value is not taken (the
+            # connection is closed), and the function's value is set once.
+            connection.close()
             with self._lock:
                 self._inflight -= 1
-                self._queue.appendleft(closure)  # another worker runs it
+                self._queue.appendleft(closure)
                 self._lock.notify_all()
             self._lost(rank, e)
             return False
-        except Exception as e:  # stuck (timed out), or it answered outside the protocol
-            # Not run again elsewhere: a stuck worker may still finish it.
+        except Exception as e:  # it answered outside the protocol
             connection.close()
             error = RuntimeError(f"{closure.name} on {self._world.describe(rank)} failed: {e}")
             with self._lock:
