@@ -154,6 +154,25 @@ def test_a_worker_killed_or_stopped_mid_step_loses_no_function_and_training_comp
 
 
 @pytest.mark.multiprocess
+def test_a_lost_ps_stops_the_job_and_the_restarted_job_resumes_from_the_chiefs_checkpoint(
+    tmp_path,
+):
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "--chief", "-n", "1", "--ps", "1"]
+    argv += ["--max-restarts", "1", str(WORKERS / "coordinator_training.py"), str(tmp_path)]
+    process = Process([*argv, "lostps"], child_env(), tmp_path, "launcher", merge_output=True)
+    result = process.wait(timeout=300)
+    output = result.stdout
+    assert result.returncode == 0, output
+    first, _, second = output.partition("restarting the job")
+    assert "ps 0 (localhost:" in first and "PeerLostError" in first, output
+    assert "[chief] restored step 10" in second, output
+    # Resumed with the ps's values and momentum from the checkpoint: the weights of 20
+    # uninterrupted steps.
+    for got, want in json.loads((tmp_path / "result.json").read_text())["weights"]:
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.multiprocess
 def test_tfs_parameter_server_tutorial_ported_reaches_its_accuracy(tmp_path):
     argv = [sys.executable, "-m", "stratagem.cli", "run", "--chief", "-n", "2", "--ps", "1"]
     argv += [str(EXAMPLE), "--working-dir", str(tmp_path / "work")]

@@ -118,7 +118,54 @@ def worker_dataset():
 
 
 result: dict = {}
-if MODE == "same":
+if MODE == "lostps":
+    # The chief checkpoints at step 10 and, in the launcher's first attempt, kills the ps: the
+    # next step fails naming it, the job restarts, and the chief resumes from the checkpoint
+    # (the ps gets the values and the momentum back) to step 20.
+    torch.manual_seed(5)
+    with strategy.scope():
+        small = torch.nn.Sequential(
+            torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10)
+        )
+        small_optimizer = torch.optim.SGD(small.parameters(), lr=0.1, momentum=0.9)
+    reference = torch.nn.Sequential(
+        torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10)
+    )
+    reference.load_state_dict(small.state_dict())
+    step_count = torch.tensor(0)
+    checkpoint = sg.train.Checkpoint(model=small, optimizer=small_optimizer, step=step_count)
+    manager = sg.train.CheckpointManager(checkpoint, OUT / "ckpt", max_to_keep=1)
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint)
+        print(f"restored step {int(step_count)}", flush=True)
+    order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(2))
+    batches = [order[i * 32 : (i + 1) * 32] for i in range(20)]
+
+    def small_step(x, y):
+        small_optimizer.zero_grad()
+        loss_fn(y, small(x)).backward()
+        small_optimizer.step()
+
+    first_attempt = os.environ.get("STRATAGEM_RESTART_COUNT") == "0"
+    while int(step_count) < 20:
+        coordinator.schedule(
+            small_step, args=(x_train[batches[int(step_count)]], y_train[batches[int(step_count)]])
+        )
+        coordinator.join()
+        step_count += 1
+        if int(step_count) == 10 and first_attempt:
+            manager.save()
+            os.kill(strategy.extended.world.pid("ps", 0), signal.SIGKILL)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for b in batches:
+        ref_optimizer.zero_grad()
+        loss_fn(y_train[b], reference(x_train[b])).backward()
+        ref_optimizer.step()
+    strategy.pull()
+    result["weights"] = [
+        [p.tolist(), q.tolist()] for p, q in zip(small.parameters(), reference.parameters())
+    ]
+elif MODE == "same":
     reference = Net()
     reference.load_state_dict(model.state_dict())
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
