@@ -114,8 +114,20 @@ def test_evaluates_each_new_checkpoint_once_in_order_and_stops_at_the_last(
     recorder = Recorder(lambda: publish(staged, directory, pending.pop(0)) if pending else None)
     # data: an (x, y) pair of arrays, as model.evaluate takes it. Were the evaluator to wait
     # on after ckpt-3 (the last, by max_evaluations), its timeout would fail the test.
+    export = sg.keras.callbacks.SidecarEvaluatorModelExport(
+        export_filepath=str(tmp_path / "best" / "best-{epoch:02d}"),
+        checkpoint_filepath=str(directory / "ckpt-{epoch}"),
+        monitor="loss",
+        mode="min",
+        save_weights_only=True,
+    )
     evaluator = sg.keras.utils.SidecarEvaluator(
-        make_model(seed=7), test, directory, max_evaluations=3, callbacks=[recorder], timeout=60
+        make_model(seed=7),
+        test,
+        directory,
+        max_evaluations=3,
+        callbacks=[recorder, export],
+        timeout=60,
     )
     evaluator.start()
 
@@ -131,6 +143,17 @@ def test_evaluates_each_new_checkpoint_once_in_order_and_stops_at_the_last(
     for e in evaluator.evaluations:
         assert e.logs == pytest.approx(evaluate_checkpoint(e.path, test), abs=1e-6)
     assert len({e.logs["loss"] for e in evaluator.evaluations}) == 3  # they did differ
+    # SidecarEvaluatorModelExport kept each evaluation that lowered the loss, under its epoch.
+    best, improved = float("inf"), []
+    for e in evaluator.evaluations:
+        if e.logs["loss"] < best:
+            best = e.logs["loss"]
+            improved.append(e)
+    assert sorted(os.listdir(tmp_path / "best")) == sorted(
+        ["checkpoint"] + [f"best-{e.number:02d}" for e in improved]
+    )
+    kept = evaluate_checkpoint(str(tmp_path / "best" / f"best-{improved[-1].number:02d}"), test)
+    assert kept == pytest.approx(improved[-1].logs, abs=1e-6)
     out = capsys.readouterr().out
     assert "ckpt-3 step 18: loss: " in out and "last checkpoint evaluated; stopping" in out
 

@@ -23,6 +23,7 @@ import torch
 
 from stratagem.errors import CheckpointError
 from stratagem.keras.callbacks.callback import Callback, format_logs
+from stratagem.keras.callbacks.sidecar_evaluator_model_export import SidecarEvaluatorModelExport
 from stratagem.keras.model import Model
 from stratagem.train.checkpoints_iterator import checkpoints_iterator
 from stratagem.train.manifest import DamagedSaveError
@@ -138,6 +139,9 @@ class SidecarEvaluator:
                 )
                 continue
             print(f"SidecarEvaluator: evaluating {path} (step {_or_unknown(step)})", flush=True)
+            for callback in self.callbacks:
+                if isinstance(callback, SidecarEvaluatorModelExport):
+                    callback.set_evaluated_checkpoint(path)  # its {epoch}, without a race
             logs = self.model.evaluate(
                 self.data, steps=self.steps, callbacks=self.callbacks, verbose=0, return_dict=True
             )

@@ -110,28 +110,19 @@ def checkpoints_iterator(
 
 
 def _snapshot(directory: str) -> tuple[object, ...]:
-    """What changes when a checkpoint is published, replaced, damaged or indexed: the names and
-    modification times of the directory's entries and of the files of each."""
+    """What changes when a checkpoint is published (renamed in whole: a new name, or a new
+    directory under the old one), deleted, or indexed: the entries' names and mtimes."""
     try:
         with os.scandir(directory) as entries:
             seen = []
             for entry in entries:
                 try:
-                    seen.append((entry.name, entry.stat().st_mtime_ns, _files_of(entry)))
+                    seen.append((entry.name, entry.stat().st_mtime_ns, entry.inode()))
                 except OSError:
-                    seen.append((entry.name, None, ()))
+                    seen.append((entry.name, None, None))
     except OSError:
         return ()
     return tuple(sorted(seen, key=lambda e: e[0]))
-
-
-def _files_of(entry: os.DirEntry[str]) -> tuple[tuple[str, int, int], ...]:
-    if entry.name.startswith(".") or not entry.is_dir():
-        return ()
-    with os.scandir(entry.path) as files:
-        return tuple(
-            sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
-        )
 
 
 def _latest(directory: str, reported: set[str]) -> str | None:
