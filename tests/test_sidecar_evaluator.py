@@ -228,6 +228,34 @@ def test_half_written_and_damaged_checkpoints_are_never_read(digits, staged, tmp
     assert ".ckpt-2.tmp" not in out
 
 
+def test_a_checkpoint_deleted_before_it_is_read_is_skipped(
+    digits, staged, tmp_path, capsys, monkeypatch
+):
+    # The training's max_to_keep=1 deletes ckpt-2 (saving ckpt-3) between the evaluator
+    # finding it and reading it: skipped with a message, as TF retries on read errors.
+    from stratagem.keras import sidecar_evaluator
+
+    _, test = digits
+    directory = tmp_path / "ckpts"
+    publish(staged, directory, 2)
+    real = sidecar_evaluator.read_checkpoint
+
+    def read_after_the_training_moved_on(path):
+        if path.endswith("ckpt-2"):
+            publish(staged, directory, 3)
+            shutil.rmtree(path)
+        return real(path)
+
+    monkeypatch.setattr(sidecar_evaluator, "read_checkpoint", read_after_the_training_moved_on)
+    evaluator = sg.keras.utils.SidecarEvaluator(
+        make_model(), test, directory, max_evaluations=3, timeout=60
+    )
+    evaluator.start()
+    assert [e.number for e in evaluator.evaluations] == [3]
+    out = capsys.readouterr().out
+    assert f"cannot load the checkpoint at {directory / 'ckpt-2'} (no checkpoint at" in out
+
+
 def test_checkpoints_of_another_model_or_without_one_are_named_errors(digits, staged, tmp_path):
     _, test = digits
     publish(staged, tmp_path / "ckpts", 1)
