@@ -158,7 +158,9 @@ class SidecarEvaluator:
 
     def _restore(self, path: str) -> int | None:
         """Load the model's weights from ``path``; return the training step it records."""
-        _, state = read_checkpoint(path)
+        meta, state = read_checkpoint(path)
+        if meta.get("sharded"):  # laid-out weights (DCP's files): load_weights reshards them
+            state = {"model": None}
         if not isinstance(state, Mapping) or "model" not in state:
             held = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise CheckpointError(
