@@ -3,6 +3,7 @@ optimizers by Keras name."""
 
 from stratagem.keras import (
     callbacks,
+    experimental,
     losses,
     metrics,
     mixed_precision,
@@ -18,6 +19,7 @@ from stratagem.recompute import recompute_grad as remat
 __all__ = [
     "Model",
     "callbacks",
+    "experimental",
     "losses",
     "metrics",
     "mixed_precision",

@@ -15,6 +15,7 @@ update equals one device training on the whole global batch.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import warnings
@@ -567,42 +568,78 @@ class Model(Portable):
         batch_size: int | None = None,
         verbose: int | str = "auto",
         return_dict: bool = False,
+        steps: int | None = None,
+        callbacks: Iterable[callbacks_module.Callback] | None = None,
     ) -> Any:
-        """``[loss, *metrics]`` over the data (the loss alone without metrics), as Keras."""
+        """``[loss, *metrics]`` over the data (the loss alone without metrics), as Keras; at
+        most ``steps`` batches (None: until the data ends); ``callbacks`` get Keras's
+        ``on_test_*`` hooks."""
         self._require_compiled("evaluate")
-        logs = self._evaluate_logs((x, y) if y is not None else x, batch_size, verbose)
+        if steps is not None:
+            _check_count("steps", steps, minimum=1)
+        cbs = callbacks_module.CallbackList(
+            callbacks or [], self, {"epochs": 1, "steps": steps, "verbose": _verbosity(verbose)}
+        )
+        data = (x, y) if y is not None else x
+        logs = self._evaluate_logs(data, batch_size, verbose, steps=steps, cbs=cbs)
         if return_dict:
             return logs
         values = [logs[name] for name in self.metrics_names]
         return values[0] if len(values) == 1 else values
 
-    def _evaluate_logs(self, data: Any, batch_size: int | None, verbose: int | str) -> Logs:
+    def _evaluate_logs(
+        self, data: Any, batch_size: int | None, verbose: int | str, *,
+        steps: int | None = None, cbs: callbacks_module.CallbackList | None = None,
+    ) -> Logs:  # fmt: skip
         x, y = _split_xy(data)
         batches, _ = global_batches(x, y, batch_size, what="evaluate")
+        if steps is not None:
+            batches = _FirstBatches(batches, steps)
         strategy = self.distribute_strategy
         _set_training(self.module, False)
         self._reset_metrics()
+        # Running metrics for on_test_batch_end only where a callback reads them (each is a
+        # collective under MultiWorkerMirroredStrategy).
+        batch_logs = cbs is not None and any(
+            type(cb).on_test_batch_end is not callbacks_module.Callback.on_test_batch_end
+            for cb in cbs.callbacks
+        )
+        if cbs is not None:
+            cbs.on_test_begin()
         count = 0
         coordinator = coordinated.coordinator_for(strategy)
         if coordinator is not None:
             # Each batch goes with its function: every one is evaluated once, on a free worker.
+            # As fit's: batch hooks once per function, without logs (they would wait for it).
             group: list[Any] = []
             for batch in batches:
+                if not group and cbs is not None:
+                    cbs.on_test_batch_begin(count)
                 group.append(batch)
                 count += 1
                 if len(group) == self.steps_per_execution:
                     coordinator.schedule(coordinated.test_batches, args=(self, group))
                     group = []
+                    if cbs is not None:
+                        cbs.on_test_batch_end(count - 1, {})
             if group:
                 coordinator.schedule(coordinated.test_batches, args=(self, group))
+                if cbs is not None:
+                    cbs.on_test_batch_end(count - 1, {})
             coordinator.join()
         else:
             for batch in strategy.experimental_distribute_dataset(batches):
+                if cbs is not None:
+                    cbs.on_test_batch_begin(count)
                 self._test_batch(batch)
+                if cbs is not None:
+                    cbs.on_test_batch_end(count, self._logs() if batch_logs else {})
                 count += 1
         if count == 0:
             raise ValueError("evaluate found no batch: the data is empty")
         logs = self._logs()
+        if cbs is not None:
+            cbs.on_test_end(logs)
         if _verbosity(verbose) and strategy.extended.should_save_summary:
             print(callbacks_module.format_logs(logs), flush=True)
         return logs
@@ -733,6 +770,17 @@ def _split_xy(data: Any) -> tuple[Any, Any]:
 
 def _is_array(value: Any) -> bool:
     return isinstance(value, torch.Tensor | np.ndarray)
+
+
+class _FirstBatches:
+    """The first ``steps`` batches of ``batches`` (evaluate's ``steps``), re-iterable as the
+    data is: each ``iter()`` starts a new pass."""
+
+    def __init__(self, batches: Iterable[Any], steps: int) -> None:
+        self.batches, self.steps = batches, steps
+
+    def __iter__(self) -> Iterator[Any]:
+        return itertools.islice(iter(self.batches), self.steps)
 
 
 def _verbosity(verbose: int | str) -> int:

@@ -144,6 +144,15 @@ class BoundOptimizer(Portable):
         k = self.gradient_accumulation_steps
         return self._batches // k if k else self._batches
 
+    @iterations.setter
+    def iterations(self, value: int) -> None:
+        # Keras's ``optimizer.iterations.assign(n)``: a sidecar evaluator sets the step of the
+        # checkpoint it evaluates, for its callbacks.
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"optimizer.iterations must be an integer >= 0; got {value!r}")
+        k = self.gradient_accumulation_steps
+        self._batches = value * k if k else value
+
     def _updates_now(self) -> bool:
         k = self.gradient_accumulation_steps
         return not k or (self._batches + 1) % k == 0

@@ -3,6 +3,7 @@
 from stratagem.cluster.spec import ClusterSpec
 from stratagem.train.checkpoint import Checkpoint, CheckpointError, LoadStatus
 from stratagem.train.checkpoint_manager import CheckpointManager, latest_checkpoint
+from stratagem.train.checkpoints_iterator import checkpoints_iterator, wait_for_new_checkpoint
 from stratagem.train.manifest import (
     DamagedSaveError,
     FellBackWarning,
@@ -27,6 +28,8 @@ __all__ = [
     "TerminationConfig",
     "UncheckedSaveWarning",
     "UnsafeCheckpointError",
+    "checkpoints_iterator",
     "latest_checkpoint",
     "slurm_requeue_config",
+    "wait_for_new_checkpoint",
 ]

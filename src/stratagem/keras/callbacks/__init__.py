@@ -27,6 +27,7 @@ from stratagem.keras.callbacks.model_checkpoint import ModelCheckpoint
 from stratagem.keras.callbacks.monitor import MonitorCallback
 from stratagem.keras.callbacks.progbar_logger import ProgbarLogger
 from stratagem.keras.callbacks.reduce_lr_on_plateau import ReduceLROnPlateau
+from stratagem.keras.callbacks.sidecar_evaluator_model_export import SidecarEvaluatorModelExport
 from stratagem.keras.callbacks.tensorboard import TensorBoard
 from stratagem.keras.callbacks.terminate_on_nan import TerminateOnNaN
 
@@ -44,6 +45,7 @@ __all__ = [
     "MonitorCallback",
     "ProgbarLogger",
     "ReduceLROnPlateau",
+    "SidecarEvaluatorModelExport",
     "TensorBoard",
     "TerminateOnNaN",
 ]
