@@ -1,13 +1,15 @@
 """TensorFlow's "Parameter server training" tutorial, ported: a chief coordinates, workers run.
 
     stratagem run --chief -n 2 --ps 1 examples/parameter_server_coordinator.py
+    stratagem run --chief -n 2 --ps 1 --evaluator examples/parameter_server_coordinator.py
 
 TF2's parameter-server training is coordinator-based: the ``chief`` task runs this program's
 training loop and ``schedule``\\ s functions; the ``worker`` tasks only serve
 (``sg.distribute.Server(...).join()``) and run what they are sent; the variables live on the
 ``ps`` tasks, and each worker's gradients are applied there asynchronously. Every task runs this
 same file (the launcher starts one script for all roles); workers and ps tasks stop at
-``server.join()``.
+``server.join()``. With ``--evaluator``, an evaluator task runs TF's sidecar evaluation of the
+``Model.fit`` part's checkpoints (``SidecarEvaluator``).
 
 Differences from the tutorial, each for a reason:
 - The data is scikit-learn's digits (8x8 images, 10 classes) instead of the tutorial's
@@ -37,7 +39,43 @@ parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--working-dir", default=os.path.join("runs", "parameter_server_coordinator"))
 args = parser.parse_args()
 
+
+def load_digits():
+    (x_train, y_train), (x_test, y_test) = sg.data.datasets.load_digits(image_size=8)
+    flat = lambda x: (x.reshape(len(x), -1) / np.float32(255)).astype(np.float32)  # noqa: E731
+    return (flat(x_train), y_train), (flat(x_test), y_test)
+
+
+def compiled_fit_model():
+    """The model of the tutorial's Model.fit part (the chief's, and the evaluator's copy)."""
+    model = sg.keras.Model(
+        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    )
+    model.compile(
+        sg.keras.optimizers.SGD(learning_rate=args.lr, momentum=0.9),
+        loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=5,
+    )
+    return model
+
+
+working_dir = args.working_dir
+ckpt_dir = os.path.join(working_dir, "ckpt")
+
 cluster_resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
+if cluster_resolver.task_type == "evaluator":
+    # The tutorial's sidecar evaluation (`stratagem run ... --evaluator`): a task of its own
+    # evaluates each checkpoint Model.fit's ModelCheckpoint writes, until the last epoch's.
+    _, (x_test, y_test) = load_digits()
+    sg.keras.utils.SidecarEvaluator(
+        model=compiled_fit_model(),
+        data=(x_test, y_test),
+        checkpoint_dir=ckpt_dir,
+        max_evaluations=args.fit_epochs,
+        timeout=600,
+    ).start()
+    sys.exit(0)
 if cluster_resolver.task_type in ("worker", "ps"):
     # Workers and parameter servers serve until the chief is done.
     server = sg.distribute.Server(
@@ -59,12 +97,6 @@ strategy = sg.distribute.ParameterServerStrategy(
     cluster_resolver, variable_partitioner=variable_partitioner
 )
 torch.manual_seed(0)
-
-
-def load_digits():
-    (x_train, y_train), (x_test, y_test) = sg.data.datasets.load_digits(image_size=8)
-    flat = lambda x: (x.reshape(len(x), -1) / np.float32(255)).astype(np.float32)  # noqa: E731
-    return (flat(x_train), y_train), (flat(x_test), y_test)
 
 
 def dataset_fn(input_context):
@@ -155,19 +187,10 @@ print(f"Evaluation accuracy: {float(eval_accuracy.result()):f}", flush=True)
 dc = sg.keras.utils.experimental.DatasetCreator(dataset_fn)
 
 with strategy.scope():
-    fit_model = sg.keras.Model(
-        torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    )
-    fit_model.compile(
-        sg.keras.optimizers.SGD(learning_rate=args.lr, momentum=0.9),
-        loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        steps_per_execution=5,
-    )
+    fit_model = compiled_fit_model()
 
-working_dir = args.working_dir
 log_dir = os.path.join(working_dir, "log")
-ckpt_filepath = os.path.join(working_dir, "ckpt")
+ckpt_filepath = os.path.join(ckpt_dir, "ckpt-{epoch}")  # numbered: the sidecar evaluator's
 
 callbacks = [
     sg.keras.callbacks.TensorBoard(log_dir=log_dir),

@@ -1,6 +1,7 @@
 """TF2 coordinated training: objects sent by state (in one process), and real jobs: one worker
-trains exactly as a single process, a worker killed mid-step loses nothing, and TF's tutorial
-(examples/parameter_server_coordinator.py) reaches its accuracy."""
+trains exactly as a single process, a worker killed or stopped mid-step loses nothing, a lost ps
+resumes from the chief's checkpoint, and TF's tutorial (examples/parameter_server_coordinator.py,
+with its sidecar evaluator) reaches its accuracy."""
 
 from __future__ import annotations
 
@@ -175,14 +176,22 @@ def test_a_lost_ps_stops_the_job_and_the_restarted_job_resumes_from_the_chiefs_c
 @pytest.mark.multiprocess
 def test_tfs_parameter_server_tutorial_ported_reaches_its_accuracy(tmp_path):
     argv = [sys.executable, "-m", "stratagem.cli", "run", "--chief", "-n", "2", "--ps", "1"]
-    argv += [str(EXAMPLE), "--working-dir", str(tmp_path / "work")]
+    argv += ["--evaluator", str(EXAMPLE), "--working-dir", str(tmp_path / "work")]
     result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=300)
     output = result.stdout
     assert result.returncode == 0, output
     custom = float(re.search(r"\[chief\] Evaluation accuracy: ([\d.]+)", output).group(1))
     fit = float(re.search(r"Model.fit: test loss [\d.]+, test accuracy ([\d.]+)", output).group(1))
     assert custom >= 0.9 and fit >= 0.9, output
-    assert "Epoch 8/8" in output and (tmp_path / "work" / "ckpt").is_dir()
+    assert "Epoch 8/8" in output and (tmp_path / "work" / "ckpt" / "ckpt-8").is_dir()
+    # The evaluator task (TF's sidecar evaluation) evaluated fit's last checkpoint: the ps's
+    # values, which the chief brought home to write it, so the figure is the chief's own.
+    last = re.search(
+        r"\[evaluator\] SidecarEvaluator: ckpt-8 step \w+: .*accuracy: ([\d.]+)", output
+    )
+    assert last is not None, output
+    assert float(last.group(1)) == pytest.approx(fit, abs=1e-4), output
+    assert "last checkpoint evaluated; stopping" in output and "evaluator exited 0" in output
 
 
 def _job(

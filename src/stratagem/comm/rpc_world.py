@@ -1,7 +1,8 @@
 """The world of a parameter-server job: who its members are, the roll call, who is alive.
 
 Members are the chief, the workers, the ps tasks and an evaluator (TF's order: chief, workers by
-index, ps by index, evaluator), named ``"worker:0"``, ``"ps:1"``... They meet at the first
+index, ps by index, evaluator; in a cluster with a chief, the evaluator is a sidecar and no
+member), named ``"worker:0"``, ``"ps:1"``... They meet at the first
 member's address, as the all-reduce strategies do: a roll call on our own TCPStore names any
 task that never arrives (a ps address that never answers). Workers then talk to each ps over
 ``comm.messages`` (plain data, on the ps's own task address, authenticated with the job's
@@ -47,11 +48,14 @@ RPC_TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 
 
 def rpc_members(spec: Any) -> list[tuple[str, int]]:
-    """``(task_type, task_id)`` of the RPC members, in rank order."""
+    """``(task_type, task_id)`` of the RPC members, in rank order. In a cluster with a chief
+    (TF2's coordinated training) the evaluator is not one: it is TF's sidecar evaluator, which
+    reads the chief's checkpoints (``SidecarEvaluator``) and talks to no task."""
+    coordinated = "chief" in spec.jobs and "worker" in spec.jobs
     return [
         (job, index)
         for job in RPC_TASK_TYPES
-        if job in spec.jobs
+        if job in spec.jobs and not (coordinated and job == "evaluator")
         for index in spec.task_indices(job)
     ]
 
