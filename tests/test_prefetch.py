@@ -24,7 +24,10 @@ DEADLOCK_S = 60
 
 
 def _our_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("stratagem-"))
+    """The input pipeline's threads (a process-wide service's, such as a liveness server left
+    by an earlier test, are not this file's to count)."""
+    names = (t.name for t in threading.enumerate())
+    return sorted(n for n in names if n.startswith(("stratagem-prefetch", "stratagem-map")))
 
 
 @pytest.fixture(autouse=True)

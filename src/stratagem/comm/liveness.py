@@ -76,6 +76,9 @@ class LivenessServer:
         except OSError:
             pass
         self._sock.close()
+        if self._thread is not threading.current_thread():
+            # The accept wakes with an error at once: then no thread of ours outlives close.
+            self._thread.join(timeout=5)
 
 
 # What ``probe`` returns for a peer whose port accepts but which does not answer: the kernel

@@ -97,7 +97,6 @@ class RpcWorld:
         )
         store = dist.PrefixStore(f"stratagem-rpc/{resolver.attempt}/", base)
         cluster = json.dumps({j: spec.num_tasks(j) for j in sorted(spec.jobs)}, sort_keys=True)
-        self._liveness = LivenessServer(advertised_host(host))
         # Only a coordinator's workers come back alone: they hold no state the job shares (the
         # chief replays their datasets); a ps or the chief restarts with the whole job.
         self._rejoinable = set(self.ranks("worker")) if "chief" in spec.jobs else set()
@@ -108,6 +107,7 @@ class RpcWorld:
                 "but only a worker of a cluster with a chief (a ClusterCoordinator's) can rejoin "
                 "a running job; restart the whole job instead (--max-restarts)"
             )
+        self._liveness = LivenessServer(advertised_host(host))
         self.me = Member(
             rank=self.rank,
             world_size=self.world_size,
@@ -118,7 +118,13 @@ class RpcWorld:
             liveness=self._liveness.address,
             incarnation=incarnation,
         )
-        everyone = roll_call(store, self.me, timeout_s=rendezvous_timeout, peer_name=self.describe)
+        try:
+            everyone = roll_call(
+                store, self.me, timeout_s=rendezvous_timeout, peer_name=self.describe
+            )
+        except BaseException:
+            self._liveness.close("failed")  # a refused sign-in leaves nothing listening
+            raise
         self.liveness = {m.rank: m.liveness for m in everyone}
         self.pids = {m.rank: m.pid for m in everyone}
         self.incarnations = {m.rank: m.incarnation for m in everyone}

@@ -422,19 +422,30 @@ class Model(Portable):
                 raise ValueError(
                     f"fit found no batch to train on in epoch {epoch + 1}: the data is empty"
                 )
-            logs = self._logs()
-            if validation_data is not None:
-                # batch_size applies to validation arrays; a validation dataset comes batched.
-                val_batch = batch_size if _is_array(_split_xy(validation_data)[0]) else None
-                val = self._evaluate_logs(validation_data, val_batch, verbose=0)
-                logs.update({f"val_{k}": v for k, v in val.items()})
-                _set_training(self.module, True)
-            cbs.on_epoch_end(epoch, logs)
+            logs = self._end_epoch(cbs, epoch, validation_data, batch_size)
             if self.stop_training:
                 break
         self._fit_data = None
         cbs.on_train_end(logs)
         return self.history
+
+    def _end_epoch(
+        self,
+        cbs: callbacks_module.CallbackList,
+        epoch: int,
+        validation_data: Any,
+        batch_size: int | None,
+    ) -> Logs:
+        """The epoch's logs (the validation's too), after ``on_epoch_end`` has seen them."""
+        logs = self._logs()
+        if validation_data is not None:
+            # batch_size applies to validation arrays; a validation dataset comes batched.
+            val_batch = batch_size if _is_array(_split_xy(validation_data)[0]) else None
+            val = self._evaluate_logs(validation_data, val_batch, verbose=0)
+            logs.update({f"val_{k}": v for k, v in val.items()})
+            _set_training(self.module, True)
+        cbs.on_epoch_end(epoch, logs)
+        return logs
 
     def _fit_coordinated(
         self, coordinator: Any, x: Any, y: Any, batch_size: int | None, epochs: int,
@@ -484,13 +495,7 @@ class Model(Portable):
                 # As TF's: batch logs would wait for the workers; the epoch's come at its end.
                 cbs.on_train_batch_end(step - 1, {})
             coordinator.join()
-            logs = self._logs()
-            if validation_data is not None:
-                val_batch = batch_size if _is_array(_split_xy(validation_data)[0]) else None
-                val = self._evaluate_logs(validation_data, val_batch, verbose=0)
-                logs.update({f"val_{k}": v for k, v in val.items()})
-                _set_training(self.module, True)
-            cbs.on_epoch_end(epoch, logs)
+            logs = self._end_epoch(cbs, epoch, validation_data, batch_size)
             if self.stop_training:
                 break
         cbs.on_train_end(logs)

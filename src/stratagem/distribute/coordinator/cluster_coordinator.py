@@ -200,13 +200,7 @@ class ClusterCoordinator:
         self._workers: list[tuple[int, Connection]] = []
         try:
             for rank in world.ranks("worker"):
-                connection = Connection(
-                    world.address(rank),
-                    me=world.name,
-                    peer=world.describe(rank),
-                    secret=world.secret,
-                    timeout=Timeouts.from_env().operation,
-                )
+                connection = self._connect(rank)
                 self._workers.append((rank, connection))
                 self._ask(rank, connection, "hello", hello, "the coordinator's hello")
         except BaseException:
@@ -522,13 +516,7 @@ class ClusterCoordinator:
                 continue
             incarnation = world.incarnations[rank]
             try:
-                connection = Connection(
-                    world.address(rank),
-                    me=world.name,
-                    peer=world.describe(rank),
-                    secret=world.secret,
-                    timeout=Timeouts.from_env().operation,
-                )
+                connection = self._connect(rank)
             except PeerLostError:
                 known = incarnation  # it ended again before we met: wait for the next one
                 continue
@@ -581,6 +569,17 @@ class ClusterCoordinator:
                 "(STRATAGEM_RENDEZVOUS_TIMEOUT): the launcher's --restart-workers ran out, or "
                 "the restarted workers could not start"
             )
+        )
+
+    def _connect(self, rank: int) -> Connection:
+        """A connection to worker ``rank`` (proving the job's secret)."""
+        world = self._world
+        return Connection(
+            world.address(rank),
+            me=world.name,
+            peer=world.describe(rank),
+            secret=world.secret,
+            timeout=Timeouts.from_env().operation,
         )
 
     def _ask(
