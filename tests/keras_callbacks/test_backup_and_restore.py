@@ -106,6 +106,44 @@ def test_backup_and_restore_with_save_freq_resumes_mid_epoch_exactly(
     assert not (tmp_path / "backup").exists()
 
 
+@pytest.mark.parametrize(
+    "save_freq, steps_per_epoch, crash_at",
+    [
+        (3, None, (2, 1)),  # due after batch 3 of 4: inside a step of 2, taken after batch 4
+        ("epoch", 3, (3, 1)),  # epochs of 3 batches: the 2nd ends inside a step of 2
+    ],
+)
+def test_a_backup_due_inside_an_accumulated_step_waits_for_its_end(
+    tmp_path, save_freq, steps_per_epoch, crash_at
+):
+    x, y = keras_data(64)
+    torch.manual_seed(6)
+    initial = build_model().state_dict()
+
+    def fit(callbacks):
+        module = build_model()
+        module.load_state_dict(initial)
+        model = sg.keras.Model(module)
+        model.compile(
+            sg.keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2),
+            sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        history = model.fit(
+            x, y, batch_size=16, epochs=4, steps_per_epoch=steps_per_epoch, shuffle=False,
+            verbose=0, callbacks=callbacks,
+        )  # fmt: skip
+        return model, history
+
+    reference, _ = fit([])
+    backup = str(tmp_path / "backup")
+    with pytest.raises(KeyboardInterrupt):
+        fit([_CrashAt(*crash_at), sg.keras.callbacks.BackupAndRestore(backup, save_freq)])
+    resumed, _ = fit([sg.keras.callbacks.BackupAndRestore(backup, save_freq)])
+    # Resumed at the end of an accumulated step: no micro-batch's gradient was lost.
+    for k, v in reference.module.state_dict().items():
+        torch.testing.assert_close(resumed.module.state_dict()[k], v, rtol=1e-5, atol=1e-6)
+
+
 def test_backup_and_restore_rejects_a_save_freq_that_is_neither_epoch_nor_a_count():
     for bad in (0, -3, "batch", 2.5, True):
         with pytest.raises(ValueError, match=r"save_freq must be 'epoch' or a positive number"):

@@ -153,6 +153,13 @@ class BoundOptimizer(Portable):
         k = self.gradient_accumulation_steps
         self._batches = value * k if k else value
 
+    @property
+    def mid_accumulation(self) -> bool:
+        """Whether the batches of ``fit`` so far end inside an accumulated step (gradients of
+        some micro-batches held, not applied yet): a backup now could not resume exactly."""
+        k = self.gradient_accumulation_steps
+        return bool(k) and self._batches % k != 0
+
     def _updates_now(self) -> bool:
         k = self.gradient_accumulation_steps
         return not k or (self._batches + 1) % k == 0

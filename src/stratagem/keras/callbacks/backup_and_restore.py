@@ -70,6 +70,7 @@ class BackupAndRestore(Callback):
         self._manager: CheckpointManager | None = None
         self._epoch = 0
         self._schedule = BatchSchedule(save_freq) if isinstance(save_freq, int) else None
+        self._deferred = False  # a backup due inside an accumulated step, taken at its end
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         assert self.model is not None and self.model.optimizer is not None
@@ -133,16 +134,31 @@ class BackupAndRestore(Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
-        if self._schedule is not None and self._schedule.due(batch):
+        due = self._schedule is not None and self._schedule.due(batch)
+        if (due or self._deferred) and not self._mid_accumulation():
+            self._deferred = False
             self._backup(self._epoch, batch + 1)
+        elif due:
+            self._deferred = True
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         # With a batch frequency, a backup taken at the epoch's last batch is moved on past its
         # end, so that a resumed fit does not end that epoch (validation, callbacks) again.
         if self._schedule is None or self._schedule.seen == 0:
-            self._backup(epoch + 1, 0)
+            if self._mid_accumulation():
+                self._deferred = True
+            elif not self._deferred:
+                self._backup(epoch + 1, 0)
         if self._schedule is not None:
             self._schedule.epoch_ended()
+
+    def _mid_accumulation(self) -> bool:
+        """Whether the fit is inside an accumulated step (``gradient_accumulation_steps``). The
+        micro-batches' gradients held so far are the parameters' ``.grad`` here (Keras 3 keeps
+        them among the optimizer's variables, which its backup saves), which no checkpoint
+        holds: the backup waits for the step's last micro-batch, so a resumed fit is exact."""
+        optimizer = getattr(self.model, "optimizer", None)
+        return bool(getattr(optimizer, "mid_accumulation", False))
 
     def _backup(self, epoch: int, step: int) -> None:
         assert self._manager is not None and self.model is not None
