@@ -331,20 +331,27 @@ def test_poison_layer_is_an_identity_until_armed():
     assert torch.equal(x.grad, torch.ones(2, 3))
 
 
-def test_saved_model_keeps_its_policy(tmp_path):
+def test_saved_model_keeps_its_policy_and_its_loss_scale(tmp_path):
     x, y = _data()
     model = sg.keras.Model(poisoned_model(), dtype="mixed_float16")
-    model.compile("sgd", LOSS)
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    scaled = mp.LossScaleOptimizer(
+        sg.keras.optimizers.SGD(0.1), initial_scale=64, dynamic_growth_steps=3
+    )
+    model.compile(scaled, LOSS)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)  # 2 finite steps: counter 2 of 3
     model.save(str(tmp_path / "saved"))
     loaded = sg.keras.models.load_model(str(tmp_path / "saved"))
     assert loaded.dtype_policy.name == "mixed_float16"
     assert isinstance(loaded.optimizer, mp.LossScaleOptimizer)
+    # The wrapper's config and the scale it reached, as Keras saves them.
+    assert loaded.optimizer.dynamic_growth_steps == 3 and loaded.optimizer.initial_scale == 64
+    assert float(loaded.optimizer.loss_scale) == 64 and int(loaded.optimizer.dynamic_counter) == 2
     torch.testing.assert_close(
         torch.from_numpy(loaded.predict(x)), torch.from_numpy(model.predict(x))
     )
     loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert int(loaded.optimizer.dynamic_counter) == 2
+    # The third finite step since the last change doubles the scale; the fourth counts 1.
+    assert float(loaded.optimizer.loss_scale) == 128 and int(loaded.optimizer.dynamic_counter) == 1
 
 
 # ---------------------------------------------------------------------- CUDA (skipped without)

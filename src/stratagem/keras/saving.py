@@ -44,6 +44,7 @@ from safetensors.torch import save as save_safetensors
 from stratagem.distribute.machinery.scope_hooks import strategy_for
 from stratagem.keras import losses, optimizers
 from stratagem.keras.io_options import LoadOptions, SaveOptions, check_options
+from stratagem.keras.mixed_precision import LossScaleOptimizer
 from stratagem.keras.program import export_program, load_program
 from stratagem.train.atomic_dir import hidden_sibling, open_files, publish
 from stratagem.train.manifest import (
@@ -71,13 +72,25 @@ def _compile_config(model: Model) -> dict[str, Any] | None:
         return None
     torch_optimizer = model.optimizer.torch_optimizer
     loss = model.loss
+    optimizer: dict[str, Any] = {
+        "torch_class": type(torch_optimizer).__name__,
+        "learning_rate": model.optimizer.learning_rate,
+        "defaults": {k: v for k, v in torch_optimizer.defaults.items() if _plain(v)},
+        "gradient_accumulation_steps": model.optimizer.gradient_accumulation_steps,
+    }
+    if isinstance(model.optimizer, LossScaleOptimizer):
+        # Keras saves the wrapper's config and its scale variables: a loaded model goes on
+        # with the scale reached, not the initial one.
+        counter = model.optimizer.dynamic_counter
+        optimizer["loss_scale"] = {
+            "dynamic": model.optimizer.dynamic,
+            "initial_scale": model.optimizer.initial_scale,
+            "dynamic_growth_steps": model.optimizer.dynamic_growth_steps,
+            "scale": float(model.optimizer.loss_scale),
+            "counter": None if counter is None else int(counter),
+        }
     return {
-        "optimizer": {
-            "torch_class": type(torch_optimizer).__name__,
-            "learning_rate": model.optimizer.learning_rate,
-            "defaults": {k: v for k, v in torch_optimizer.defaults.items() if _plain(v)},
-            "gradient_accumulation_steps": model.optimizer.gradient_accumulation_steps,
-        },
+        "optimizer": optimizer,
         "loss": None if loss is None else {"class": type(loss).__name__, **_loss_options(loss)},
         "metrics": [m.name for m in model.compiled_metrics],
     }
@@ -419,4 +432,16 @@ def _recompile(model: Model, spec: dict[str, Any]) -> None:
         options = dict(spec["loss"])
         loss = getattr(losses, options.pop("class"))(**options)
     steps = opt.get("gradient_accumulation_steps")  # absent from files saved before it existed
-    model.compile(optimizers.BoundOptimizer(optimizer, steps), loss, spec.get("metrics") or [])
+    bound = optimizers.BoundOptimizer(optimizer, steps)
+    scaling = opt.get("loss_scale")
+    if scaling is not None:
+        bound = LossScaleOptimizer(
+            bound,
+            dynamic=bool(scaling["dynamic"]),
+            initial_scale=float(scaling["initial_scale"]),
+            dynamic_growth_steps=scaling["dynamic_growth_steps"],
+        )
+        state = bound.trackables()  # in place: the scale and the counter reached
+        state["loss_scale"].fill_(float(scaling["scale"]))
+        state["dynamic_counter"].fill_(int(scaling["counter"] or 0))
+    model.compile(bound, loss, spec.get("metrics") or [])
