@@ -240,10 +240,12 @@ def test_overflow_on_one_local_replica_skips_the_step_on_both(make):
 
 
 @LOCAL_STRATEGIES
-def test_grad_scaler_custom_loop_with_local_replicas_agrees_and_equals_one_device(make):
+@pytest.mark.parametrize("inside_run", [False, True], ids=["step_after_run", "step_in_run"])
+def test_grad_scaler_custom_loop_with_local_replicas_agrees_and_equals_one_device(make, inside_run):
     """torch.amp.GradScaler in a custom loop: backward inside strategy.run, the scaler's
-    step and update in the cross-replica context (one scaler per process, as with DDP), where
-    the replicas' gradients are already summed: one decision for both."""
+    step and update either after it, in the cross-replica context (one scaler per process, as
+    with DDP), where the replicas' gradients are already summed, or inside it, where they are
+    merge calls that run once on the summed gradients: one decision for both replicas."""
     strategy = make()
     torch.manual_seed(5)
     with strategy.scope():
@@ -262,13 +264,17 @@ def test_grad_scaler_custom_loop_with_local_replicas_agrees_and_equals_one_devic
             torch.nn.functional.cross_entropy(logits.float(), yb, reduction="none")
         )
         scaler.scale(loss).backward()
+        if inside_run:  # the ordinary loop's order, unchanged, inside the replica function
+            scaler.step(opt)
+            scaler.update()
 
     def step():
         opt.zero_grad()
         batch = next(iter(strategy.experimental_distribute_dataset([(x, y)])))
         strategy.run(replica_step, args=batch)
-        scaler.step(opt)
-        scaler.update()
+        if not inside_run:
+            scaler.step(opt)
+            scaler.update()
 
     step()
     ref_opt.zero_grad()

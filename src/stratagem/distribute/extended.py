@@ -380,6 +380,14 @@ class StrategyExtended:
     def after_run(self) -> None:
         """Called after each ``run`` that succeeded, in the cross-replica context."""
 
+    # Whether torch.amp.GradScaler's unscale_/step/update inside ``run`` are merge calls (the
+    # replicas are threads sharing one scaler: ``machinery.grad_scaler_merge``).
+    merges_grad_scaler = False
+
+    def reduce_pending_gradients(self) -> None:
+        """Sum what the local replicas' gradients hold that is not summed yet (nothing by
+        default: the strategy reduces them itself)."""
+
     def merge_call(self, what: str, action: Callable[[], None]) -> None:
         """TF's merge call: in a replica context every local replica meets and ``action`` runs
         once; in the cross-replica context ``action`` just runs. ``what`` names the meeting."""

@@ -129,6 +129,13 @@ class MirroredExtended(StrategyExtended):
     def _reduce_gradients(self) -> None:
         self._mirrors.reduce_gradients(self._cross_device_ops)
 
+    # The replicas are threads sharing one GradScaler: its calls inside run are merge calls.
+    merges_grad_scaler = True
+
+    def reduce_pending_gradients(self) -> None:
+        if self._mirrors.pending_gradients():
+            self._reduce_gradients()
+
     # The merge call around optimizer.step() ------------------------------------------------
 
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

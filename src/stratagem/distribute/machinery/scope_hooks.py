@@ -8,6 +8,9 @@
   replica copies after it. The owner is found from the parameters, so an optimizer created
   outside the scope over a model created inside it works too.
 
+- ``torch.amp.GradScaler``'s ``unscale_``/``step``/``update`` called inside ``strategy.run``
+  of a strategy whose replicas are threads become merge calls (``grad_scaler_merge``).
+
 The hooks are installed once per process, on first use, and cost a dictionary lookup when no
 strategy is involved.
 """
@@ -27,7 +30,7 @@ from torch.nn.modules.module import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from stratagem.distribute.machinery import context
+from stratagem.distribute.machinery import context, grad_scaler_merge
 
 if TYPE_CHECKING:
     from stratagem.distribute.strategy import Strategy
@@ -116,6 +119,7 @@ def install_hooks() -> None:
             return
         register_module_parameter_registration_hook(_on_parameter)
         register_module_buffer_registration_hook(_on_buffer)
+        grad_scaler_merge.install()
         _optimizer_module.register_optimizer_step_pre_hook(_before_step)
         _optimizer_module.register_optimizer_step_post_hook(_after_step)
         _installed = True
