@@ -9,7 +9,8 @@ ps. Measured, per round (the variants' order rotating from round to round):
 - ``between``: 2 workers each running the training loop themselves (between-graph, async):
   updates/s the ps applied;
 - ``coordinated``: a chief scheduling the same step on 2 workers (``ClusterCoordinator``, each
-  function one step on the worker's per-worker iterator): updates/s. Target: >= 0.8x between;
+  function ``--steps-per-function`` steps, 1 by default, on the worker's per-worker iterator):
+  updates/s. Target: >= 0.8x between;
 - with ``--stragglers``, 3 workers of which worker 2 is three times slower: ``sync``
   (between-graph, every update the mean of the 3 workers' gradients, so each waits for the
   straggler) and ``coordinated3`` (functions go to whichever worker is free). Target:
@@ -17,7 +18,8 @@ ps. Measured, per round (the variants' order rotating from round to round):
 
 The ratios are medians over rounds of the two variants measured in the same round.
 
-    python benchmarks/coordinator.py                 # about 4 minutes on 2 cores
+    python benchmarks/coordinator.py --stragglers    # about 4 minutes on 2 cores
+    python benchmarks/coordinator.py --delay 0 --steps-per-function 10   # dispatch-bound steps
     python benchmarks/coordinator.py --quick         # a smoke run
 """
 
@@ -100,6 +102,7 @@ def coordinated_task(args: argparse.Namespace) -> None:
     with strategy.scope():
         model, optimizer, x, y = build(sg, torch, 0)
     delay, stragglers = args.delay, args.stragglers
+    steps_per_function = args.steps_per_function
 
     def batches():
         index = sg.distribute.coordinator.experimental_get_current_worker_index()
@@ -109,13 +112,14 @@ def coordinated_task(args: argparse.Namespace) -> None:
             yield x[rows], y[rows]
 
     def step(iterator) -> None:
-        begin = time.perf_counter()
-        features, labels = next(iterator)
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(features), labels).backward()
-        index = sg.distribute.coordinator.experimental_get_current_worker_index()
-        own_work(time.perf_counter() - begin, delay, stragglers and index == 2)
-        optimizer.step()
+        for _ in range(steps_per_function):  # TF's steps_per_execution, in a custom loop
+            begin = time.perf_counter()
+            features, labels = next(iterator)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(features), labels).backward()
+            index = sg.distribute.coordinator.experimental_get_current_worker_index()
+            own_work(time.perf_counter() - begin, delay, stragglers and index == 2)
+            optimizer.step()
 
     def empty() -> None:
         return None
@@ -142,8 +146,9 @@ def coordinated_task(args: argparse.Namespace) -> None:
     print("RESULT " + json.dumps({"per_s": per_s}), flush=True)
 
 
-def job(variant: str, seconds: float, delay: float) -> float:
+def job(variant: str, seconds: float, delay: float, steps_per_function: int) -> float:
     common = ["--seconds", str(seconds), "--delay", str(delay)]
+    common += ["--steps-per-function", str(steps_per_function)]
     if variant == "empty":
         argv = ["--chief", "-n", "2", "--ps", "1", __file__, "--coordinated", "--empty"]
     elif variant == "between":
@@ -166,6 +171,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="training time per job")
     parser.add_argument("--delay", type=float, default=0.03, help="injected step time, seconds")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every variant")
+    parser.add_argument(
+        "--steps-per-function", type=int, default=1, help="training steps per scheduled function"
+    )
     parser.add_argument("--stragglers", action="store_true", help="also the straggler pair")
     parser.add_argument("--quick", action="store_true", help="1 short round")
     parser.add_argument("--json", help="also write the results here")
@@ -181,7 +189,9 @@ def main() -> None:
     if args.stragglers:
         names += ["sync", "coordinated3"]
     samples = rotated_rounds(
-        {n: (lambda n=n: job(n, seconds, args.delay)) for n in names}, rounds, "per s"
+        {n: (lambda n=n: job(n, seconds, args.delay, args.steps_per_function)) for n in names},
+        rounds,
+        "per s",
     )
     medians = {n: statistics.median(v) for n, v in samples.items()}
     ratios = {"coordinated / between": median_round_ratio(samples, "coordinated", "between")}
