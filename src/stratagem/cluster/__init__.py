@@ -19,6 +19,7 @@ from stratagem.cluster.roles import (
     check_task_types,
     collective_members,
     is_chief,
+    is_coordinated,
     rank_of,
 )
 from stratagem.cluster.slurm import (
@@ -46,6 +47,7 @@ __all__ = [
     "expand_tasks_per_node",
     "format_address",
     "is_chief",
+    "is_coordinated",
     "load_tf_config",
     "parse_address",
     "parse_tf_config",

@@ -44,6 +44,14 @@ def is_chief(task_type: str | None, task_id: int | None, cluster_spec: ClusterLi
     )
 
 
+def is_coordinated(cluster_spec: ClusterLike) -> bool:
+    """Whether the cluster trains TF2's way: a ``chief`` coordinates (``ClusterCoordinator``)
+    and its ``worker`` tasks serve it. Without a chief every worker runs the loop itself
+    (between-graph parameter servers, collectives)."""
+    jobs = ClusterSpec(cluster_spec).jobs
+    return "chief" in jobs and "worker" in jobs
+
+
 def _suggest(name: str, choices: Collection[str]) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from stratagem.cluster import ClusterResolver
+from stratagem.cluster import ClusterResolver, is_coordinated
 from stratagem.cluster.address import parse_address
 from stratagem.cluster.job_secret import job_secret, task_hosts
 from stratagem.cluster.tasks import task_incarnation
@@ -51,7 +51,7 @@ def rpc_members(spec: Any) -> list[tuple[str, int]]:
     """``(task_type, task_id)`` of the RPC members, in rank order. In a cluster with a chief
     (TF2's coordinated training) the evaluator is not one: it is TF's sidecar evaluator, which
     reads the chief's checkpoints (``SidecarEvaluator``) and talks to no task."""
-    coordinated = "chief" in spec.jobs and "worker" in spec.jobs
+    coordinated = is_coordinated(spec)
     return [
         (job, index)
         for job in RPC_TASK_TYPES
@@ -99,7 +99,7 @@ class RpcWorld:
         cluster = json.dumps({j: spec.num_tasks(j) for j in sorted(spec.jobs)}, sort_keys=True)
         # Only a coordinator's workers come back alone: they hold no state the job shares (the
         # chief replays their datasets); a ps or the chief restarts with the whole job.
-        self._rejoinable = set(self.ranks("worker")) if "chief" in spec.jobs else set()
+        self._rejoinable = set(self.ranks("worker")) if is_coordinated(spec) else set()
         incarnation = task_incarnation(os.environ)
         if incarnation > 1 and self.rank not in self._rejoinable:
             raise RendezvousError(

@@ -39,6 +39,7 @@ from stratagem.cluster import (
     ClusterResolver,
     check_task_types,
     collective_members,
+    is_coordinated,
     resolve_cluster,
 )
 from stratagem.cluster.roles import describe_jobs
@@ -124,7 +125,7 @@ class ParameterServerStrategy(Strategy):
         self._client = extended.client
         # The chief of a cluster with a chief coordinates (TF2: ClusterCoordinator, fit
         # schedules); without one every worker runs the loop (between-graph, TF1).
-        self.coordinated = resolver.task_type == "chief" and "worker" in spec.jobs
+        self.coordinated = extended.coordinating
         self.cluster_coordinator: Any = None  # the one ClusterCoordinator, once made
 
     def __repr__(self) -> str:
@@ -179,16 +180,16 @@ class ParameterServerExtended(StrategyExtended):
             timeout=timeouts.operation,
         )
         self.world = world
+        spec = resolver.cluster_spec()
+        self.coordinating = resolver.task_type == "chief" and is_coordinated(spec)
         if not serving:
             # A coordinating chief does not wait for its workers at exit: they stop serving
             # only when it has ended (or said goodbye).
-            coordinating = resolver.task_type == "chief"
-            atexit.register(functools.partial(self.client.finish, wait=not coordinating))
+            atexit.register(functools.partial(self.client.finish, wait=not self.coordinating))
         else:
             # A coordinator's worker reads the W workers' input, the chief none: its input
             # pipeline is its index among the worker tasks (the ps still know it by its place
             # among chief and workers, the client's index).
-            spec = resolver.cluster_spec()
             self.worker_index = sorted(spec.task_indices("worker")).index(resolver.task_id or 0)
             self.num_workers = spec.num_tasks("worker")
         super().__init__(

@@ -18,7 +18,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from stratagem.cluster import ClusterResolver, SimpleClusterResolver, resolve_cluster
+from stratagem.cluster import (
+    ClusterResolver,
+    SimpleClusterResolver,
+    is_coordinated,
+    resolve_cluster,
+)
 from stratagem.distribute.coordinator.worker import WorkerServer
 from stratagem.distribute.ps.server import Server as PsServer
 
@@ -56,7 +61,7 @@ class Server:
                 f"{resolver.describe()}"
             )
         spec = resolver.cluster_spec()
-        if resolver.task_type == "worker" and "chief" not in spec.jobs:
+        if resolver.task_type == "worker" and not is_coordinated(spec):
             raise ValueError(
                 f"sg.distribute.Server on {resolver.describe()}: a worker serves the chief's "
                 "ClusterCoordinator, and this cluster has no chief. Without a chief every "

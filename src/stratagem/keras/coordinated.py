@@ -66,12 +66,11 @@ def worker_dataset_fn(
     """The per-worker dataset of arrays ``x``, ``y``: the worker's shard of the examples,
     shuffled each pass when asked, in batches of its part of the global ``batch_size``,
     repeated (``steps_per_epoch`` ends an epoch). ``strategy`` (the chief's) is the worker's
-    own there: its index among the workers picks the shard."""
+    own there, whose input context (its index among the workers) picks the shard."""
     xs = _as_tensor(x, "x")
     ys = None if y is None else _as_tensor(y, "y")
 
-    def dataset_fn() -> Any:
-        context = _input_context(strategy)
+    def pipeline(context: InputContext) -> Any:
         examples = sg_data.Dataset.from_tensor_slices(xs if ys is None else (xs, ys))
         examples = examples.shard(context.num_input_pipelines, context.input_pipeline_id)
         if shuffle:
@@ -79,27 +78,25 @@ def worker_dataset_fn(
         per_worker = context.get_per_replica_batch_size(batch_size)
         return examples.batch(per_worker).repeat()
 
+    def dataset_fn() -> Any:
+        return strategy.distribute_datasets_from_function(pipeline)
+
     return dataset_fn
 
 
 def creator_dataset_fn(strategy: Any, creator: DatasetCreator) -> Callable[[], Any]:
-    """The per-worker dataset of a ``DatasetCreator``: its ``dataset_fn`` with the worker's
-    input context."""
-    dataset_fn = creator.dataset_fn
+    """The per-worker dataset of a ``DatasetCreator``: the worker's strategy calls its
+    ``dataset_fn`` with the worker's input context (TF's
+    ``distribute_datasets_from_function(dataset_fn, input_options)``)."""
+    dataset_fn, options = creator.dataset_fn, creator.input_options
+    # The options travel as their one field (plain data).
+    fetch = None if options is None else options.experimental_fetch_to_device
 
     def made() -> Any:
-        return dataset_fn(_input_context(strategy))
+        given = None if fetch is None else InputOptions(experimental_fetch_to_device=fetch)
+        return strategy.distribute_datasets_from_function(dataset_fn, given)
 
     return made
-
-
-def _input_context(strategy: Any) -> InputContext:
-    extended = strategy.extended
-    return InputContext(
-        num_input_pipelines=extended.num_workers,
-        input_pipeline_id=extended.worker_index,
-        num_replicas_in_sync=1,
-    )
 
 
 def train_steps(model: Any, iterator: Iterator[Any], steps: int) -> None:

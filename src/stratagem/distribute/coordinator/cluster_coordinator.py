@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from stratagem.cluster import is_coordinated
 from stratagem.cluster.tasks import restart_workers_of
 from stratagem.comm.messages import Connection
 from stratagem.comm.process_group import Timeouts
@@ -128,10 +129,19 @@ class _Closure:
         self.value = RemoteValue(name)
 
 
+def _raised_on_worker(error: Any, headline: Callable[[str, str], str]) -> FunctionError:
+    """A worker's error reply (``[type name, message, traceback text]``) as a
+    ``FunctionError``: ``headline(type name, message)``, then the worker's traceback."""
+    type_name, message, text = error
+    return FunctionError(
+        f"{headline(type_name, message)}\nThe worker's traceback:\n{text}", type_name
+    )
+
+
 def check_coordinator_cluster(resolver: Any) -> None:
     """Raise unless ``resolver`` is the chief of a cluster with a chief and workers."""
     spec = resolver.cluster_spec()
-    if "chief" not in spec.jobs or "worker" not in spec.jobs:
+    if not is_coordinated(spec):
         raise ValueError(
             "ClusterCoordinator needs a cluster with a chief (the coordinator) and workers "
             f"that serve it; this cluster has {sorted(spec.jobs)}. Launch with `stratagem "
@@ -415,14 +425,13 @@ class ClusterCoordinator:
             self._lost(rank, e)
             return False
         if "error" in outcome:
-            type_name, message, text = outcome["error"]
-            error = FunctionError(
-                f"{what} failed on {self._world.describe(rank)}: {type_name}: {message}\n"
-                f"The worker's traceback:\n{text}",
-                type_name,
-            )
             with self._lock:
-                self._fail(error)
+                self._fail(
+                    _raised_on_worker(
+                        outcome["error"],
+                        lambda t, m: f"{what} failed on {self._world.describe(rank)}: {t}: {m}",
+                    )
+                )
         return True
 
     def _run(self, rank: int, connection: Connection, closure: _Closure) -> bool:
@@ -454,11 +463,9 @@ class ClusterCoordinator:
         with self._lock:
             self._inflight -= 1
             if "error" in outcome:
-                type_name, message, text = outcome["error"]
-                error = FunctionError(
-                    f"{closure.name} raised {type_name} on {self._world.describe(rank)}: "
-                    f"{message}\nThe worker's traceback:\n{text}",
-                    type_name,
+                error = _raised_on_worker(
+                    outcome["error"],
+                    lambda t, m: f"{closure.name} raised {t} on {self._world.describe(rank)}: {m}",
                 )
                 closure.value._settle(error=error)
                 self._fail(error)

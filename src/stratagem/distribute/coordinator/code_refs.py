@@ -670,12 +670,7 @@ class Rebuilder:
         path = (self.root / rel).resolve()
         if rel.is_absolute() or not path.is_relative_to(self.root):
             raise ValueError(f"the chief named {rel}, outside the program")
-        if not path.is_file() or file_hash(path) != where["sha"]:
-            raise ImportError(
-                f"{what}: this worker's copy of {path.name} differs from the chief's (or is "
-                "missing): every task must run the same program"
-            )
-        return path
+        return _same_copy(path, where["sha"], what)
 
     def function(self, key: str) -> types.FunctionType:
         built = self._built.get(key)
@@ -705,12 +700,7 @@ class Rebuilder:
         else:
             module = self._module(str(where["import"]))
             path = Path(str(getattr(module, "__file__", "") or "")).resolve()
-            if not path.is_file() or file_hash(path) != where["sha"]:
-                raise ImportError(
-                    f"{desc['qualname']} (line {desc['line']} of {path.name}): this worker's "
-                    f"copy of {path.name} differs from the chief's (or is missing): every task "
-                    "must run the same program"
-                )
+            _same_copy(path, where["sha"], f"{desc['qualname']} (line {desc['line']})")
         what = f"{desc['qualname']} (line {desc['line']} of {path.name})"
         top = compiled(path, str(where["sha"]))
         for code in _nested(top):
@@ -735,6 +725,16 @@ class Rebuilder:
                 "worker imports nothing else"
             )
         return importlib.import_module(name)
+
+
+def _same_copy(path: Path, sha: Any, what: str) -> Path:
+    """``path``, if this worker's copy of it hashes as the chief's (``sha``)."""
+    if not path.is_file() or file_hash(path) != sha:
+        raise ImportError(
+            f"{what}: this worker's copy of {path.name} differs from the chief's (or is "
+            "missing): every task must run the same program"
+        )
+    return path
 
 
 def _nested(code: types.CodeType) -> Any:

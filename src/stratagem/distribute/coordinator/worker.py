@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from stratagem.cluster import ClusterResolver, collective_members
+from stratagem.cluster import ClusterResolver
 from stratagem.comm import plain_data
 from stratagem.comm.messages import Later
 from stratagem.comm.process_group import Timeouts
@@ -97,9 +97,6 @@ class WorkerServer:
         spec = resolver.cluster_spec()
         task_id = resolver.task_id or 0
         timeouts = Timeouts.from_env()
-        self._timeout = timeouts.operation
-        self.worker_index = sorted(spec.task_indices("worker")).index(task_id)
-        self._collective_index = collective_members(spec).index(("worker", task_id))
         self.address = spec.task_address("worker", task_id)
         self.me = f"worker {task_id} ({self.address})"
         self.root = code_refs.program_root()
@@ -110,7 +107,6 @@ class WorkerServer:
         self._ready: Future = Future()  # set once the strategy below exists
         self._goodbye = threading.Event()
         self.functions_run = 0
-        _current_worker_index = self.worker_index
         self.server, self.world = serve_and_join(
             resolver,
             me=self.me,
@@ -125,6 +121,9 @@ class WorkerServer:
         # The strategy scheduled functions see (``strategy`` captured on the chief): one
         # replica, the chief's variables on the ps, pushes applied there.
         self._strategy = ParameterServerStrategy(resolver, _world=self.world)
+        # Its index among the W workers (its input pipeline), as the strategy reads it.
+        self.worker_index = self._strategy.extended.worker_index
+        _current_worker_index = self.worker_index
         self._ready.set_result(None)
 
     # --------------------------------------------------------------------- the method table
