@@ -137,6 +137,9 @@ def test_one_worker_in_order_trains_exactly_as_one_process(tmp_path):
         np.testing.assert_allclose(coordinated[key], local[key], rtol=1e-5)
     assert result["fit_iterations"] == 12
     np.testing.assert_allclose(*result["evaluate"], rtol=1e-5)
+    # A metric's totals are merged before its function's value can be fetched.
+    assert result["sum_after_fetch"] == 2.0
+    assert result["ready_at_merge"] == [0, 1]
 
 
 @pytest.mark.multiprocess

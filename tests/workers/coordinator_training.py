@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import stratagem as sg
+from stratagem.distribute.coordinator import code_refs
 
 OUT = Path(sys.argv[1])
 MODE = sys.argv[2]
@@ -116,6 +117,37 @@ def worker_dataset():
     data = sg.data.Dataset.from_tensor_slices((x_train, y_train))
     data = data.shard(context.num_workers, context.worker_index)
     return data.shuffle(2048).batch(32).repeat()
+
+
+def count_one(metric):
+    metric.update_state(torch.tensor(1.0))
+
+
+def metric_totals_before_fetch() -> tuple[float, list[int]]:
+    """A Sum read right after fetch() of the second of two updates is 2.0: a function's metric
+    totals are merged before its value can be fetched. Also how many of the two values were
+    ready when each one's totals were merged (one worker: in order; 0 and 1 when the merge
+    comes before the value)."""
+    with strategy.scope():
+        total = sg.keras.metrics.Sum()
+    counted: list = []
+    ready_at_merge: list[int] = []
+    merge = code_refs.add_totals
+
+    def watched_merge(accumulators, totals):
+        ready_at_merge.append(sum("pending" not in repr(v) for v in counted))
+        merge(accumulators, totals)
+
+    code_refs.add_totals = watched_merge
+    try:
+        for _ in range(2):
+            counted.append(coordinator.schedule(count_one, args=(total,)))
+        counted[1].fetch()
+        after_fetch = float(total.result())
+        coordinator.join()
+    finally:
+        code_refs.add_totals = merge
+    return after_fetch, ready_at_merge
 
 
 result: dict = {}
@@ -228,6 +260,7 @@ elif MODE == "same":
         fitted.evaluate(x_test, y_test, batch_size=50, verbose=0),
         local.evaluate(x_test, y_test, batch_size=50, verbose=0),
     ]
+    result["sum_after_fetch"], result["ready_at_merge"] = metric_totals_before_fetch()
 else:
     calls = OUT / "calls"
     for index in (1, 2):

@@ -72,10 +72,19 @@ class RemoteValue:
         self._value: Any = None
         self._error: BaseException | None = None
 
-    def _settle(self, value: Any = None, error: BaseException | None = None) -> bool:
+    def _settle(
+        self,
+        value: Any = None,
+        error: BaseException | None = None,
+        merge: Callable[[], None] = lambda: None,
+    ) -> bool:
+        """Set the value once (a function run twice is counted once); ``merge`` (what else
+        the function returned: its metric totals) runs first, so that whoever fetches
+        the value sees all of it. False if it was set already (``merge`` is not run)."""
         if self._done.is_set():
-            return False  # set once: a function run twice is counted once
+            return False
         self._value, self._error = value, error
+        merge()
         self._done.set()
         return True
 
@@ -469,10 +478,16 @@ class ClusterCoordinator:
                 )
                 closure.value._settle(error=error)
                 self._fail(error)
-            elif closure.value._settle(outcome["value"]):
-                # Once per function: a rerun's totals never count twice.
-                code_refs.add_totals(closure.accumulators, outcome.get("totals", {}))
-                self.completed += 1
+            else:
+                totals = outcome.get("totals", {})
+
+                def merge() -> None:
+                    # Once per function (a rerun's totals never count twice), and before the
+                    # value is seen: a metric read after fetch() includes this function.
+                    code_refs.add_totals(closure.accumulators, totals)
+                    self.completed += 1
+
+                closure.value._settle(outcome["value"], merge=merge)
             self._lock.notify_all()
         return True
 
