@@ -5,7 +5,9 @@ with its sidecar evaluator) reaches its accuracy."""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import re
 import sys
 from pathlib import Path
@@ -18,6 +20,7 @@ import stratagem as sg
 from cluster_utils import WORKERS, Process, child_env
 from stratagem.comm import plain_data
 from stratagem.distribute.coordinator import code_refs
+from stratagem.distribute.ps import chief_reads
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "parameter_server_coordinator.py"
@@ -117,6 +120,24 @@ def test_what_may_not_be_made_on_a_worker_is_refused():
         code_refs.Describer(root=HERE).value(local_class(), owner="f", name="m")
 
 
+def test_the_chiefs_read_hook_refreshes_stays_on_the_chief_and_survives_copies():
+    calls = []
+    linear = torch.nn.Linear(3, 2)
+    chief_reads.watch(linear, lambda: calls.append("refresh"))
+    chief_reads.watch(linear, lambda: calls.append("twice"))  # once per module
+    linear(torch.ones(1, 3))
+    linear.state_dict()
+    assert calls == ["refresh", "refresh"]
+    # Described for a worker, the module travels without it (the worker pulls on its own).
+    sent, _, _ = _send(linear)
+    assert not sent._forward_pre_hooks and not sent._state_dict_pre_hooks
+    # A deep copy shares it; a pickled module (torch.save of a whole module) has an inert one.
+    copy.deepcopy(linear)(torch.ones(1, 3))
+    assert calls == ["refresh"] * 3
+    pickle.loads(pickle.dumps(linear))(torch.ones(1, 3))
+    assert calls == ["refresh"] * 3
+
+
 @pytest.mark.multiprocess
 def test_one_worker_in_order_trains_exactly_as_one_process(tmp_path):
     result = _job(tmp_path, "same", workers=1)
@@ -137,6 +158,12 @@ def test_one_worker_in_order_trains_exactly_as_one_process(tmp_path):
         np.testing.assert_allclose(coordinated[key], local[key], rtol=1e-5)
     assert result["fit_iterations"] == 12
     np.testing.assert_allclose(*result["evaluate"], rtol=1e-5)
+    # The chief's reads are the ps's values (TF's chief reads its variables there): a forward
+    # and a state_dict right after functions ended, the parameters after join() and fetch().
+    for how, (chief, reference) in result["reads"].items():
+        assert len(chief) == len(reference), how
+        for got, want in zip(chief, reference):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=how)
     # A metric's totals are merged before its function's value can be fetched.
     assert result["sum_after_fetch"] == 2.0
     assert result["ready_at_merge"] == [0, 1]

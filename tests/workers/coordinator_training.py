@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,64 @@ def worker_dataset():
     return data.shuffle(2048).batch(32).repeat()
 
 
+def ended(values: list) -> None:
+    """Wait until these functions ended, without fetch or join (which refresh the chief)."""
+    deadline = time.monotonic() + 120
+    while any("pending" in repr(v) for v in values):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"functions still pending after 120 s: {values}")
+        time.sleep(0.005)
+
+
+def chief_reads_see_the_ps(batches: list) -> dict:
+    """A model trained only by scheduled functions, read on the chief four ways, each right
+    after functions ended: a forward, a state_dict, the parameters after join(), and after
+    fetch() of the last value. Each against a reference trained here on the same batches."""
+    torch.manual_seed(7)
+    with strategy.scope():
+        tiny = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10))
+        tiny_optimizer = torch.optim.SGD(tiny.parameters(), lr=0.1)
+    reference = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.ReLU(), torch.nn.Linear(8, 10))
+    reference.load_state_dict(tiny.state_dict())
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def tiny_step(x, y):
+        tiny_optimizer.zero_grad()
+        loss_fn(y, tiny(x)).backward()
+        tiny_optimizer.step()
+
+    def train(chunk):
+        values = [coordinator.schedule(tiny_step, args=(x_train[b], y_train[b])) for b in chunk]
+        for b in chunk:
+            ref_optimizer.zero_grad()
+            loss_fn(y_train[b], reference(x_train[b])).backward()
+            ref_optimizer.step()
+        return values
+
+    probe = x_test[:16]
+    reads = {}
+    ended(train(batches[0:2]))
+    with torch.no_grad():
+        reads["forward"] = [tiny(probe).tolist(), reference(probe).tolist()]
+    ended(train(batches[2:4]))
+    reads["state_dict"] = [
+        [v.tolist() for v in tiny.state_dict().values()],
+        [v.tolist() for v in reference.state_dict().values()],
+    ]
+    train(batches[4:6])
+    coordinator.join()
+    reads["join"] = [
+        [p.tolist() for p in tiny.parameters()],
+        [p.tolist() for p in reference.parameters()],
+    ]
+    train(batches[6:8])[-1].fetch()
+    reads["fetch"] = [
+        [p.tolist() for p in tiny.parameters()],
+        [p.tolist() for p in reference.parameters()],
+    ]
+    return reads
+
+
 def count_one(metric):
     metric.update_state(torch.tensor(1.0))
 
@@ -212,7 +271,7 @@ elif MODE == "same":
         train_on(reference, ref_optimizer, ref_accuracy, ref_mean, x_train[b], y_train[b])
         for b in batches
     ]
-    strategy.pull()  # the chief's copies: the ps's values
+    # No strategy.pull(): after join() the chief's model is the ps's (TF's chief reads there).
     result["weights"] = {
         n: [p.tolist(), reference.state_dict()[n].tolist()] for n, p in model.named_parameters()
     }
@@ -249,7 +308,6 @@ elif MODE == "same":
     local_history = local.fit(
         x_train, y_train, batch_size=40, epochs=2, steps_per_epoch=6, shuffle=False, verbose=0
     )
-    strategy.pull()
     result["fit_weights"] = [
         [p.tolist(), q.tolist()]
         for p, q in zip(fitted.module.parameters(), local.module.parameters())
@@ -260,6 +318,7 @@ elif MODE == "same":
         fitted.evaluate(x_test, y_test, batch_size=50, verbose=0),
         local.evaluate(x_test, y_test, batch_size=50, verbose=0),
     ]
+    result["reads"] = chief_reads_see_the_ps(batches)
     result["sum_after_fetch"], result["ready_at_merge"] = metric_totals_before_fetch()
 else:
     calls = OUT / "calls"

@@ -53,6 +53,7 @@ from stratagem.distribute.machinery.input import (
     InputOptions,
 )
 from stratagem.distribute.partitioners import Partitioner, Shard
+from stratagem.distribute.ps import chief_reads
 from stratagem.distribute.ps.client import IndependentWorker, PsClient
 from stratagem.distribute.ps.server import Server, UpdateRule
 from stratagem.distribute.strategy import Strategy
@@ -207,6 +208,22 @@ class ParameterServerExtended(StrategyExtended):
         return {**super().describe(), "mode": self.client.rule.mode}
 
     # Scope: shards on the ps ------------------------------------------------------------
+
+    def capture_parameter(
+        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
+    ) -> torch.nn.Parameter | None:
+        placed = super().capture_parameter(module, name, param)
+        if self.coordinating:
+            # The workers train the ps's values: the chief's module reads them (chief_reads).
+            chief_reads.watch(module, self.refresh_chief_copies)
+        return placed
+
+    def refresh_chief_copies(self) -> None:
+        """The coordinating chief, before a module of its scope is read: its copies of the
+        variables as the ps has them now (a no-op until a coordinator ran a function)."""
+        coordinator = getattr(self._container, "cluster_coordinator", None)
+        if coordinator is not None:
+            coordinator.refresh()
 
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
         params = [t for t, is_param in tensors if is_param]

@@ -66,11 +66,12 @@ class RemoteValue:
     """The value a scheduled function will return (TF's ``tf.distribute.experimental.
     coordinator.RemoteValue``): ``fetch()`` waits for it."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, on_fetch: Callable[[], None] = lambda: None) -> None:
         self._name = name
         self._done = threading.Event()
         self._value: Any = None
         self._error: BaseException | None = None
+        self._on_fetch = on_fetch  # the coordinator's: the chief's reads see the ps after it
 
     def _settle(
         self,
@@ -93,6 +94,7 @@ class RemoteValue:
         self._done.wait()
         if self._error is not None:
             raise self._error
+        self._on_fetch()
         return self._value
 
     def get(self) -> Any:
@@ -130,12 +132,19 @@ class PerWorkerDataset:
 
 
 class _Closure:
-    def __init__(self, cid: int, name: str, call: list[Any], accumulators: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        cid: int,
+        name: str,
+        call: list[Any],
+        accumulators: dict[str, Any],
+        on_fetch: Callable[[], None],
+    ) -> None:
         self.cid = cid
         self.name = name
         self.call = call  # the "run" request's arguments
         self.accumulators = accumulators  # the metrics it sent: their totals come back
-        self.value = RemoteValue(name)
+        self.value = RemoteValue(name, on_fetch)
 
 
 def _raised_on_worker(error: Any, headline: Callable[[str, str], str]) -> FunctionError:
@@ -205,6 +214,10 @@ class ClusterCoordinator:
         self._closing = False
         self._buffer_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.completed = 0  # functions whose value was set (each counted once)
+        # Runs ended (each may have pushed), and how many had when the chief last pulled.
+        self._finished = 0
+        self._fresh = 0
+        self._pull_lock = threading.Lock()
         program = code_refs.program_file()
         root = code_refs.program_root()
         hello: list[Any] = [None, None]
@@ -260,6 +273,7 @@ class ClusterCoordinator:
                 name,
                 [self._next_id, describer.functions, ref, call_args, call_kwargs],
                 describer.accumulators,
+                self._refresh_when_idle,
             )
             self._queue.append(closure)
             self._lock.notify_all()
@@ -272,12 +286,16 @@ class ClusterCoordinator:
             self._lock.wait_for(lambda: self._error is not None or self._idle())
             self._lock.wait_for(lambda: self._inflight == 0)
         self._raise_if_error()
+        self.refresh()  # the chief's model after join() is the trained one
 
     def done(self) -> bool:
         """Whether every scheduled function has finished (raises the first error, as ``join``)."""
         self._raise_if_error()
         with self._lock:
-            return self._idle()
+            idle = self._idle()
+        if idle:
+            self.refresh()
+        return idle
 
     def fetch(self, val: Any) -> Any:
         """``val`` with each ``RemoteValue`` in it (lists, tuples, dicts) replaced by its value."""
@@ -362,6 +380,39 @@ class ClusterCoordinator:
     def _idle(self) -> bool:
         made = all(self._replayed.get(r, 0) == len(self._resources) for r, _ in self._workers)
         return not self._queue and self._inflight == 0 and made
+
+    def _run_ended(self) -> None:
+        """A function's run on a worker ended, however (the lock is held): what it pushed is
+        on the ps, so the chief's copies of the variables are behind until the next pull."""
+        self._inflight -= 1
+        self._finished += 1
+
+    def refresh(self) -> None:
+        """Bring the chief's copies of the ps's variables up to date when a function ended
+        since they were last pulled (TF's chief reads its variables from the ps).
+
+        Called by ``join``, by ``fetch`` once nothing is queued or running, and by a hook
+        before each forward and ``state_dict`` of a module built in the chief's scope
+        (``ps.chief_reads``): the chief never computes on or saves parameters older than the
+        functions that ended before the read. Cheap (a comparison) when nothing ended.
+        """
+        with self._lock:
+            finished = self._finished
+        if finished == self._fresh:
+            return
+        with self._pull_lock:  # one pull at a time; a read that waited finds it done
+            if finished > self._fresh:
+                self.strategy.extended.client.pull()
+                self._fresh = finished
+
+    def _refresh_when_idle(self) -> None:
+        """``fetch``'s: refresh once every scheduled function has ended (the value fetched
+        last is the program's next read of the model); while others run, reads refresh
+        themselves (the hooks), and a fetch costs no pull."""
+        with self._lock:
+            idle = not self._queue and self._inflight == 0
+        if idle:
+            self.refresh()
 
     def _raise_if_error(self) -> None:
         with self._lock:
@@ -455,7 +506,7 @@ class ClusterCoordinator:
             # connection is closed), and the function's value is set once.
             connection.close()
             with self._lock:
-                self._inflight -= 1
+                self._run_ended()
                 self._queue.appendleft(closure)
                 self._lock.notify_all()
             self._lost(rank, e)
@@ -464,13 +515,13 @@ class ClusterCoordinator:
             connection.close()
             error = RuntimeError(f"{closure.name} on {self._world.describe(rank)} failed: {e}")
             with self._lock:
-                self._inflight -= 1
+                self._run_ended()
                 closure.value._settle(error=error)
                 self._fail(error)
             self._lost(rank, e)
             return False
         with self._lock:
-            self._inflight -= 1
+            self._run_ended()
             if "error" in outcome:
                 error = _raised_on_worker(
                     outcome["error"],

@@ -130,6 +130,7 @@ _MODULE_DEFAULTS = {
     for k, v in vars(torch.nn.Module()).items()
     if v is None or (isinstance(v, dict | set) and not v)
 }
+_HOOK_DICTS = {k for k, v in _MODULE_DEFAULTS.items() if k.endswith("hooks") and v == {}}
 _compiled_files: dict[tuple[Path, str], types.CodeType] = {}
 
 
@@ -412,9 +413,10 @@ class Describer:
         desc["class"] = self.value(type(value), owner=owner, name=f"the class of {name}")
         if kind == "module":
             # Empty hooks and the like are left out; the worker puts back fresh empty ones.
+            # So are this process's own hooks (``_sg_local``: the chief's read hooks).
             state = {
                 k: v
-                for k, v in vars(value).items()
+                for k, v in ((k, _without_local_hooks(k, v)) for k, v in vars(value).items())
                 if not (
                     k in _MODULE_DEFAULTS and (v is None or (isinstance(v, dict | set) and not v))
                 )
@@ -481,6 +483,16 @@ class Describer:
             if g in glob and glob[g] is not cls
         }
         return {"k": "class", "ref": key}
+
+
+def _without_local_hooks(name: str, value: Any) -> Any:
+    """A module attribute as described: a hook dictionary without the hooks that belong to
+    this process (marked ``_sg_local``); anything else as it is."""
+    if name not in _HOOK_DICTS or not isinstance(value, dict):
+        return value
+    if not any(getattr(h, "_sg_local", False) for h in value.values()):
+        return value
+    return type(value)((k, h) for k, h in value.items() if not getattr(h, "_sg_local", False))
 
 
 def _is_named(value: Any) -> bool:
