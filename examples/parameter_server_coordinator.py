@@ -159,9 +159,18 @@ for i in range(args.epochs):
 loss = coordinator.schedule(step_fn, args=(per_worker_iterator,))
 print(f"Final loss is {float(loss.fetch()):f}", flush=True)
 
-# Evaluation: each test batch is sent with its function (tensors travel by value), so every
-# test image is evaluated exactly once, on whichever worker is free; the metric's totals come
-# back with each function and add up on the chief.
+# Direct evaluation on the coordinator (the tutorial's first way): the chief's reads of the
+# model are reads of the ps, so it evaluates what the workers trained.
+direct_accuracy = sg.keras.metrics.SparseCategoricalAccuracy()
+for batch_data, labels in eval_dataset_fn():
+    with torch.no_grad():
+        pred = model(batch_data)
+    direct_accuracy.update_state(labels, pred)
+print(f"Direct evaluation accuracy: {float(direct_accuracy.result()):f}", flush=True)
+
+# Distributed evaluation: each test batch is sent with its function (tensors travel by value),
+# so every test image is evaluated exactly once, on whichever worker is free; the metric's
+# totals come back with each function and add up on the chief.
 with strategy.scope():
     eval_accuracy = sg.keras.metrics.SparseCategoricalAccuracy()
 
