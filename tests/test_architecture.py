@@ -43,13 +43,27 @@ LAYERS: dict[str, set[str]] = {
     # process writes, the world), never the communicator itself: no `comm`. Its pipelined steps
     # drive the stages `PipelineStrategy.pipeline` returns (as torchtitan's trainer owns the
     # pipelined step): `pipeline`.
-    "keras": {"distribute", "pipeline", "train", "data", "nn", "recompute", "errors"},
+    # Its losses, metrics, optimizers and Model travel to a coordinator's workers by state:
+    # `shipping`'s protocol (`Portable`) only.
+    "keras": {"distribute", "pipeline", "train", "data", "nn", "recompute", "shipping", "errors"},
     # sg.nn: layers that are aware of the strategy in scope.
     "nn": {"distribute"},
     # Checkpoints: a strategy's public `strategy.extended` says whether this process writes.
     "train": {"distribute", "comm", "cluster", "errors"},
     # Strategies: replicas, values, input pipelines, over the engines below.
-    "distribute": {"pipeline", "dtensor", "comm", "cluster", "data", "config", "errors"},
+    "distribute": {
+        "pipeline",
+        "dtensor",
+        "comm",
+        "cluster",
+        "data",
+        "config",
+        "shipping",
+        "errors",
+    },
+    # Function shipping: functions by reference to each task's own copy of the program, and
+    # objects by state, as plain data (TF2's coordinator sends its functions this way).
+    "shipping": {"comm", "errors"},
     # Pipeline parallelism: stages, schedules, point-to-point sends.
     "pipeline": {"comm", "data", "errors"},
     # DTensor's meshes and layouts.

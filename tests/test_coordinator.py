@@ -1,5 +1,5 @@
-"""TF2's ClusterCoordinator: functions sent by reference (``code_refs``, in one process and a
-subprocess compiling its own copy), and one real job (1 chief, 2 workers, 1 ps, with a job
+"""TF2's ClusterCoordinator: functions sent by reference (``stratagem.shipping``, in one process
+and a subprocess compiling its own copy), and one real job (1 chief, 2 workers, 1 ps, with a job
 secret) that schedules, joins, fetches, uses a per-worker dataset, checks each error and loses a
 worker mid-function."""
 
@@ -18,9 +18,9 @@ import torch
 
 import stratagem as sg
 from cluster_utils import WORKERS, Process, child_env, free_ports
+from stratagem import shipping
 from stratagem.cluster import SimpleClusterResolver
 from stratagem.comm import plain_data
-from stratagem.distribute.coordinator import code_refs
 from stratagem.distribute.coordinator.cluster_coordinator import check_coordinator_cluster
 from stratagem.distribute.coordinator.worker import check_same_program
 
@@ -53,12 +53,12 @@ def make_functions():
 
 
 def _round_trip(fn, special=None, resolve=None):
-    describer = code_refs.Describer(root=HERE, special=special)
+    describer = shipping.Describer(root=HERE, special=special)
     ref = describer.function(fn, what="test")
     # What the chief sends is plain data: encode and decode it as the wire does.
     frame = plain_data.encode({"table": describer.functions, "ref": ref}, what="test")
     sent = plain_data.decode(frame, sender="chief", what="test")
-    rebuilder = code_refs.Rebuilder(sent["table"], root=HERE, resolve_special=resolve)
+    rebuilder = shipping.Rebuilder(sent["table"], root=HERE, resolve_special=resolve)
     return rebuilder.value(sent["ref"]), sent
 
 
@@ -86,12 +86,12 @@ def test_a_function_is_rebuilt_from_this_tasks_own_file_with_its_captures():
 def test_the_code_hash_is_the_same_in_another_process_with_other_string_hashing():
     *_, members = make_functions()
     line = members.__code__.co_firstlineno
-    # The subprocess runs code_refs' hashing alone (no torch to import: a fast "worker").
+    # The subprocess runs shipping's code hashing alone (no torch to import: a fast "worker").
     program = (
         "from __future__ import annotations\nimport hashlib, types\nfrom pathlib import Path\n"
     )
-    program += inspect.getsource(code_refs.hash_into)
-    program += inspect.getsource(code_refs.compute_code_hash)
+    program += inspect.getsource(shipping.program.hash_into)
+    program += inspect.getsource(shipping.program.compute_code_hash)
     program += (
         f"top = compile(Path({str(HERE / 'test_coordinator.py')!r}).read_bytes(), 'x', 'exec')\n"
         "def walk(c):\n"
@@ -109,26 +109,26 @@ def test_the_code_hash_is_the_same_in_another_process_with_other_string_hashing(
             timeout=120,
             check=True,
         )
-        assert out.stdout.strip() == code_refs.code_hash(members.__code__), out.stderr
+        assert out.stdout.strip() == shipping.code_hash(members.__code__), out.stderr
 
 
 def test_a_worker_refuses_a_changed_file_changed_code_and_a_module_it_may_not_import():
     _, factorial, *_ = make_functions()
-    describer = code_refs.Describer(root=HERE)
+    describer = shipping.Describer(root=HERE)
     ref = describer.function(factorial, what="test")
     desc = describer.functions[ref["ref"]]
     changed_file = {ref["ref"]: {**desc, "where": {**desc["where"], "sha": "0" * 64}}}
     with pytest.raises(ImportError, match="differs from the chief's"):
-        code_refs.Rebuilder(changed_file, root=HERE).function(ref["ref"])
+        shipping.Rebuilder(changed_file, root=HERE).function(ref["ref"])
     changed_code = {ref["ref"]: {**desc, "hash": "0" * 64}}
     with pytest.raises(ImportError, match="its code differs from the chief's"):
-        code_refs.Rebuilder(changed_code, root=HERE).function(ref["ref"])
+        shipping.Rebuilder(changed_code, root=HERE).function(ref["ref"])
     outside = {ref["ref"]: {**desc, "where": {"file": "../x.py", "sha": "0"}}}
     with pytest.raises(ValueError, match="outside the program"):
-        code_refs.Rebuilder(outside, root=HERE).function(ref["ref"])
+        shipping.Rebuilder(outside, root=HERE).function(ref["ref"])
     assert "tabnanny" not in sys.modules
     with pytest.raises(ImportError, match="'tabnanny', which this worker has not imported"):
-        code_refs.Rebuilder({}, root=HERE).value({"k": "module", "name": "tabnanny"})
+        shipping.Rebuilder({}, root=HERE).value({"k": "module", "name": "tabnanny"})
     assert "tabnanny" not in sys.modules
 
 
@@ -139,11 +139,11 @@ def test_what_cannot_be_sent_is_named_with_its_type():
         return lock.locked()
 
     with pytest.raises(TypeError, match=r"locked is a function that cannot be sent: it captures "):
-        code_refs.Describer(root=HERE).function(locked, what="locked")
+        shipping.Describer(root=HERE).function(locked, what="locked")
     namespace: dict = {}
     exec("def typed_in():\n    return 1\n", namespace)  # no file: nothing a worker could compile
     with pytest.raises(TypeError, match="typed_in is a function that cannot be sent: its code"):
-        code_refs.Describer(root=HERE).function(namespace["typed_in"], what="typed_in")
+        shipping.Describer(root=HERE).function(namespace["typed_in"], what="typed_in")
     # A special object (the coordinator's iterators) is the caller's to name and resolve.
     marker = object()
 
@@ -222,7 +222,7 @@ def test_a_coordinator_job_schedules_joins_fetches_and_names_every_error(tmp_pat
 
 
 def test_a_library_function_travels_by_name_and_a_program_function_by_file():
-    describer = code_refs.Describer(root=HERE)
+    describer = shipping.Describer(root=HERE)
     # torch's own Python function: the worker's torch holds it (its globals are torch's).
     assert describer.function(torch.nn.functional.relu, what="relu") == {
         "k": "named",
@@ -238,7 +238,7 @@ def test_a_worker_refuses_a_chief_running_another_program_or_another_copy(monkey
     script = tmp_path / "train.py"
     script.write_text("print('train')\n")
     monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script))
-    sha = code_refs.file_hash(script)
+    sha = shipping.file_hash(script)
     check_same_program("train.py", sha, me="worker 0", root=tmp_path)  # the same: accepted
     other = r"the chief runs 'other\.py' and worker 0 runs 'train\.py'"
     with pytest.raises(ValueError, match=other):

@@ -18,8 +18,8 @@ import torch
 
 import stratagem as sg
 from cluster_utils import WORKERS, Process, child_env
+from stratagem import shipping
 from stratagem.comm import plain_data
-from stratagem.distribute.coordinator import code_refs
 from stratagem.distribute.ps import chief_reads
 
 HERE = Path(__file__).resolve().parent
@@ -42,11 +42,11 @@ class Block(torch.nn.Module):
 
 
 def _send(value, special=None, resolve=None, classes=None):
-    describer = code_refs.Describer(root=HERE, special=special)
+    describer = shipping.Describer(root=HERE, special=special)
     entry = describer.value(value, owner="test", name="value")
     frame = plain_data.encode({"table": describer.functions, "entry": entry}, what="test")
     sent = plain_data.decode(frame, sender="chief", what="test")
-    rebuilder = code_refs.Rebuilder(
+    rebuilder = shipping.Rebuilder(
         sent["table"], root=HERE, resolve_special=resolve, classes=classes
     )
     return rebuilder.value(sent["entry"]), describer, rebuilder
@@ -85,13 +85,13 @@ def test_a_model_optimizer_loss_and_metric_travel_by_state_and_a_metric_totals_b
     # The metric starts empty on the worker; its totals come back and add to the chief's.
     assert float(metric2.result()) == 0.0
     metric2.update_state(y, torch.eye(2)[[0, 0, 1, 1]])  # 2 of 4 right
-    code_refs.add_totals(describer.accumulators, code_refs.totals_of(rebuilder.accumulators))
+    shipping.add_totals(describer.accumulators, shipping.totals_of(rebuilder.accumulators))
     assert metric.state_dict()["count"] == 5 and float(metric.result()) == pytest.approx(3 / 5)
     # A second call makes the same class (one class per worker, so isinstance holds).
     (b3, *_), _, _ = _send([block, optimizer, loss, metric], special, resolve, classes)
     assert type(b3) is type(b2)
     with pytest.raises(ValueError, match="sent totals for 'o9'"):
-        code_refs.add_totals(describer.accumulators, {"o9": torch.zeros(2)})
+        shipping.add_totals(describer.accumulators, {"o9": torch.zeros(2)})
 
 
 def test_what_may_not_be_made_on_a_worker_is_refused():
@@ -104,7 +104,7 @@ def test_what_may_not_be_made_on_a_worker_is_refused():
         }
     }
     with pytest.raises(ValueError, match="not made here"):
-        code_refs.Rebuilder(table, root=HERE).value({"k": "object", "ref": "o0"})
+        shipping.Rebuilder(table, root=HERE).value({"k": "object", "ref": "o0"})
 
     def local_class():
         class Inner(torch.nn.Module):
@@ -117,7 +117,7 @@ def test_what_may_not_be_made_on_a_worker_is_refused():
     with pytest.raises(
         TypeError, match=r"defined inside a function and reads its locals \['offset'\]"
     ):
-        code_refs.Describer(root=HERE).value(local_class(), owner="f", name="m")
+        shipping.Describer(root=HERE).value(local_class(), owner="f", name="m")
 
 
 def test_the_chiefs_read_hook_refreshes_stays_on_the_chief_and_survives_copies():

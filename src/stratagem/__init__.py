@@ -27,6 +27,7 @@ _SUBPACKAGES = (
     "launch",
     "nn",
     "saved_model",
+    "shipping",
     "train",
     "tune",
 )

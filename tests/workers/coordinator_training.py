@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import stratagem as sg
-from stratagem.distribute.coordinator import code_refs
+from stratagem import shipping
 
 OUT = Path(sys.argv[1])
 MODE = sys.argv[2]
@@ -191,13 +191,13 @@ def metric_totals_before_fetch() -> tuple[float, list[int]]:
         total = sg.keras.metrics.Sum()
     counted: list = []
     ready_at_merge: list[int] = []
-    merge = code_refs.add_totals
+    merge = shipping.add_totals
 
     def watched_merge(accumulators, totals):
         ready_at_merge.append(sum("pending" not in repr(v) for v in counted))
         merge(accumulators, totals)
 
-    code_refs.add_totals = watched_merge
+    shipping.add_totals = watched_merge
     try:
         for _ in range(2):
             counted.append(coordinator.schedule(count_one, args=(total,)))
@@ -205,7 +205,7 @@ def metric_totals_before_fetch() -> tuple[float, list[int]]:
         after_fetch = float(total.result())
         coordinator.join()
     finally:
-        code_refs.add_totals = merge
+        shipping.add_totals = merge
     return after_fetch, ready_at_merge
 
 

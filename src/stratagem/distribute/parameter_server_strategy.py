@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -201,6 +202,11 @@ class ParameterServerExtended(StrategyExtended):
         )
 
     @property
+    def coordinator_seam(self) -> CoordinatorSeam:
+        """What TF2's coordinator (the chief, its worker tasks) uses of this strategy."""
+        return CoordinatorSeam(self)
+
+    @property
     def parameter_devices(self) -> tuple[str, ...]:
         return tuple(self.client.ps_names)
 
@@ -282,6 +288,68 @@ class ParameterServerExtended(StrategyExtended):
             num_replicas_in_sync=1,
         )
         return DistributedDatasetFromFunction(self, dataset_fn, ctx, options)
+
+
+class CoordinatorSeam:
+    """What TF2's coordinator uses of a ``ParameterServerStrategy``, and nothing else: on the
+    chief (``ClusterCoordinator``) and on a worker task serving it (``sg.distribute.Server``).
+    ``strategy.extended.coordinator_seam``; a worker task's strategy is made by
+    ``CoordinatorSeam.for_worker_task``."""
+
+    def __init__(self, extended: ParameterServerExtended) -> None:
+        self._extended = extended
+        self._client = extended.client
+
+    @staticmethod
+    def for_worker_task(resolver: ClusterResolver, world: RpcWorld) -> CoordinatorSeam:
+        """A coordinator's worker task's own strategy (in the world its server joined), whose
+        functions compute on copies of the chief's variables."""
+        strategy = ParameterServerStrategy(resolver, _world=world)
+        extended = strategy.extended
+        assert isinstance(extended, ParameterServerExtended)
+        return extended.coordinator_seam
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._extended.strategy
+
+    @property
+    def world(self) -> RpcWorld:
+        """Every task of the job: addresses, liveness, incarnations, the job's secret."""
+        return self._extended.world
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's index among the W worker tasks (its input pipeline)."""
+        return self._extended.worker_index
+
+    @property
+    def compression(self) -> str | None:
+        return self._client.rule.compression
+
+    def use_compression(self, compression: str | None) -> None:
+        """A worker task: push and pull as the chief's strategy does (told in its hello)."""
+        if compression not in (None, "bf16"):
+            raise ValueError(f"compression must be None or 'bf16'; the chief sent {compression!r}")
+        self._client.rule = dataclasses.replace(self._client.rule, compression=compression)
+
+    def shards_of(self, tensor: torch.Tensor) -> list[Shard] | None:
+        """Where a variable's rows live on the ps (None for a tensor that is not one)."""
+        return self._client.shards_of(tensor)
+
+    def bind_variable(
+        self, shards: list[Shard], shape: tuple[int, ...], dtype: torch.dtype, trainable: bool
+    ) -> torch.Tensor:
+        """A worker task: its one copy of the chief's variable in ``shards``."""
+        return self._extended.bind_variable(shards, shape, dtype, trainable)[0]
+
+    def pull(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """These copies (all by default) as the ps has them now."""
+        self._client.pull(params)
+
+    def finish(self) -> None:
+        """A worker task, when the chief is done: tell each ps, hang up, leave."""
+        self._client.finish()
 
 
 def _check_options(

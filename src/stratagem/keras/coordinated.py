@@ -14,7 +14,7 @@ their own datasets; callbacks run on the chief. As there:
   once, when its value is set).
 
 The functions scheduled here (``train_steps``, ``test_batches``) are this module's: a worker
-runs its own copy of them on the model rebuilt from the chief's state (``code_refs``).
+runs its own copy of them on the model rebuilt from the chief's state (``stratagem.shipping``).
 """
 
 from __future__ import annotations

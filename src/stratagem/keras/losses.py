@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stratagem.distribute.coordinator.code_refs import Portable
+from stratagem.shipping.portable import Portable
 
 
 class Reduction(enum.Enum):

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from stratagem.distribute import ReduceOp, Strategy, get_strategy
-from stratagem.distribute.coordinator.code_refs import Portable
 from stratagem.distribute.machinery.context import current_replica
+from stratagem.shipping.portable import Portable
 
 
 class Metric(Portable):

@@ -27,7 +27,6 @@ import torch
 
 from stratagem import nn as sg_nn
 from stratagem.distribute import ReduceOp, Strategy, get_strategy, has_strategy
-from stratagem.distribute.coordinator.code_refs import Portable
 from stratagem.distribute.machinery.scope_hooks import owner_of
 from stratagem.distribute.pipeline_strategy import PipelineStrategy
 from stratagem.keras import callbacks as callbacks_module
@@ -38,6 +37,7 @@ from stratagem.keras.mixed_precision import LossScaleOptimizer
 from stratagem.keras.mixed_precision import policy as dtype_policies
 from stratagem.keras.pipeline_steps import KerasPipeline
 from stratagem.recompute import recompute_grad
+from stratagem.shipping.portable import Portable
 from stratagem.train import Checkpoint, latest_checkpoint
 from stratagem.train.storage import is_checkpoint
 

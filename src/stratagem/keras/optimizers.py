@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from stratagem.distribute.coordinator.code_refs import Portable
+from stratagem.shipping.portable import Portable
 
 
 class Optimizer(Portable):

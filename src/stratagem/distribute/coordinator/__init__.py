@@ -1,5 +1,5 @@
 """``sg.distribute.coordinator``: TF2's ``ClusterCoordinator`` (the chief schedules functions
-that worker tasks run; functions travel by reference, see ``code_refs``)."""
+that worker tasks run; functions travel by reference, see ``stratagem.shipping``)."""
 
 from stratagem.distribute.coordinator.cluster_coordinator import (
     CancelledError,

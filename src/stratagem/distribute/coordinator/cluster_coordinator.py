@@ -7,8 +7,8 @@ TF2's parameter-server training: the chief (the coordinator) runs the training l
    and checks that the worker runs the same program (``hello``). One dispatch thread per worker
    takes the next function from the shared queue: one function in flight per worker.
 2. ``schedule(fn, args, kwargs)`` describes ``fn`` and its arguments by reference
-   (``code_refs``: what cannot be sent is a ``TypeError`` here, in the caller), queues it and
-   returns a ``RemoteValue`` at once.
+   (``stratagem.shipping``: what cannot be sent is a ``TypeError`` here, in the caller),
+   queues it and returns a ``RemoteValue`` at once.
 3. Per-worker resources (``create_per_worker_dataset``, ``iter`` of one) are a log every
    worker replays, in order, before its next function: a per-worker iterator passed to
    ``schedule`` is each worker's own.
@@ -37,11 +37,11 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from stratagem import shipping
 from stratagem.cluster import is_coordinated
 from stratagem.cluster.tasks import restart_workers_of
 from stratagem.comm.messages import Connection
 from stratagem.comm.process_group import Timeouts
-from stratagem.distribute.coordinator import code_refs
 from stratagem.distribute.machinery import scope_hooks
 from stratagem.errors import CollectiveTimeoutError, PeerLostError
 
@@ -202,7 +202,8 @@ class ClusterCoordinator:
                 "default mode='async'"
             )
         self.strategy = strategy
-        world = strategy.extended.world
+        self._seam = strategy.extended.coordinator_seam
+        world = self._seam.world
         self._world = world
         self._lock = threading.Condition()
         self._queue: collections.deque[_Closure] = collections.deque()
@@ -218,12 +219,12 @@ class ClusterCoordinator:
         self._finished = 0
         self._fresh = 0
         self._pull_lock = threading.Lock()
-        program = code_refs.program_file()
-        root = code_refs.program_root()
+        program = shipping.program_file()
+        root = shipping.program_root()
         hello: list[Any] = [None, None]
         if program is not None:
-            hello = [program.relative_to(root).as_posix(), code_refs.file_hash(program)]
-        hello.append(strategy.extended.client.rule.compression)
+            hello = [program.relative_to(root).as_posix(), shipping.file_hash(program)]
+        hello.append(self._seam.compression)
         self._hello = hello  # said again to a worker that rejoins
         self._incarnations = dict(world.incarnations)  # of the workers connected to
         # The launcher restarts lost workers (--restart-workers): losing all is not the end.
@@ -254,8 +255,8 @@ class ClusterCoordinator:
         self._raise_if_error()
         # Variables created in a scope still open are made on the ps before a function uses them.
         self.strategy.extended.adopt_pending()
-        name = code_refs.source_line(fn)
-        describer = code_refs.Describer(special=self._special)
+        name = shipping.source_line(fn)
+        describer = shipping.Describer(special=self._special)
         ref = describer.function(fn, what=name)
         call_args = [
             describer.value(a, owner=name, name=f"argument {i}") for i, a in enumerate(args)
@@ -309,8 +310,8 @@ class ClusterCoordinator:
 
     def create_per_worker_dataset(self, dataset_fn: Callable[[], Any]) -> PerWorkerDataset:
         """Have every worker build ``dataset_fn()`` (sent by reference, run on each worker)."""
-        name = code_refs.source_line(dataset_fn)
-        describer = code_refs.Describer(special=self._special)
+        name = shipping.source_line(dataset_fn)
+        describer = shipping.Describer(special=self._special)
         ref = describer.function(dataset_fn, what=name)
         with self._lock:
             self._next_id += 1
@@ -351,8 +352,7 @@ class ClusterCoordinator:
         """A variable on the ps goes as its shards (the worker binds its copy to them); a
         buffer of a module built in the scope as a key and its value (the worker's own from
         then on); any other tensor by value (None: the describer's default)."""
-        extended = self.strategy.extended
-        shards = extended.client.shards_of(value)
+        shards = self._seam.shards_of(value)
         if shards is not None:
             return {
                 "variable": [
@@ -402,7 +402,7 @@ class ClusterCoordinator:
             return
         with self._pull_lock:  # one pull at a time; a read that waited finds it done
             if finished > self._fresh:
-                self.strategy.extended.client.pull()
+                self._seam.pull()
                 self._fresh = finished
 
     def _refresh_when_idle(self) -> None:
@@ -535,7 +535,7 @@ class ClusterCoordinator:
                 def merge() -> None:
                     # Once per function (a rerun's totals never count twice), and before the
                     # value is seen: a metric read after fetch() includes this function.
-                    code_refs.add_totals(closure.accumulators, totals)
+                    shipping.add_totals(closure.accumulators, totals)
                     self.completed += 1
 
                 closure.value._settle(outcome["value"], merge=merge)

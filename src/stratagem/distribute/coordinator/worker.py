@@ -7,10 +7,11 @@ says goodbye or ends; then it tells each ps it is done, as a between-graph worke
 
 Its method table is fixed: ``hello`` (the chief's program file must hash as this task's own),
 ``make_dataset`` / ``make_iterator`` (per-worker datasets), ``run`` (a scheduled function) and
-``goodbye``. Functions arrive as references (``code_refs``): this task compiles them from its
-own copy of the program. A function runs on a thread of its own, so the chief's connection keeps
-getting "waiting" notes while it runs (a long function is not a silent worker). What it returns
-must be plain data; what it raises comes back as its type, message and traceback text.
+``goodbye``. Functions arrive as references (``stratagem.shipping``): this task compiles them
+from its own copy of the program. A function runs on a thread of its own, so the chief's
+connection keeps getting "waiting" notes while it runs (a long function is not a silent worker).
+What it returns must be plain data; what it raises comes back as its type, message and
+traceback text.
 
 The model, optimizer, loss and metrics a function captures arrive by state and are rebuilt for
 each call. Their parameters are the chief's variables on the ps: this worker keeps one copy of
@@ -23,7 +24,6 @@ its totals go back with the value, and the chief adds them to its own.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 import traceback
@@ -34,12 +34,12 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from stratagem import shipping
 from stratagem.cluster import ClusterResolver
 from stratagem.comm import plain_data
 from stratagem.comm.messages import Later
 from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import rpc_name, serve_and_join
-from stratagem.distribute.coordinator import code_refs
 from stratagem.distribute.partitioners import Shard
 
 _current_worker_index: int | None = None
@@ -61,14 +61,14 @@ def check_same_program(program: Any, sha: Any, *, me: str, root: Path) -> None:
     task's: a function reference means the same code only in the same program."""
     if program is None:
         return  # the chief has no program file (a notebook): each reference's file is checked
-    mine = code_refs.program_file()
+    mine = shipping.program_file()
     name = mine.relative_to(root).as_posix() if mine is not None else None
     if name != program:
         raise ValueError(
             f"the chief runs {program!r} and {me} runs {name or 'no program file'!r}: every "
             "task of a job runs one program"
         )
-    if code_refs.file_hash(mine) != sha:
+    if shipping.file_hash(mine) != sha:
         raise ValueError(
             f"{me}'s copy of {program} differs from the chief's: every task must run the same "
             "program"
@@ -99,7 +99,7 @@ class WorkerServer:
         timeouts = Timeouts.from_env()
         self.address = spec.task_address("worker", task_id)
         self.me = f"worker {task_id} ({self.address})"
-        self.root = code_refs.program_root()
+        self.root = shipping.program_root()
         self._datasets: dict[int, Any] = {}
         self._iterators: dict[int, Iterator[Any]] = {}
         self._classes: dict[tuple, type] = {}  # the program's classes made here, per worker
@@ -116,13 +116,13 @@ class WorkerServer:
             operation_timeout=timeouts.operation,
             rendezvous_timeout=timeouts.rendezvous,
         )
-        from stratagem.distribute.parameter_server_strategy import ParameterServerStrategy
+        from stratagem.distribute.parameter_server_strategy import CoordinatorSeam
 
         # The strategy scheduled functions see (``strategy`` captured on the chief): one
         # replica, the chief's variables on the ps, pushes applied there.
-        self._strategy = ParameterServerStrategy(resolver, _world=self.world)
+        self._seam = CoordinatorSeam.for_worker_task(resolver, self.world)
         # Its index among the W workers (its input pipeline), as the strategy reads it.
-        self.worker_index = self._strategy.extended.worker_index
+        self.worker_index = self._seam.worker_index
         _current_worker_index = self.worker_index
         self._ready.set_result(None)
 
@@ -148,19 +148,16 @@ class WorkerServer:
 
     def _greet(self, program: Any, sha: Any, compression: Any) -> dict[str, Any]:
         check_same_program(program, sha, me=self.me, root=self.root)
-        client = self._strategy.extended.client
-        if compression not in (None, "bf16"):
-            raise ValueError(f"compression must be None or 'bf16'; the chief sent {compression!r}")
-        client.rule = dataclasses.replace(client.rule, compression=compression)
+        self._seam.use_compression(compression)
         return {"worker_index": self.worker_index}
 
     def _resolve(self, entry: dict[str, Any], pull: list[torch.Tensor]) -> Any:
         if "variable" in entry:
             shards = [Shard(*(int(x) for x in s)) for s in entry["variable"]]
-            p, _ = self._strategy.extended.bind_variable(
+            p = self._seam.bind_variable(
                 shards,
                 tuple(int(n) for n in entry["shape"]),
-                code_refs.dtype_named(str(entry["dtype"])),
+                shipping.dtype_named(str(entry["dtype"])),
                 bool(entry["trainable"]),
             )
             pull.append(p)
@@ -176,13 +173,13 @@ class WorkerServer:
         if "dataset" in entry:
             return self._datasets[int(entry["dataset"])]
         if "strategy" in entry:
-            return self._strategy
+            return self._seam.strategy
         if "coordinator" in entry:
             return CoordinatorOnWorker(self.me)
         raise ValueError(f"unknown reference {entry!r}")
 
-    def _rebuilder(self, table: Any, pull: list[torch.Tensor]) -> code_refs.Rebuilder:
-        return code_refs.Rebuilder(
+    def _rebuilder(self, table: Any, pull: list[torch.Tensor]) -> shipping.Rebuilder:
+        return shipping.Rebuilder(
             table,
             root=self.root,
             resolve_special=lambda entry: self._resolve(entry, pull),
@@ -233,10 +230,10 @@ class WorkerServer:
             call_args = [rebuilder.value(a) for a in args]
             call_kwargs = {k: rebuilder.value(v) for k, v in kwargs.items()}
             if pull:  # the variables' current values (other workers have pushed since)
-                self._strategy.extended.client.pull(list({id(p): p for p in pull}.values()))
+                self._seam.pull(list({id(p): p for p in pull}.values()))
             self.functions_run += 1
             value = fn(*call_args, **call_kwargs)
-            return {"value": value, "totals": code_refs.totals_of(rebuilder.accumulators)}
+            return {"value": value, "totals": shipping.totals_of(rebuilder.accumulators)}
 
         return self._in_thread(body, f"the scheduled function {closure_id}")
 
@@ -255,6 +252,6 @@ class WorkerServer:
             # Tell each ps this worker is done (a stuck ps is named after the operation
             # timeout), hang up, and leave the world.
             try:
-                self._strategy.extended.client.finish()
+                self._seam.finish()
             finally:
                 self.server.close()

@@ -9,8 +9,9 @@ comparison). ``join()`` and ``fetch()`` refresh too, for reads that pass no modu
 (``p.detach()``, ``torch.save(model)``).
 
 The hook is this process's own: a module described for a worker travels without it
-(``code_refs`` leaves out hooks marked ``_sg_local``), a copy of the module (``deepcopy``)
-shares it, and a pickled module (``torch.save`` of a whole module) carries an inert one.
+(``stratagem.shipping`` leaves out a ``StaysHere`` hook), a copy of the module
+(``deepcopy``) shares it, and a pickled module (``torch.save`` of a whole module) carries an
+inert one.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ from typing import Any
 
 import torch
 
+from stratagem.shipping.portable import StaysHere
+
 _watched: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
-class ReadHook:
+class ReadHook(StaysHere):
     """Calls ``refresh`` before a forward (a forward pre-hook) and a ``state_dict`` (a
     state-dict pre-hook); inert when ``refresh`` is None (an unpickled copy)."""
-
-    _sg_local = True  # never described for a worker: the worker's copies pull on their own
 
     def __init__(self, refresh: Callable[[], None] | None) -> None:
         self._refresh = refresh

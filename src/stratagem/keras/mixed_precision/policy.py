@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from stratagem.distribute.coordinator.code_refs import Portable
+from stratagem.shipping.portable import Portable
 
 _DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,

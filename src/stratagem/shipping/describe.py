@@ -1,0 +1,324 @@
+"""The chief's side of function shipping: a function and what it captures, as a table of
+plain data (``Describer``) that a worker's ``Rebuilder`` turns back into a function of its own
+copy of the program.
+
+Each global name the function's code loads, each closure cell and each default is
+
+- a module, by name (the worker imports only modules it has imported already or the program's
+  own files);
+- a function, by reference (recursively; cycles allowed), or a class or builtin by
+  ``module.qualname``;
+- a tensor or plain data (``comm.plain_data``), by value; lists, tuples and dicts of these;
+- an object *by state* (``portable``): a ``torch.nn.Module``, a ``torch.optim.Optimizer`` or a
+  ``Portable`` object; the same object described twice is one object there;
+- a class of the program's main file, by its class body; other classes, enum members, dtypes and
+  devices by name;
+- whatever the caller's ``special`` hook names (the coordinator's per-worker iterators, its
+  strategy, the ps variables): the worker's ``resolve_special`` gives its own object for it.
+
+Anything else is a ``TypeError`` naming the function, the captured name and its type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import enum
+import inspect
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.comm import plain_data
+from stratagem.shipping.portable import (
+    MODULE_DEFAULTS,
+    StaysHere,
+    accumulates,
+    portable_kind,
+    state_of,
+)
+from stratagem.shipping.program import (
+    class_body,
+    code_hash,
+    compiled,
+    file_hash,
+    fn_name,
+    global_names,
+    is_named,
+    program_root,
+    reachable,
+    unwrap,
+)
+
+Special = Callable[[Any], dict[str, Any] | None]
+
+_PLAIN = (type(None), bool, int, float, str)
+_in_program_cache: dict[tuple[type, Path], bool] = {}
+# A module's hook dictionaries: those of this process's own hooks (``StaysHere``) are
+# described without them.
+_HOOK_DICTS = {k for k, v in MODULE_DEFAULTS.items() if k.endswith("hooks") and v == {}}
+
+
+class Describer:
+    """Builds the table of plain data that ``rebuild`` turns back into functions."""
+
+    def __init__(self, *, root: Path | None = None, special: Special | None = None) -> None:
+        self.root = (root or program_root()).resolve()
+        self.special = special or (lambda value: None)
+        self.functions: dict[str, dict[str, Any]] = {}  # the table: functions, objects, classes
+        self._keys: dict[int, str] = {}
+        self._keep: list[Any] = []  # the described objects: their ids stay theirs
+        self.accumulators: dict[str, Any] = {}  # table key -> an object whose totals come back
+
+    def function(self, fn: Any, *, what: str) -> dict[str, Any]:
+        """A reference to ``fn`` (a capture entry); ``what`` names it in errors."""
+        fn = unwrap(fn)
+        if not isinstance(fn, types.FunctionType):
+            return self.value(fn, owner=what, name="the function itself")
+        key = self._keys.get(id(fn))
+        if key is not None:
+            return {"k": "function", "ref": key}
+        module, qualname = fn.__module__, fn.__qualname__
+        path = Path(fn.__code__.co_filename)
+        if (
+            isinstance(module, str)
+            and module != "__main__"
+            and reachable(module, qualname) is fn
+            and not (path.is_file() and path.resolve().is_relative_to(self.root))
+        ):
+            # A library's function (torch's, ours): the worker's own module holds it, with the
+            # module's own globals (which need not be plain data).
+            return {"k": "named", "module": module, "qualname": qualname}
+        key = str(len(self.functions))
+        self._keys[id(fn)] = key
+        self._keep.append(fn)
+        name = fn_name(fn)
+        code = fn.__code__
+        desc: dict[str, Any] = {
+            "name": fn.__name__,
+            "qualname": code.co_qualname,
+            "line": code.co_firstlineno,
+            "hash": code_hash(code),
+            "module": str(fn.__globals__.get("__name__", "__main__")),
+        }
+        self.functions[key] = desc  # before the captures: a function may capture itself
+        desc["where"] = self._where(fn, name)
+        desc["globals"] = {
+            g: self.value(fn.__globals__[g], owner=name, name=g)
+            for g in global_names(code)
+            if g in fn.__globals__
+        }
+        cells = fn.__closure__ or ()
+        desc["closure"] = [
+            self.value(_cell(c, name, v), owner=name, name=v)
+            for c, v in zip(cells, code.co_freevars, strict=True)
+        ]
+        desc["defaults"] = [
+            self.value(d, owner=name, name=f"a default of {fn.__name__}")
+            for d in fn.__defaults__ or ()
+        ]
+        desc["kwdefaults"] = {
+            k: self.value(d, owner=name, name=f"the default of {k}")
+            for k, d in (fn.__kwdefaults__ or {}).items()
+        }
+        return {"k": "function", "ref": key}
+
+    def _where(self, fn: types.FunctionType, name: str) -> dict[str, Any]:
+        path = Path(fn.__code__.co_filename)
+        module = str(fn.__globals__.get("__name__", "__main__"))
+        if path.is_file():
+            resolved = path.resolve()
+            if resolved.is_relative_to(self.root):
+                return {"file": resolved.relative_to(self.root).as_posix(), "sha": file_hash(path)}
+            if module != "__main__" and getattr(sys.modules.get(module), "__file__", None):
+                return {"import": module, "sha": file_hash(path)}
+        raise TypeError(
+            f"{name} is a function that cannot be sent: its code is in {str(path)!r}, which is "
+            f"neither a file of the program (under {self.root.name}/) nor an importable module; "
+            "a worker runs only code from its own copy of the program (define the function in "
+            "the script or a module of it, not in a REPL or with exec)"
+        )
+
+    def value(self, value: Any, *, owner: str, name: str) -> dict[str, Any]:
+        """A capture entry for ``value``, read by ``owner`` as ``name``."""
+        special = self.special(value)
+        if special is not None:
+            return {"k": "special", "v": special}
+        if isinstance(value, _PLAIN):
+            return {"k": "value", "v": value}
+        if isinstance(value, torch.Tensor):
+            plain_data.check(value, what=f"{name} of {owner}")
+            return {"k": "value", "v": value}
+        if isinstance(value, types.ModuleType):
+            return {"k": "module", "name": value.__name__}
+        if isinstance(value, list | tuple):
+            items = [self.value(v, owner=owner, name=f"{name}[{i}]") for i, v in enumerate(value)]
+            return {"k": type(value).__name__, "items": items}
+        if type(value) is dict and all(isinstance(k, str) for k in value):
+            items = {k: self.value(v, owner=owner, name=f"{name}[{k!r}]") for k, v in value.items()}
+            return {"k": "dict", "items": items}
+        if type(value) in (dict, collections.OrderedDict):  # keys of plain data (hook handles)
+            pairs = [
+                [self.value(k, owner=owner, name=f"a key of {name}"),
+                 self.value(v, owner=owner, name=f"{name}[{k!r}]")]
+                for k, v in value.items()
+            ]  # fmt: skip
+            return {"k": "pairs", "ordered": type(value) is not dict, "items": pairs}
+        if type(value) in (set, frozenset):
+            items = [self.value(v, owner=owner, name=f"an item of {name}") for v in value]
+            return {"k": type(value).__name__, "items": items}
+        if type(value) in (argparse.Namespace, types.SimpleNamespace):  # a script's options
+            items = {
+                k: self.value(v, owner=owner, name=f"{name}.{k}") for k, v in vars(value).items()
+            }
+            return {"k": "namespace", "argparse": type(value) is argparse.Namespace, "items": items}
+        if isinstance(value, torch.dtype):
+            return {"k": "dtype", "name": str(value).removeprefix("torch.")}
+        if isinstance(value, torch.device):
+            return {"k": "device", "v": str(value)}
+        if isinstance(unwrap(value), types.FunctionType):
+            return self.function(value, what=f"{name} of {owner}")
+        if isinstance(value, enum.Enum) and is_named(type(value)):
+            member = f"{type(value).__qualname__}.{value.name}"
+            return {"k": "named", "module": type(value).__module__, "qualname": member}
+        if isinstance(value, type):
+            if is_named(value) and not self._in_program(value):
+                return {"k": "named", "module": value.__module__, "qualname": value.__qualname__}
+            return self._class(value, owner=owner, name=name)
+        if portable_kind(value) is not None:
+            return self._object(value, owner=owner, name=name)
+        if is_named(value):
+            return {"k": "named", "module": value.__module__, "qualname": value.__qualname__}
+        kind = type(value)
+        raise TypeError(
+            f"{owner} is a function that cannot be sent: it captures {name!r}, a "
+            f"{kind.__module__}.{kind.__qualname__}. A scheduled function may capture modules, "
+            "functions, classes, tensors, plain data (None, bool, int, float, str, lists, tuples, "
+            "dicts, sets, argparse namespaces), torch modules and optimizers, Keras losses, "
+            "metrics and optimizers (by state), per-worker iterators and the coordinator's "
+            "strategy"
+        )
+
+    # -------------------------------------------------------------- objects and classes
+
+    def _in_program(self, cls: type) -> bool:
+        """Whether ``cls`` is defined in a file of the program (not an installed library)."""
+        known = _in_program_cache.get((cls, self.root))
+        if known is not None:
+            return known
+        try:
+            inside = Path(inspect.getfile(cls)).resolve().is_relative_to(self.root)
+        except (TypeError, OSError):
+            inside = False
+        _in_program_cache[(cls, self.root)] = inside
+        return inside
+
+    def _object(self, value: Any, *, owner: str, name: str) -> dict[str, Any]:
+        """An object by state: a table entry made once per object (shared and cyclic
+        references stay one object on the worker)."""
+        key = self._keys.get(id(value))
+        if key is not None:
+            return {"k": "object", "ref": key}
+        kind = portable_kind(value)
+        key = f"o{len(self.functions)}"
+        self._keys[id(value)] = key
+        self._keep.append(value)
+        desc: dict[str, Any] = {"kind": kind}
+        self.functions[key] = desc  # before the state: the state may refer back to it
+        desc["class"] = self.value(type(value), owner=owner, name=f"the class of {name}")
+        if kind == "module":
+            # Empty hooks and the like are left out; the worker puts back fresh empty ones.
+            # So are this process's own hooks (``StaysHere``: the chief's read hooks).
+            state = {
+                k: v
+                for k, v in ((k, _without_local_hooks(k, v)) for k, v in vars(value).items())
+                if not (
+                    k in MODULE_DEFAULTS and (v is None or (isinstance(v, dict | set) and not v))
+                )
+            }
+        elif kind == "optimizer":
+            state = {k: v for k, v in vars(value).items() if k != "state"}  # state: on the ps
+        else:
+            state = state_of(value)
+        desc["state"] = {
+            k: self.value(v, owner=owner, name=f"{name}.{k}") for k, v in state.items()
+        }
+        if accumulates(value):
+            self.accumulators[key] = value
+        return {"k": "object", "ref": key}
+
+    def _class(self, cls: type, *, owner: str, name: str) -> dict[str, Any]:
+        """A class of the program's own files, by its class body (the worker runs the body of
+        its own copy to make the class)."""
+        key = self._keys.get(id(cls))
+        if key is not None:
+            return {"k": "class", "ref": key}
+        what = f"class {cls.__qualname__} (captured as {name!r} by {owner})"
+        try:
+            path = Path(inspect.getfile(cls)).resolve()
+            line = inspect.getsourcelines(cls)[1]
+        except (TypeError, OSError) as e:
+            raise TypeError(f"{what} cannot be sent: its source is not in a file ({e})") from None
+        if not path.is_relative_to(self.root):
+            raise TypeError(f"{what} cannot be sent: {path.name} is not a file of the program")
+        body = class_body(compiled(path, file_hash(path)), cls.__qualname__, line)
+        if body is None:
+            raise TypeError(f"{what} cannot be sent: no class body at line {line} of {path.name}")
+        if body.co_freevars:
+            raise TypeError(
+                f"{what} cannot be sent: it is defined inside a function and reads its locals "
+                f"{list(body.co_freevars)}; define it at the top level of the program"
+            )
+        key = f"c{len(self.functions)}"
+        self._keys[id(cls)] = key
+        self._keep.append(cls)
+        module = str(cls.__module__)
+        desc: dict[str, Any] = {
+            "kind": "class",
+            "name": cls.__name__,
+            "qualname": cls.__qualname__,
+            "line": line,
+            "hash": code_hash(body),
+            "module": module,
+            "where": {"file": path.relative_to(self.root).as_posix(), "sha": file_hash(path)},
+        }
+        self.functions[key] = desc
+        glob = vars(sys.modules[module]) if module in sys.modules else {}
+        desc["bases"] = [
+            self.value(b, owner=owner, name=f"a base of {cls.__qualname__}") for b in cls.__bases__
+        ]
+        desc["metaclass"] = (
+            None
+            if type(cls) is type
+            else self.value(type(cls), owner=owner, name=f"the metaclass of {cls.__qualname__}")
+        )
+        desc["globals"] = {
+            g: self.value(glob[g], owner=f"class {cls.__qualname__}", name=g)
+            for g in global_names(body)
+            if g in glob and glob[g] is not cls
+        }
+        return {"k": "class", "ref": key}
+
+
+def _without_local_hooks(name: str, value: Any) -> Any:
+    """A module attribute as described: a hook dictionary without the hooks that belong to
+    this process (marked ``StaysHere``); anything else as it is."""
+    if name not in _HOOK_DICTS or not isinstance(value, dict):
+        return value
+    if not any(isinstance(h, StaysHere) for h in value.values()):
+        return value
+    return type(value)((k, h) for k, h in value.items() if not isinstance(h, StaysHere))
+
+
+def _cell(cell: types.CellType, owner: str, name: str) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        raise TypeError(
+            f"{owner} is a function that cannot be sent: its closure variable {name!r} has no "
+            "value yet"
+        ) from None

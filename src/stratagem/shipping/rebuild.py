@@ -1,0 +1,247 @@
+"""A worker's side of function shipping: a ``Describer`` table turned back into functions,
+objects and classes, from this task's own copy of the program.
+
+The worker compiles **its own copy** of each file a function names (nothing is executed), finds
+the code object by qualname and line, checks the hash and builds the function with
+``types.FunctionType``; so it runs only code on its own disk, and the chief merely picks which.
+Objects are ``cls.__new__(cls)`` of a module, optimizer or ``Portable`` class with the described
+state set (only these kinds are ever made); the program's classes are built from their class
+bodies (``__build_class__``), once per worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import collections
+import importlib
+import importlib.util
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stratagem.shipping.portable import MODULE_DEFAULTS, Portable, accumulates, set_state
+from stratagem.shipping.program import (
+    class_body,
+    code_hash,
+    compiled,
+    nested,
+    program_root,
+    reachable,
+    same_copy,
+)
+
+ResolveSpecial = Callable[[dict[str, Any]], Any]
+
+# Packages a worker imports a module of when a function needs one it has not imported yet: the
+# ones it runs on anyway (importing their modules runs nothing a peer chose).
+_OUR_PACKAGES = frozenset({"stratagem", "torch"})
+
+
+class Rebuilder:
+    """Turns a ``Describer`` table back into functions, from this task's own files."""
+
+    def __init__(
+        self,
+        functions: dict[str, Any],
+        *,
+        root: Path | None = None,
+        resolve_special: ResolveSpecial | None = None,
+        classes: dict[tuple, type] | None = None,
+    ) -> None:
+        self.root = (root or program_root()).resolve()
+        self.table = functions
+        self.resolve_special = resolve_special or _no_special
+        self._built: dict[str, Any] = {}  # table key -> the function, object or class made
+        # The program's classes made so far, by (file, qualname, line, hash): the worker keeps
+        # one across calls, so that an object of a later call is an instance of the same class.
+        self._classes = classes if classes is not None else {}
+        self.accumulators: dict[str, Any] = {}  # table key -> an accumulator made here
+
+    def value(self, entry: Any) -> Any:
+        if not isinstance(entry, dict) or "k" not in entry:
+            raise ValueError(f"a capture entry is a dict with 'k'; got {entry!r}")
+        kind = entry["k"]
+        if kind == "value":
+            return entry["v"]
+        if kind == "list":
+            return [self.value(v) for v in entry["items"]]
+        if kind == "tuple":
+            return tuple(self.value(v) for v in entry["items"])
+        if kind == "dict":
+            return {k: self.value(v) for k, v in entry["items"].items()}
+        if kind == "module":
+            return self._module(str(entry["name"]))
+        if kind == "named":
+            if any(part.startswith("__") for part in str(entry["qualname"]).split(".")):
+                raise ValueError(f"a named reference reaches no dunder: {entry['qualname']!r}")
+            self._module(str(entry["module"]))
+            found = reachable(str(entry["module"]), str(entry["qualname"]))
+            if found is None:
+                raise ImportError(f"{entry['module']}.{entry['qualname']} is not on this worker")
+            return found
+        if kind == "function":
+            return self.function(str(entry["ref"]))
+        if kind == "special":
+            return self.resolve_special(entry["v"])
+        if kind == "pairs":
+            made = ((self.value(k), self.value(v)) for k, v in entry["items"])
+            return collections.OrderedDict(made) if entry["ordered"] else dict(made)
+        if kind in ("set", "frozenset"):
+            items = (self.value(v) for v in entry["items"])
+            return set(items) if kind == "set" else frozenset(items)
+        if kind == "namespace":
+            attributes = {str(k): self.value(v) for k, v in entry["items"].items()}
+            made = argparse.Namespace if entry["argparse"] else types.SimpleNamespace
+            return made(**attributes)
+        if kind == "dtype":
+            return dtype_named(str(entry["name"]))
+        if kind == "device":
+            return torch.device(str(entry["v"]))
+        if kind == "object":
+            return self.object(str(entry["ref"]))
+        if kind == "class":
+            return self.cls(str(entry["ref"]))
+        raise ValueError(f"unknown capture kind {kind!r}")
+
+    def object(self, key: str) -> Any:
+        """The object ``key`` of the table: ``cls.__new__(cls)`` of a module, optimizer or
+        portable class, with the described state (only these kinds are ever made)."""
+        built = self._built.get(key)
+        if built is not None:
+            return built
+        desc = self.table[key]
+        cls = self.value(desc["class"])
+        kind = desc["kind"]
+        allowed = {
+            "module": isinstance(cls, type) and issubclass(cls, torch.nn.Module),
+            "optimizer": isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer),
+            "portable": isinstance(cls, type) and issubclass(cls, Portable),
+        }
+        if not allowed.get(kind, False):
+            raise ValueError(f"the chief described a {kind!r} object of {cls!r}: not made here")
+        obj = cls.__new__(cls)
+        self._built[key] = obj  # first: the state may refer back to it
+        state = {k: self.value(v) for k, v in desc["state"].items()}
+        if kind == "module":
+            for k, default in MODULE_DEFAULTS.items():
+                state.setdefault(k, type(default)() if default is not None else None)
+            obj.__setstate__(state)  # torch's own, as unpickling a module does
+        elif kind == "optimizer":
+            obj.__setstate__({**state, "state": collections.defaultdict(dict)})
+        else:
+            set_state(obj, state)
+        if accumulates(obj):
+            self.accumulators[key] = obj
+        return obj
+
+    def cls(self, key: str) -> type:
+        """The program's class ``key``: its body from this task's own copy of the file, run
+        with ``__build_class__`` (once per worker)."""
+        built = self._built.get(key)
+        if built is not None:
+            return built
+        desc = self.table[key]
+        where = desc["where"]
+        cache_key = (where["file"], where["sha"], desc["qualname"], desc["line"], desc["hash"])
+        made = self._classes.get(cache_key)
+        if made is None:
+            path = self._program_path(where, f"class {desc['qualname']}")
+            body = class_body(compiled(path, where["sha"]), desc["qualname"], desc["line"])
+            if body is None or code_hash(body) != desc["hash"]:
+                raise ImportError(
+                    f"class {desc['qualname']} (line {desc['line']} of {path.name}) is not in "
+                    "this worker's copy of the program, or differs from the chief's"
+                )
+            glob: dict[str, Any] = {"__builtins__": builtins, "__name__": desc["module"]}
+            function = types.FunctionType(body, glob, desc["name"])
+            bases = tuple(self.value(b) for b in desc["bases"])
+            extra = (
+                {} if desc["metaclass"] is None else {"metaclass": self.value(desc["metaclass"])}
+            )
+            for g, entry in desc["globals"].items():
+                glob[g] = self.value(entry)
+            made = builtins.__build_class__(function, desc["name"], *bases, **extra)
+            made.__qualname__ = desc["qualname"]
+            if "." not in desc["qualname"]:
+                glob[desc["name"]] = made  # its methods may name it
+            self._classes[cache_key] = made
+        self._built[key] = made
+        return made
+
+    def _program_path(self, where: dict[str, Any], what: str) -> Path:
+        rel = Path(str(where["file"]))
+        path = (self.root / rel).resolve()
+        if rel.is_absolute() or not path.is_relative_to(self.root):
+            raise ValueError(f"the chief named {rel}, outside the program")
+        return same_copy(path, where["sha"], what)
+
+    def function(self, key: str) -> types.FunctionType:
+        built = self._built.get(key)
+        if built is not None:
+            return built
+        desc = self.table[key]
+        code = self._code(desc)
+        freevars = code.co_freevars
+        cells = tuple(types.CellType() for _ in freevars)
+        glob: dict[str, Any] = {"__builtins__": builtins, "__name__": desc["module"]}
+        fn = types.FunctionType(code, glob, desc["name"], None, cells or None)
+        fn.__qualname__ = desc["qualname"]
+        fn.__module__ = desc["module"]
+        self._built[key] = fn  # first: a capture of itself finds it
+        for g, entry in desc["globals"].items():
+            glob[g] = self.value(entry)
+        for cell, entry in zip(cells, desc["closure"], strict=True):
+            cell.cell_contents = self.value(entry)
+        fn.__defaults__ = tuple(self.value(d) for d in desc["defaults"]) or None
+        fn.__kwdefaults__ = {k: self.value(d) for k, d in desc["kwdefaults"].items()} or None
+        return fn
+
+    def _code(self, desc: dict[str, Any]) -> types.CodeType:
+        where = desc["where"]
+        if "file" in where:
+            path = self._program_path(where, f"{desc['qualname']} (line {desc['line']})")
+        else:
+            module = self._module(str(where["import"]))
+            path = Path(str(getattr(module, "__file__", "") or "")).resolve()
+            same_copy(path, where["sha"], f"{desc['qualname']} (line {desc['line']})")
+        what = f"{desc['qualname']} (line {desc['line']} of {path.name})"
+        top = compiled(path, str(where["sha"]))
+        for code in nested(top):
+            if code.co_qualname == desc["qualname"] and code.co_firstlineno == desc["line"]:
+                if code_hash(code) != desc["hash"]:
+                    raise ImportError(f"{what}: its code differs from the chief's")
+                return code
+        raise ImportError(f"{what} is not in this worker's copy of the program")
+
+    def _module(self, name: str) -> types.ModuleType:
+        module = sys.modules.get(name)
+        if module is not None:
+            return module
+        if name.split(".")[0] in _OUR_PACKAGES:
+            return importlib.import_module(name)  # stratagem's or torch's own modules
+        spec = importlib.util.find_spec(name)
+        origin = Path(spec.origin).resolve() if spec and spec.origin else None
+        if origin is None or not origin.is_relative_to(self.root):
+            raise ImportError(
+                f"the chief's function uses module {name!r}, which this worker has not imported "
+                "and which is neither one of the program's own nor stratagem's or torch's: a "
+                "worker imports nothing else"
+            )
+        return importlib.import_module(name)
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """``torch.<name>``, which must be a dtype (``"float32"``)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"torch.{name} is not a dtype")
+    return dtype
+
+
+def _no_special(entry: dict[str, Any]) -> Any:
+    raise ValueError(f"nothing on this task resolves {entry!r}")
