@@ -5,10 +5,12 @@ calls, and ``strategy.extended`` (``StrategyExtended``), which implements it and
 code (Keras, checkpoints) talks to. stratagem does the same. ``Strategy`` only forwards; this
 class holds the shared mechanics and every hook a strategy may specialise, in four groups:
 
-- **placement** (``capture_parameter``, ``capture_buffer``, ``placement_device``, ``place``,
-  ``adopt``, ``adopt_model``, ``distribute_module``, ``in_scope``): what happens to parameters,
-  buffers and modules created in ``strategy.scope()`` (``machinery/scope_hooks.py`` calls the
-  capture hooks from PyTorch's global registration hooks) or handed over explicitly;
+- **placement** (``capture_parameter``, ``capture_buffer``, ``capture_variable``,
+  ``placement_device``, ``place``, ``adopt``, ``adopt_model``, ``distribute_module``,
+  ``in_scope``): what happens to parameters, buffers and modules created in
+  ``strategy.scope()`` (``machinery/scope_hooks.py`` calls the capture hooks from PyTorch's
+  global registration hooks, and ``capture_variable`` for every parameter created there) or
+  handed over explicitly;
 - **steps** (``call_for_each_replica`` and its ``before_run``/``leave_run``/``after_run``,
   ``run_replica_calls``, ``replica_view``, ``merge_call``, ``check_optimizer``,
   ``before_optimizer_step``, ``after_optimizer_step``, ``accumulate_gradients`` and its
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -103,6 +106,9 @@ class StrategyExtended:
         self._cross_device_ops = cross_device_ops or ReductionToOneDevice()
         self._aggregation = aggregation
         self._captured: list[tuple[torch.Tensor, bool]] = []
+        # Parameters created in scope on their own (``keep_variable``), held weakly until
+        # adopted: one that dies first (a temporary) is nobody's variable.
+        self._created: list[weakref.ref[torch.Tensor]] = []
         self._sync_timeout = sync_timeout
         self._replicas: ReplicaGroup | None = None  # replica threads, started on first use
         # Intra-op threads per replica thread when replicas share the CPU (MirroredStrategy);
@@ -229,10 +235,36 @@ class StrategyExtended:
         self._captured.append((placed, False))
         return placed if placed is not buffer else None
 
+    def capture_variable(self, param: torch.nn.Parameter) -> None:
+        """A parameter just created in scope (``nn.Parameter(...)``, TF's ``tf.Variable``),
+        whether it stays on its own or a module registers it next (``capture_parameter`` then
+        sees it again). By default it is left alone: a strategy that distributes modules (lays
+        them out, shards them, splits them into stages) sees only what modules register. A
+        strategy that distributes every variable whole calls ``keep_variable`` here."""
+
+    def keep_variable(self, param: torch.nn.Parameter) -> None:
+        """Claim a parameter created in scope and adopt it with the next ``adopt_captured``
+        (placed on ``placement_device`` then, in place), if it is still alive by then."""
+        scope_hooks.claim(param, self._container)
+        self._created.append(weakref.ref(param))
+
+    def _created_variables(self) -> list[tuple[torch.Tensor, bool]]:
+        created, self._created = self._created, []
+        alive = [p for ref in created if (p := ref()) is not None]
+        device = self.placement_device
+        with torch.no_grad():
+            for p in alive:
+                if p.device != device:
+                    # In place: the caller's object (and any optimizer made over it) stays
+                    # the variable.
+                    p.data = p.data.to(device)
+        return [(p, True) for p in alive]
+
     def adopt_captured(self) -> None:
         """Adopt what was captured since the last call (at the outermost scope's exit, and
         before any step: see ``adopt_pending``)."""
         captured, self._captured = self._captured, []
+        captured += self._created_variables()
         # A tensor re-registered under another name is captured twice; adopt it once.
         unique = list({id(t): (t, is_param) for t, is_param in captured}.values())
         if unique:
@@ -248,7 +280,7 @@ class StrategyExtended:
         the same distributed variables as one after it. Idempotent and cheap when nothing is
         pending; called in the cross-replica context only.
         """
-        if self._captured:
+        if self._captured or self._created:
             self.adopt_captured()
 
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:

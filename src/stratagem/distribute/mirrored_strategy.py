@@ -1,7 +1,8 @@
 """MirroredStrategy: synchronous training on several devices of one process.
 
-1. Scope: parameters and buffers created inside live on the first device (the primaries);
-   every other device gets a copy (``MirroredVariables``).
+1. Scope: parameters and buffers created inside, a module's or on their own (TF's
+   ``tf.Variable``), live on the first device (the primaries); every other device gets a copy
+   (``MirroredVariables``).
 2. ``run(fn)``: fn runs once per device, concurrently, replica 0 in the calling thread and the
    others on replica threads that see their copies (``ReplicaView``). Each replica's part of the
    batch is already on its device.
@@ -103,6 +104,12 @@ class MirroredExtended(StrategyExtended):
         return max(1, torch.get_num_threads() // cpu)
 
     # The mirrored variables --------------------------------------------------------------
+
+    def capture_variable(self, param: torch.nn.Parameter) -> None:
+        # TF mirrors every variable created in the scope, not only a layer's: a parameter on
+        # its own is a mirrored variable too, or the replica threads would share it, racing
+        # on its ``.grad`` and each stepping it.
+        self.keep_variable(param)
 
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
         for tensor, is_parameter in tensors:

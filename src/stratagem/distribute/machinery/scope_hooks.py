@@ -3,6 +3,11 @@
 - ``register_module_parameter_registration_hook`` / ``..._buffer_registration_hook``: every
   parameter and buffer a module registers while a scope is active belongs to that strategy
   (which may place it on a device and mirror it). Outside a scope the hooks do nothing.
+- ``torch.nn.Parameter`` itself: a parameter created in a scope on its own, as TF code creates
+  a ``tf.Variable`` (``w = nn.Parameter(torch.zeros(()))``), is offered to the strategy when it
+  is created (``capture_variable``), since no module will ever register it. PyTorch has no
+  public hook for that, so ``Parameter.__new__`` is wrapped, as ``GradScaler``'s methods are
+  below: the wrapper calls torch's own and, outside a strategy's scope, does nothing more.
 - ``register_optimizer_step_pre_hook`` / ``..._post_hook``: an optimizer whose parameters belong
   to a strategy lets that strategy finish the gradient reduction before the update and refresh
   replica copies after it. The owner is found from the parameters, so an optimizer created
@@ -17,6 +22,7 @@ strategy is involved.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -74,6 +80,27 @@ def _on_buffer(module: torch.nn.Module, name: str, buffer: Any) -> Any:
     return strategy.extended.capture_buffer(module, name, buffer)
 
 
+def _on_parameter_created(param: torch.Tensor) -> None:
+    strategy = context.scope_strategy()
+    if strategy is None or context.current_replica() is not None:
+        return
+    # Real parameters only: tracing makes fake ones (FakeTensor, not a Parameter subclass
+    # whatever ``isinstance`` says) and meta ones, which hold no value to distribute.
+    if not issubclass(type(param), torch.nn.Parameter) or param.is_meta:
+        return
+    strategy.extended.capture_variable(param)
+
+
+def _creating_parameters(original: Any) -> Any:
+    @functools.wraps(original)
+    def new(cls: type, *args: Any, **kwargs: Any) -> Any:
+        param = original(cls, *args, **kwargs)
+        _on_parameter_created(param)
+        return param
+
+    return staticmethod(new)
+
+
 def optimizer_owner(optimizer: torch.optim.Optimizer) -> Strategy | None:
     """The strategy owning an optimizer's parameters; mixed ownership is an error."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -119,6 +146,7 @@ def install_hooks() -> None:
             return
         register_module_parameter_registration_hook(_on_parameter)
         register_module_buffer_registration_hook(_on_buffer)
+        torch.nn.Parameter.__new__ = _creating_parameters(torch.nn.Parameter.__new__)
         grad_scaler_merge.install()
         _optimizer_module.register_optimizer_step_pre_hook(_before_step)
         _optimizer_module.register_optimizer_step_post_hook(_after_step)
