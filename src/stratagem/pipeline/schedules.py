@@ -70,7 +70,7 @@ class TorchSchedule:
         self.num_microbatches = num_microbatches
         # Each parameter once, however many of this rank's chunks use it.
         unique = {id(p): p for _, module in chunks for p in module.parameters()}
-        self._parameters = list(unique.values())
+        self._each_parameter = list(unique.values())
         self.is_first = any(s.is_first for s in self.stages)
         self.is_last = any(s.is_last for s in self.stages)
 
@@ -97,7 +97,7 @@ class TorchSchedule:
         # ``named_faults`` (stages.PipelineModel) names the stage and the operation.
         out = self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
         with torch.no_grad():
-            for p in self._parameters:
+            for p in self._each_parameter:
                 if p.grad is not None:
                     p.grad.div_(self.num_microbatches)
         outputs = out.detach() if self.is_last and isinstance(out, torch.Tensor) else None
