@@ -14,7 +14,13 @@ import torch.nn.functional as F
 
 from cluster_utils import REPO, WORKERS, Process, child_env, run_cluster
 from stratagem.pipeline import one_f_one_b_order
-from workers.common import build_model, global_batches
+from workers.common import (
+    build_model,
+    build_tied_model,
+    global_batches,
+    make_optimizer,
+    token_batches,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -27,6 +33,12 @@ TWO_STAGE_CHECKS = [
     "checkpoint",
     "pipedream-train",
     "pipedream-carry",
+    "tied-GPipe",
+    "tied-1F1B",
+    "tied-Interleaved1F1B",
+    "tied-PipeDream",
+    "tied-checkpoint",
+    "tied-fit",
 ]
 
 
@@ -217,8 +229,14 @@ def test_checkpoint_saves_and_restores_every_stage(two_stages):
             torch.testing.assert_close(saved["again"][name], value, atol=0, rtol=0, msg=name)
 
 
-def test_two_stages_by_two_replicas(tmp_path_factory):
-    results = _run_checks(tmp_path_factory, 4, ["dp-grads", "dp-pipedream-train"])
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
+    """2 stages x 2 data-parallel replicas: one job for every check that needs them."""
+    return _run_checks(tmp_path_factory, 4, ["dp-grads", "dp-pipedream-train", "dp-tied"])
+
+
+def test_two_stages_by_two_replicas(four_processes):
+    results = four_processes
     # PipeDream with replicas: every micro-batch's gradients averaged over its stage's replicas.
     pipedream = results["dp-pipedream-train"]
     _assert_weights(pipedream[:2], simulate_pipedream(num_replicas=2))
@@ -288,3 +306,124 @@ def _run_example(tmp_path, n: int, args: list[str]) -> str:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     return output
+
+
+# ---------------------------------------------------------------------- tied parameters
+
+
+def _every_name(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def _tied_reference(tie_mlp: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The unsplit tied model, one process, 3 steps on the whole global batches."""
+    torch.manual_seed(0)
+    model = build_tied_model(tie_mlp)
+    opt = make_optimizer("sgd", model.parameters())
+    losses = []
+    for x, y in token_batches(3):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, _every_name(model)
+
+
+def _assert_trained_as_the_unsplit_model(per_rank: list[dict], tie_mlp: bool) -> None:
+    ref_losses, ref = _tied_reference(tie_mlp)
+    got: dict[str, torch.Tensor] = {}
+    for rank, saved in enumerate(per_rank):
+        assert saved["error"] == "", (rank, saved["error"])
+        assert saved["losses"] == pytest.approx(ref_losses, abs=1e-5), rank
+        got.update(saved["weights"])  # a replica's stages together: the whole model's names
+    assert got.keys() == ref.keys()
+    for name, value in ref.items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-4, msg=name)
+    # Every process's copy of the tied weight (an embedding on one stage, the head on another)
+    # is bit-identical: one parameter, not copies that drift apart.
+    copies = [
+        s["weights"][n]
+        for s in per_rank
+        for n in ("wte.weight", "lm_head.weight")
+        if n in s["weights"]
+    ]
+    assert len(copies) == len(per_rank)
+    for copy_ in copies[1:]:
+        assert torch.equal(copy_, copies[0])
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B", "Interleaved1F1B"])
+def test_a_parameter_tied_across_stages_trains_as_one(two_stages, schedule):
+    # 1F1B: the embedding and the head share a weight, on stages 0 and 1. GPipe also ties the
+    # MLP's two layers across the stages, and starts the copies different (the pipeline makes
+    # them one at set-up). Interleaved: the MLP's two layers are in two chunks of one rank (the
+    # gradient adds up there, once), the embedding and the head on the two ranks.
+    _assert_trained_as_the_unsplit_model(two_stages[f"tied-{schedule}"], schedule != "1F1B")
+
+
+def test_a_parameter_tied_across_stages_and_replicas_trains_as_one(four_processes):
+    # Stages x replicas: the shared gradient adds up over the stages of each replica, and is
+    # averaged over the replicas, as the unsplit model's on the global batch.
+    _assert_trained_as_the_unsplit_model(four_processes["dp-tied"], tie_mlp=False)
+
+
+def test_pipedream_refuses_a_parameter_shared_between_stages(two_stages):
+    for rank, saved in enumerate(two_stages["tied-PipeDream"]):
+        error = saved["error"]
+        assert error.startswith("SharedParameterError: schedule='PipeDream' "), (rank, error)
+        # Which parameter, between which stages, and what to do.
+        assert "'wte.weight' (also 'lm_head.weight') on stages 0 and 1" in error, error
+        assert "'1F1B'" in error and "split_points" in error, error
+
+
+def test_a_checkpoint_writes_a_tied_tensor_once_and_restores_the_tie(two_stages):
+    saved = two_stages["tied-checkpoint"]
+    # The first stage holding it writes the shared tensor; the other stage's file refers to it.
+    assert "wte.weight" in saved[0]["written"]
+    assert "lm_head.weight" not in saved[1]["written"]
+    assert "fc2.weight" in saved[1]["written"]
+    # A restore loads both copies from that one tensor (stage 1's copy had drifted)...
+    tied_at_save = saved[0]["at_save"]["wte.weight"]
+    assert torch.equal(saved[0]["restored"]["wte.weight"], tied_at_save)
+    assert torch.equal(saved[1]["restored"]["lm_head.weight"], tied_at_save)
+    # ...and training resumes exactly where the original went on.
+    for rank, s in enumerate(saved):
+        assert s["resumed"] == s["continued"], rank
+        for name, value in s["after"].items():
+            torch.testing.assert_close(s["again"][name], value, atol=0, rtol=0, msg=name)
+    # Gathered into a whole model, every stage's layers, and the tie still one parameter.
+    for rank, s in enumerate(saved):
+        assert s["whole_tied"], rank
+        for name, value in {**saved[0]["again"], **saved[1]["again"]}.items():
+            torch.testing.assert_close(s["whole"][name], value, atol=0, rtol=0, msg=name)
+
+
+def test_fit_of_a_tied_model_on_two_stages_equals_single_process_fit(two_stages):
+    import stratagem as sg
+
+    batches = token_batches(2)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    torch.manual_seed(0)
+    model = sg.keras.Model(build_tied_model())
+    model.compile(
+        sg.keras.optimizers.Adam(0.01),
+        sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    history = model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+    ref = _every_name(model.module)
+    saved = two_stages["tied-fit"]
+    got: dict[str, torch.Tensor] = {}
+    for rank, s in enumerate(saved):
+        assert s["loss"] == pytest.approx(history.history["loss"], abs=1e-5), rank
+        got.update(s["weights"])
+    assert got.keys() == ref.keys()
+    for name, value in ref.items():
+        torch.testing.assert_close(got[name], value, atol=1e-5, rtol=1e-4, msg=name)
+    assert torch.equal(saved[0]["weights"]["wte.weight"], saved[1]["weights"]["lm_head.weight"])
+    # The whole-model checkpoint the chief wrote holds every stage's layers, the tie one tensor.
+    restored = build_tied_model()
+    sg.train.Checkpoint(model=restored).restore(saved[0]["path"])
+    assert restored.wte.weight is restored.lm_head.weight
+    for name, p in restored.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(p.detach(), got[name], atol=0, rtol=0, msg=name)

@@ -10,6 +10,7 @@ from torch import nn
 
 import stratagem as sg
 from stratagem.cluster import SimpleClusterResolver
+from stratagem.errors import SharedParameterError
 from stratagem.pipeline import (
     PipelineLayout,
     balanced_split_points,
@@ -18,6 +19,7 @@ from stratagem.pipeline import (
     resolve_split_points,
     split_sequential,
 )
+from stratagem.pipeline.shared import check_schedule, find_shared_parameters
 
 PipelineStrategy = sg.distribute.experimental.PipelineStrategy
 
@@ -199,3 +201,58 @@ def test_pipedream_needs_train_step_and_updates_per_micro_batch():
     pipe.train_step(x, y, torch.optim.SGD(pipe.parameters(), lr=0.1))
     for (n, p), (_, q) in zip(pipe.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p, q, msg=n)
+
+
+def tied(tie_mlp: bool = False) -> nn.Sequential:
+    """An embedding and a head sharing one weight (and, with ``tie_mlp``, two MLP layers)."""
+    wte, head = nn.Embedding(7, 4), nn.Linear(4, 7, bias=False)
+    head.weight = wte.weight
+    fc1, fc2 = nn.Linear(4, 4), nn.Linear(4, 4)
+    if tie_mlp:
+        fc2.weight = fc1.weight
+    return nn.Sequential(wte, fc1, nn.Tanh(), fc2, head)
+
+
+def test_parameters_shared_between_stages_are_found_by_identity():
+    two = PipelineLayout(num_stages=2)
+    [tie] = find_shared_parameters(tied(), [2], two)
+    assert (tie.names, tie.stages, tie.owner) == (("0.weight", "4.weight"), (0, 1), 0)
+    assert tie.describe() == "'0.weight' (also '4.weight') on stages 0 and 1"
+    # A tie within one stage (the MLP's two layers, both on stage 0) is that stage's own.
+    [head_tie] = find_shared_parameters(tied(tie_mlp=True), [4], two)
+    assert head_tie.names == ("0.weight", "4.weight")
+    # Interleaved (chunks 0 and 2 on rank 0, 1 and 3 on rank 1): the MLP's tie is two chunks
+    # of rank 0, one stage, so not shared between stages; the embedding's is.
+    looped = PipelineLayout(num_stages=2, stages_per_rank=2)
+    assert [s.names for s in find_shared_parameters(tied(tie_mlp=True), [2, 3, 4], looped)] == [
+        ("0.weight", "4.weight")
+    ]
+    three = PipelineLayout(num_stages=3)
+    assert [(s.stages, s.owner) for s in find_shared_parameters(tied(True), [2, 4], three)] == [
+        ((0, 2), 0),
+        ((0, 1), 0),
+    ]
+    assert find_shared_parameters(mlp(), [2, 4], three) == []
+
+
+def test_pipedream_refuses_a_parameter_shared_between_stages_by_name():
+    [tie] = find_shared_parameters(tied(), [2], PipelineLayout(num_stages=2))
+    check_schedule([tie], "1F1B")  # synchronous schedules keep it one parameter
+    check_schedule([], "PipeDream")
+    with pytest.raises(
+        SharedParameterError,
+        match=r"schedule='PipeDream' cannot .*'0\.weight' \(also '4\.weight'\) on stages 0 and 1",
+    ):
+        check_schedule([tie], "PipeDream")
+
+
+def test_the_null_version_trains_a_tied_model_as_one_process_does():
+    # One stage: the tie is within it, nothing to share; PipeDream is not refused either.
+    x, y = torch.randint(0, 7, (8,)), torch.randint(0, 7, (8,))
+    for schedule in ("1F1B", "PipeDream"):
+        torch.manual_seed(0)
+        model = tied()
+        pipe = PipelineStrategy(num_stages=1, schedule=schedule).pipeline(model, F.cross_entropy)
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+        pipe.train_step(x, y, opt)
+        assert model[0].weight is model[4].weight

@@ -50,3 +50,8 @@ class CheckpointError(StratagemError, ValueError):
 
 class CheckpointMatchError(CheckpointError, AssertionError):
     """A ``LoadStatus`` assertion failed (an AssertionError too, as in TensorFlow)."""
+
+
+class SharedParameterError(StratagemError, ValueError):
+    """A parameter shared by layers on several pipeline stages (tied embeddings) cannot be kept
+    one parameter by the schedule asked for."""

@@ -6,7 +6,10 @@ stash-on / stash-off (PipeDream passes watched by a recorder), checkpoint (save,
 restore, retrain: the same weights), pipedream-train (weights after 2 PipeDream steps),
 pipedream-carry (the same without draining between the steps, then a flush), and with
 4 processes (2 stages x 2 replicas) dp-grads and dp-pipedream-train; lost-SCHEDULE (last:
-stage 1 exits, stage 0 records the error of its next step).
+stage 1 exits, stage 0 records the error of its next step). Tied embeddings (the first and the
+last stage share a parameter): tied-GPipe, tied-1F1B, tied-Interleaved1F1B, tied-PipeDream
+(3 steps: losses and weights, or the error), tied-checkpoint (save, restore, gather into a
+whole model), tied-fit (Model.fit and a whole-model checkpoint), with 4 processes dp-tied.
 """
 
 import sys
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import build_model, global_batches
+from common import build_model, build_tied_model, global_batches, make_optimizer, token_batches
 
 import stratagem as sg
 
@@ -192,6 +195,124 @@ def checkpoint() -> None:
     )
 
 
+TIED_SPLITS = {
+    "GPipe": ["act"],
+    "1F1B": ["act"],
+    "PipeDream": ["act"],
+    "Interleaved1F1B": [2, 3, 4],
+}
+
+
+def tied_model(
+    seed: int = 0, *, tie_mlp: bool = False, other_copy: bool = False
+) -> torch.nn.Module:
+    """The tied model; ``other_copy``: this process's tied weight starts different, as if the
+    processes had not seeded alike (the pipeline must start every copy from one of them)."""
+    torch.manual_seed(seed)
+    model = build_tied_model(tie_mlp)
+    if other_copy:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(2.0)
+    return model
+
+
+def every_name(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Weights under every name, a tied one under each of its names."""
+    return {n: p.detach().clone() for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def tied(schedule: str, num_replicas: int = 1, name: str | None = None) -> None:
+    """3 steps (SGD with momentum) of the tied model: the losses and this rank's weights, or
+    the error that refused the pipeline."""
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule=schedule,
+        num_microbatches=4,
+        split_points=TIED_SPLITS[schedule],
+        num_replicas=num_replicas,
+    )
+    # 1F1B: the processes seed alike (as a user's script does); else their copies differ.
+    model = tied_model(
+        tie_mlp=schedule in ("GPipe", "Interleaved1F1B"),
+        other_copy=strategy.rank != 0 and (schedule != "1F1B" or num_replicas > 1),
+    )
+    name = name or f"tied-{schedule}"
+    try:
+        pipe = strategy.pipeline(model, F.cross_entropy)
+    except Exception as e:
+        save(name, strategy.rank, {"error": f"{type(e).__name__}: {e}"})
+        return
+    opt = make_optimizer("sgd", pipe.parameters())
+    losses = [pipe.train_step(x, y, opt) for x, y in token_batches(3)]
+    save(name, strategy.rank, {"error": "", "losses": losses, "weights": every_name(pipe.module)})
+
+
+def tied_checkpoint() -> None:
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule="1F1B", num_microbatches=4, split_points=["act"]
+    )
+    batches = token_batches(4)
+    pipe = strategy.pipeline(tied_model(), F.cross_entropy)
+    opt = torch.optim.Adam(pipe.parameters(), lr=0.01)
+    for x, y in batches[:2]:
+        pipe.train_step(x, y, opt)
+    at_save = every_name(pipe.module)
+    path = OUT / "tied-ckpt"
+    pipe.save(str(path), opt)
+    written = sorted(torch.load(path / f"stage-{pipe.stage}.pt", weights_only=True)["model"])
+    continued = [pipe.train_step(x, y, opt) for x, y in batches[2:]]
+
+    fresh = strategy.pipeline(tied_model(99), F.cross_entropy)
+    if pipe.stage == 1:  # this copy of the tie drifted: the restore must load it from the save
+        with torch.no_grad():
+            fresh.module.lm_head.weight.mul_(2.0)
+    opt2 = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    fresh.restore(str(path), opt2)
+    restored = every_name(fresh.module)
+    resumed = [fresh.train_step(x, y, opt2) for x, y in batches[2:]]
+    # Every stage into a whole model built with other weights: the tie filled from one tensor.
+    whole = tied_model(7)
+    fresh.gather_module(whole)
+    save(
+        "tied-checkpoint",
+        strategy.rank,
+        {
+            "written": written,
+            "at_save": at_save,
+            "restored": restored,
+            "continued": continued,
+            "resumed": resumed,
+            "after": every_name(pipe.module),
+            "again": every_name(fresh.module),
+            "whole": every_name(whole),
+            "whole_tied": whole.wte.weight is whole.lm_head.weight,
+        },
+    )
+
+
+def tied_fit() -> None:
+    """Model.fit (1F1B), then a whole-model checkpoint through sg.train.Checkpoint."""
+    strategy = sg.distribute.experimental.PipelineStrategy(
+        schedule="1F1B", num_microbatches=4, split_points=["act"]
+    )
+    batches = token_batches(2)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = sg.keras.Model(build_tied_model())
+        model.compile(
+            sg.keras.optimizers.Adam(0.01),
+            sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    history = model.fit(x, y, batch_size=24, epochs=2, shuffle=False, verbose=0)
+    pipe = strategy.extended.pipeline_of(model.module)
+    path = sg.train.Checkpoint(model=model.module).save(str(OUT / "tied-fit-ckpt" / "ckpt"))
+    save(
+        "tied-fit",
+        strategy.rank,
+        {"loss": history.history["loss"], "weights": every_name(pipe.module), "path": path},
+    )
+
+
 def main() -> None:
     for check in sys.argv[2:]:
         if check.startswith("grads-"):
@@ -210,6 +331,14 @@ def main() -> None:
             lost_stage(check.removeprefix("lost-"))
         elif check == "checkpoint":
             checkpoint()
+        elif check.startswith("tied-") and check.removeprefix("tied-") in TIED_SPLITS:
+            tied(check.removeprefix("tied-"))
+        elif check == "tied-checkpoint":
+            tied_checkpoint()
+        elif check == "tied-fit":
+            tied_fit()
+        elif check == "dp-tied":
+            tied("1F1B", num_replicas=2, name="dp-tied")
         else:
             raise SystemExit(f"unknown check {check!r}")
     print("checks done", flush=True)

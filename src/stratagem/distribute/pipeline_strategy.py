@@ -18,6 +18,9 @@
    ``BackupAndRestore``, ``sg.train.Checkpoint``, ``model.save``) first brings every stage's
    layers and optimizer state to every process (``before_checkpoint_write``, a collective), so
    the chief writes the whole model, and a restore gives each stage its part.
+5. A parameter that layers on several stages share (tied embeddings) stays one parameter: the
+   stages holding a copy all-reduce its gradient every step, in a group of their ranks per
+   replica (``stratagem.pipeline.shared``); PipeDream refuses it.
 
 A world of one process with one stage is the null version: the same calls, micro-batches run
 one after another in this process.
@@ -25,7 +28,8 @@ one after another in this process.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import datetime
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -41,6 +45,12 @@ from stratagem.distribute.strategy import Strategy
 from stratagem.pipeline.pipedream import Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS
 from stratagem.pipeline.settings import PipelineSettings
+from stratagem.pipeline.shared import (
+    Holders,
+    SharedParameter,
+    check_schedule,
+    find_shared_parameters,
+)
 from stratagem.pipeline.split import SplitPoints, resolve_split_points, split_sequential
 from stratagem.pipeline.stage_layout import PipelineLayout
 from stratagem.pipeline.stages import LossFn, PipelineModel
@@ -150,6 +160,9 @@ class PipelineStrategy(Strategy):
             pipeline_group=pipeline_group,
             replica_group=replica_group,
         )
+        # Groups of the stages that share parameters, by their ranks: made once, kept for every
+        # model this strategy cuts alike.
+        self._shared_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 
     # ------------------------------------------------------------------ properties
 
@@ -214,6 +227,9 @@ class PipelineStrategy(Strategy):
         layout = self._layout
         points = self.split_points_for(model, sample_input)
         chunks = split_sequential(model, points)
+        # Found on the whole model, by identity: after the split each stage sees its own uses.
+        shared = find_shared_parameters(model, points, layout)
+        check_schedule(shared, self._settings.schedule)
         stage = layout.stage_of(self.rank)
         mine = [(c, chunks[c]) for c in layout.chunks_of(stage)]
         return PipelineModel(
@@ -224,7 +240,35 @@ class PipelineStrategy(Strategy):
             loss_fn=loss_fn,
             split_points=points,
             recorder=recorder,
+            shared=shared,
+            shared_groups=self._groups_sharing(shared),
         )
+
+    def _groups_sharing(
+        self, shared: Sequence[SharedParameter]
+    ) -> dict[Holders, dist.ProcessGroup | None]:
+        """For each set of stages that hold copies of a shared parameter, the group of their
+        ranks in this rank's replica (None: the whole job). Every rank creates every replica's
+        groups, in the same order (torch.distributed's rule), then proves its own."""
+        layout, world = self._layout, self._comm.world_size
+        mine: dict[Holders, dist.ProcessGroup | None] = {}
+        new: list[dist.ProcessGroup] = []
+        for stages in dict.fromkeys(s.stages for s in shared):
+            for r in range(layout.num_replicas):
+                ranks = tuple(layout.rank_of(s, r) for s in stages)
+                if len(ranks) < world and ranks not in self._shared_groups:
+                    timeout = datetime.timedelta(seconds=self._settings.timeout)
+                    group = dist.new_group(list(ranks), timeout=timeout)
+                    self._shared_groups[ranks] = group
+                    if self.rank in ranks:
+                        new.append(group)
+                if self.rank in ranks:
+                    mine[stages] = self._shared_groups.get(ranks)
+        # New groups open new gloo connections: each proves the job's secret.
+        job = live_connection()
+        for group in new if job is not None else ():
+            job.prove_group(group)
+        return mine
 
 
 class PipelineExtended(StrategyExtended):

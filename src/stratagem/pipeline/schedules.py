@@ -1,9 +1,11 @@
 """The synchronous schedules (GPipe, 1F1B, interleaved 1F1B) through torch.distributed.pipelining.
 
 Each local model chunk becomes a ``PipelineStage`` (shapes inferred on the first step); the
-schedule splits the batch into micro-batches, runs them, and leaves the summed gradients,
-divided by the number of micro-batches (``scale_grads``), in the chunk's own parameters — so
-with a mean loss they equal the unsplit model's gradients on the whole batch. A schedule is
+schedule splits the batch into micro-batches, runs them, and leaves the summed gradients in the
+chunk's own parameters; dividing them by the number of micro-batches makes them, with a mean
+loss, the unsplit model's gradients on the whole batch. That division is done here, once per
+parameter of this rank, not by torch per chunk: two chunks of one rank that share a parameter
+(interleaving a tied model) would divide its gradient twice. A schedule is
 built for one batch size (torch fixes the micro-batch shapes at its first step); ``StageRunner``
 keeps one per batch size it meets.
 """
@@ -57,10 +59,18 @@ class TorchSchedule:
             stage.backward_one_chunk = self._timed(stage.backward_one_chunk)  # type: ignore[method-assign]
         self.schedule: Any
         if name == "Interleaved1F1B":
-            self.schedule = ScheduleInterleaved1F1B(self.stages, num_microbatches, loss_fn=loss_fn)
+            self.schedule = ScheduleInterleaved1F1B(
+                self.stages, num_microbatches, loss_fn=loss_fn, scale_grads=False
+            )
         else:
             cls = ScheduleGPipe if name == "GPipe" else Schedule1F1B
-            self.schedule = cls(self.stages[0], num_microbatches, loss_fn=loss_fn)
+            self.schedule = cls(
+                self.stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False
+            )
+        self.num_microbatches = num_microbatches
+        # Each parameter once, however many of this rank's chunks use it.
+        unique = {id(p): p for _, module in chunks for p in module.parameters()}
+        self._each_parameter = list(unique.values())
         self.is_first = any(s.is_first for s in self.stages)
         self.is_last = any(s.is_last for s in self.stages)
 
@@ -86,5 +96,9 @@ class TorchSchedule:
         # A lost or stuck stage surfaces here as a bare gloo error; the caller's
         # ``named_faults`` (stages.PipelineModel) names the stage and the operation.
         out = self.schedule.step(*args, target=target, losses=losses if self.is_last else None)
+        with torch.no_grad():
+            for p in self._each_parameter:
+                if p.grad is not None:
+                    p.grad.div_(self.num_microbatches)
         outputs = out.detach() if self.is_last and isinstance(out, torch.Tensor) else None
         return [float(loss.detach()) for loss in losses], outputs

@@ -3,7 +3,9 @@
 A synchronous schedule (GPipe, 1F1B, interleaved 1F1B) runs through torch.distributed.pipelining,
 one ``TorchSchedule`` per batch size; PipeDream runs through this stage's ``PipeDreamStage``; a
 pipeline whose stages all live in this process runs its micro-batches one after another. With
-several replicas each stage's gradients are averaged over them. The forward-only pass
+several replicas each stage's gradients are averaged over them; then the gradients of parameters
+shared with other stages are summed over the stages holding them (``shared.SharedCopies``).
+The forward-only pass
 (evaluation, prediction) sends activations from stage to stage, one transfer per boundary.
 """
 
@@ -17,6 +19,7 @@ from stratagem.pipeline import p2p
 from stratagem.pipeline.pipedream import LossFn, PipeDreamStage, Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS, TorchSchedule
 from stratagem.pipeline.settings import PipelineSettings
+from stratagem.pipeline.shared import SharedCopies
 
 TAG_PREDICT = 21
 TAG_PREDICTION = 22
@@ -35,6 +38,7 @@ class StageRunner:
         replica: int,
         loss_fn: LossFn,
         recorder: Recorder | None,
+        shared: SharedCopies | None = None,
     ) -> None:
         layout = settings.layout
         self.layout = layout
@@ -48,6 +52,7 @@ class StageRunner:
         self._timeout = settings.timeout
         self._pipeline_group = settings.pipeline_group
         self._replica_group = settings.replica_group
+        self._shared = shared
         self._distributed = layout.world_size > 1
         # Synchronous schedules: one per per-replica batch size (torch fixes shapes at the first
         # step), built when that size first comes. PipeDream sends shapes along: one engine.
@@ -92,8 +97,9 @@ class StageRunner:
         """This replica's batch through the schedule: the last stage's per-micro-batch losses,
         its outputs (with ``keep_outputs``) and this rank's seconds computing (None when the
         whole pipeline runs in this process). Synchronous schedules leave the gradients, already
-        averaged over replicas, in ``.grad``; PipeDream updates with ``optimizer`` as it goes
-        (and, without ``drain``, leaves its warm-up micro-batches in flight)."""
+        averaged over replicas (and summed over the stages sharing a parameter), in ``.grad``;
+        PipeDream updates with ``optimizer`` as it goes (and, without ``drain``, leaves its
+        warm-up micro-batches in flight)."""
         if self.is_first_stage and x is None:
             raise ValueError(f"stage {self.stage} is the first: it needs the inputs x")
         if self.is_last_stage and y is None:
@@ -123,6 +129,10 @@ class StageRunner:
             busy = engine.busy_seconds - busy0
         if self.layout.num_replicas > 1:
             self._average_gradients_over_replicas()
+        if self._shared:
+            # Averaged over replicas first: summed over the stages, that is the unsplit
+            # parameter's gradient on the global batch (both are linear, so either order).
+            self._shared.all_reduce_gradients()
         return losses, outputs if keep_outputs else None, busy
 
     def flush(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from stratagem.comm import Communicator
 from stratagem.pipeline.pipedream import LossFn, Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS
 from stratagem.pipeline.settings import PipelineSettings
+from stratagem.pipeline.shared import Holders, SharedCopies, SharedParameter
 from stratagem.pipeline.stage_checkpoints import StageCheckpoints
 from stratagem.pipeline.stage_runner import StageRunner
 
@@ -55,7 +56,12 @@ class PipelineModel:
         loss_fn: LossFn,
         split_points: list[int],
         recorder: Recorder | None = None,
+        shared: Sequence[SharedParameter] = (),
+        shared_groups: Mapping[Holders, dist.ProcessGroup | None] | None = None,
     ) -> None:
+        """``shared``: the whole model's parameters that several stages hold (their copies are
+        kept one parameter), ``shared_groups`` the group of each set of holding stages' ranks
+        in this replica (``PipelineStrategy.pipeline`` makes both)."""
         layout = settings.layout
         self.layout = layout
         self.rank = rank
@@ -78,6 +84,19 @@ class PipelineModel:
         self.module = nn.Sequential(layers)
         if layout.num_replicas > 1:
             self._broadcast_from_first_replica()
+        shared_copies = SharedCopies(
+            self.module,
+            shared,
+            layout=layout,
+            stage=self.stage,
+            replica=self.replica,
+            groups=shared_groups or {},
+        )
+        # After the replicas' broadcast: then every copy in every replica is the owner's.
+        with comm.named_faults(
+            "the broadcast of shared parameters", what=f"stage {self.stage}'s shared copies"
+        ):
+            shared_copies.broadcast_from_owners()
         self._runner = StageRunner(
             chunks,
             self.module,
@@ -86,6 +105,7 @@ class PipelineModel:
             replica=self.replica,
             loss_fn=loss_fn,
             recorder=recorder,
+            shared=shared_copies,
         )
         self._checkpoints = StageCheckpoints(
             self.module,
@@ -96,6 +116,7 @@ class PipelineModel:
             schedule_name=settings.schedule,
             comm=comm,
             flush=self._runner.flush,
+            shared=shared,
         )
 
     # ------------------------------------------------------------------ parameters
