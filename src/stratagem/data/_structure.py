@@ -176,10 +176,5 @@ def _holds_strings(items: list[Any]) -> bool:
     return bool(flat) and all(isinstance(item, (str, bytes)) for item in flat)
 
 
-def leading_dim(value: torch.Tensor | np.ndarray) -> int:
-    """The first dimension of a component (a torch tensor or a numpy array of strings)."""
-    return int(value.shape[0])
-
-
 def rank(value: torch.Tensor | np.ndarray) -> int:
     return int(value.ndim)

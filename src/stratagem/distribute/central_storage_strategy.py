@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from stratagem.comm.cross_device_ops import ReductionToOneDevice
-from stratagem.distribute.machinery.devices import LogicalDevice, default_devices, parse_device
+from stratagem.distribute.machinery.devices import ReplicaDevice, default_devices, parse_device
 from stratagem.distribute.mirrored_strategy import MirroredExtended
 from stratagem.distribute.strategy import Strategy
 
@@ -104,12 +104,12 @@ class CentralStorageExtended(MirroredExtended):
 
 def _parameter_device(
     compute_devices: list[str | torch.device], parameter_device: str | torch.device | None
-) -> LogicalDevice:
+) -> ReplicaDevice:
     if parameter_device is not None:
         return parse_device(parameter_device)
     if len(compute_devices) == 1:
         return parse_device(compute_devices[0])
-    return LogicalDevice("cpu", torch.device("cpu"))
+    return ReplicaDevice("cpu", torch.device("cpu"))
 
 
 __all__ = ["CentralStorageStrategy"]

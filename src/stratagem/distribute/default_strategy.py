@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from stratagem.comm import LocalCommunicator
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.devices import ReplicaDevice
 from stratagem.distribute.strategy import Strategy
 
 
@@ -23,7 +23,7 @@ class _DefaultExtended(StrategyExtended):
 
     def __init__(self, container: Strategy) -> None:
         super().__init__(
-            container, [LogicalDevice("cpu:0", torch.device("cpu"))], comm=LocalCommunicator()
+            container, [ReplicaDevice("cpu:0", torch.device("cpu"))], comm=LocalCommunicator()
         )
 
     def capture_parameter(self, module: Any, name: str, param: Any) -> None:

@@ -45,7 +45,7 @@ from stratagem.comm import Communicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from stratagem.distribute.machinery import context, scope_hooks
 from stratagem.distribute.machinery.context import ReplicaContext
-from stratagem.distribute.machinery.devices import LogicalDevice, parse_device
+from stratagem.distribute.machinery.devices import ReplicaDevice, parse_device
 from stratagem.distribute.machinery.input import (
     DistributedDataset,
     DistributedDatasetFromFunction,
@@ -81,7 +81,7 @@ class StrategyExtended:
     def __init__(
         self,
         container_strategy: Strategy,
-        devices: Sequence[str | torch.device | LogicalDevice],
+        devices: Sequence[str | torch.device | ReplicaDevice],
         *,
         comm: Communicator,
         cluster_resolver: Any = None,
@@ -95,7 +95,7 @@ class StrategyExtended:
                 f"gradient_aggregation must be ReduceOp.SUM (the seeds' convention, with the loss "
                 f"divided by the global batch) or ReduceOp.MEAN (PyTorch's), got {aggregation}"
             )
-        devices = [d if isinstance(d, LogicalDevice) else parse_device(d) for d in devices]
+        devices = [d if isinstance(d, ReplicaDevice) else parse_device(d) for d in devices]
         if not devices:
             raise ValueError(f"a strategy needs at least one device, got {devices!r}")
         scope_hooks.install_hooks()

@@ -62,7 +62,7 @@ from stratagem.comm.process_group import Timeouts, connect, without_backward_con
 from stratagem.distribute.experimental import CommunicationImplementation, CommunicationOptions
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery import scope_hooks
-from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.devices import ReplicaDevice
 from stratagem.distribute.machinery.replaced_parameters import repoint_optimizer
 from stratagem.distribute.strategy import Strategy
 from stratagem.dtensor import Mesh
@@ -420,12 +420,12 @@ class _HeldReduceScatter(DefaultReduceScatter):
 # ---------------------------------------------------------------------- set-up helpers
 
 
-def _worker_device(resolver: ClusterResolver) -> LogicalDevice:
+def _worker_device(resolver: ClusterResolver) -> ReplicaDevice:
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         index = resolver.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)  # FSDP2 places shards on the current CUDA device
-        return LogicalDevice(f"cuda:{index}", torch.device("cuda", index))
-    return LogicalDevice("cpu:0", torch.device("cpu"))
+        return ReplicaDevice(f"cuda:{index}", torch.device("cuda", index))
+    return ReplicaDevice("cpu:0", torch.device("cpu"))
 
 
 def _device_mesh(

@@ -46,7 +46,7 @@ from stratagem.comm.process_group import (
 )
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery import scope_hooks
-from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.devices import ReplicaDevice
 from stratagem.distribute.machinery.input import (
     chunk_sizes,
     record_global_batch_size,
@@ -120,7 +120,7 @@ class MeshExtended(StrategyExtended):
         self._job = _job_communicator(mesh)
         super().__init__(
             container,
-            [LogicalDevice(str(device), device)],
+            [ReplicaDevice(str(device), device)],
             comm=_replica_communicator(mesh, batch_dim_name, self._job),
         )
 

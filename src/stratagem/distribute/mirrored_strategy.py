@@ -29,12 +29,12 @@ from stratagem.comm import LocalCommunicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery.context import current_replica
-from stratagem.distribute.machinery.devices import LogicalDevice, default_devices, parse_devices
+from stratagem.distribute.machinery.devices import ReplicaDevice, default_devices, parse_devices
 from stratagem.distribute.machinery.mirrored_variables import MirroredVariables
 from stratagem.distribute.strategy import Strategy
 
 
-def _default_cross_device_ops(devices: list[LogicalDevice]) -> CrossDeviceOps:
+def _default_cross_device_ops(devices: list[ReplicaDevice]) -> CrossDeviceOps:
     if len(devices) > 1 and all(d.torch_device.type == "cuda" for d in devices):
         return NcclAllReduce()
     return ReductionToOneDevice()
@@ -95,7 +95,7 @@ class MirroredExtended(StrategyExtended):
         self._intra_op_threads = self._threads_per_cpu_replica(parsed)
 
     @staticmethod
-    def _threads_per_cpu_replica(devices: list[LogicalDevice]) -> int | None:
+    def _threads_per_cpu_replica(devices: list[ReplicaDevice]) -> int | None:
         # Replicas sharing the CPU split its intra-op threads; otherwise each would start as
         # many threads as there are cores and they would fight over them.
         cpu = sum(1 for d in devices if d.torch_device.type == "cpu")

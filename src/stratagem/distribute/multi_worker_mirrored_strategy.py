@@ -38,20 +38,20 @@ from stratagem.comm.bucketing import GradientReducer
 from stratagem.comm.process_group import Timeouts, connect
 from stratagem.distribute.experimental import CommunicationImplementation, CommunicationOptions
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.devices import ReplicaDevice
 from stratagem.distribute.strategy import Strategy
 from stratagem.errors import RendezvousError
 
 
-def _worker_device(resolver: ClusterResolver) -> LogicalDevice:
+def _worker_device(resolver: ClusterResolver) -> ReplicaDevice:
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         index = resolver.local_rank % torch.cuda.device_count()
         # The current device must be this worker's before the NCCL group starts: NCCL's
         # communicator and every tensor made with device="cuda" (DDP's, the user's) use it,
         # and it is cuda:0 in every process until set (FullyShardedStrategy does the same).
         torch.cuda.set_device(index)
-        return LogicalDevice(f"cuda:{index}", torch.device("cuda", index))
-    return LogicalDevice("cpu:0", torch.device("cpu"))
+        return ReplicaDevice(f"cuda:{index}", torch.device("cuda", index))
+    return ReplicaDevice("cpu:0", torch.device("cpu"))
 
 
 def _backend(options: CommunicationOptions, device: torch.device) -> str:

@@ -56,7 +56,7 @@ from stratagem.distribute.machinery.input import (
 from stratagem.distribute.partitioners import Partitioner, Shard
 from stratagem.distribute.ps import chief_reads
 from stratagem.distribute.ps.client import IndependentWorker, PsClient
-from stratagem.distribute.ps.server import Server, UpdateRule
+from stratagem.distribute.ps.server import PsTaskServer, UpdateRule
 from stratagem.distribute.strategy import Strategy
 
 MODES = ("async", "sync")
@@ -119,7 +119,7 @@ class ParameterServerStrategy(Strategy):
             compression=compression,
         )
         if resolver.task_type == "ps":
-            Server(resolver).join()
+            PsTaskServer(resolver).join()
             raise SystemExit(0)  # the job is done: the rest of the script is the workers'
         extended = ParameterServerExtended(self, resolver, variable_partitioner, rule, _world)
         super().__init__(extended)
@@ -412,4 +412,4 @@ def _check_options(
     return needed
 
 
-__all__ = ["ParameterServerStrategy", "Server"]
+__all__ = ["CoordinatorSeam", "ParameterServerStrategy"]

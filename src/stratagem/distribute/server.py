@@ -2,7 +2,7 @@
 ``tf.distribute.Server(server_or_cluster_def, job_name=None, task_index=None, protocol=None,
 config=None, start=True)``).
 
-- On a ``ps`` task it serves the task's variable shards (``ps.server.Server``) until every
+- On a ``ps`` task it serves the task's variable shards (``ps.server.PsTaskServer``) until every
   worker is done.
 - On a ``worker`` task of a cluster with a ``chief`` it serves the chief's
   ``ClusterCoordinator`` (``coordinator.worker.WorkerServer``): the scheduled functions run here.
@@ -25,7 +25,7 @@ from stratagem.cluster import (
     resolve_cluster,
 )
 from stratagem.distribute.coordinator.worker import WorkerServer
-from stratagem.distribute.ps.server import Server as PsServer
+from stratagem.distribute.ps.server import PsTaskServer
 
 
 class Server:
@@ -73,7 +73,7 @@ class Server:
                 f"chief; this process is {resolver.describe()}"
             )
         self._resolver = resolver
-        self._impl: PsServer | WorkerServer | None = None
+        self._impl: PsTaskServer | WorkerServer | None = None
         if start:
             self.start()
 
@@ -81,7 +81,7 @@ class Server:
         """Listen and join the job (done by the constructor unless ``start=False``)."""
         if self._impl is None:
             if self._resolver.task_type == "ps":
-                self._impl = PsServer(self._resolver)
+                self._impl = PsTaskServer(self._resolver)
             else:
                 self._impl = WorkerServer(self._resolver)
 

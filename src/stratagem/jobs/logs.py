@@ -67,11 +67,3 @@ class FileConsole(Console):
             for f in self._files.values():
                 f.close()
             self._files.clear()
-
-    def task_logs(self) -> dict[str, Path]:
-        """The log file of each task that printed something, by task log name."""
-        return {
-            path.stem: path
-            for path in sorted(self.log_dir.glob("*.log"))
-            if path.name != self.LAUNCHER_LOG
-        }

@@ -39,8 +39,3 @@ def write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)

@@ -36,12 +36,12 @@ import torch
 from torch import nn
 
 from stratagem.distribute.machinery import device_scope, placement_log
-from stratagem.distribute.machinery.devices import LogicalDevice, parse_device
+from stratagem.distribute.machinery.devices import ReplicaDevice, parse_device
 from stratagem.errors import DeviceError
 
 
 def run_on_devices(
-    calls: Sequence[tuple[LogicalDevice, Callable[[], Any]]],
+    calls: Sequence[tuple[ReplicaDevice, Callable[[], Any]]],
 ) -> list[Any]:
     """``fn()`` of each ``(device, fn)``, all at once, each on its device; results in order.
 
@@ -112,7 +112,7 @@ class OnDevice:
     """Run on a side stream of ``device`` when it is a GPU; ``done(result)`` hands the result
     back to the caller's stream."""
 
-    def __init__(self, device: LogicalDevice, callers: dict[torch.device, Any]) -> None:
+    def __init__(self, device: ReplicaDevice, callers: dict[torch.device, Any]) -> None:
         self.device = device.torch_device
         self.caller = callers.get(self.device)
         self.stream: torch.cuda.Stream | None = None
@@ -163,7 +163,7 @@ def _to(value: Any, device: torch.device) -> Any:
 
 def _devices_of(
     modules: Sequence[nn.Module], devices: Sequence[str | torch.device] | None, what: str
-) -> list[LogicalDevice]:
+) -> list[ReplicaDevice]:
     if devices is None:
         found = [_placed(m) for m in modules]
         missing = [i for i, d in enumerate(found) if d is None]
@@ -182,7 +182,7 @@ def _devices_of(
     return parsed
 
 
-def _placed(module: nn.Module) -> LogicalDevice | None:
+def _placed(module: nn.Module) -> ReplicaDevice | None:
     for part in module.modules():
         named = device_scope.module_device(part)
         if named is not None:

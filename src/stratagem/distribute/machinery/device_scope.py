@@ -30,7 +30,7 @@ from torch.nn.modules.module import (
 )
 
 from stratagem.distribute.machinery import context
-from stratagem.distribute.machinery.devices import LogicalDevice, parse_device
+from stratagem.distribute.machinery.devices import ReplicaDevice, parse_device
 from stratagem.errors import DeviceError
 
 if TYPE_CHECKING:
@@ -40,25 +40,25 @@ _local = threading.local()
 _lock = threading.Lock()
 _open_scopes = 0  # across threads: the registration hooks are installed only while any is open
 _hooks: list[Any] = []
-_module_devices: weakref.WeakKeyDictionary[torch.nn.Module, LogicalDevice] = (
+_module_devices: weakref.WeakKeyDictionary[torch.nn.Module, ReplicaDevice] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _stack() -> list[LogicalDevice]:
+def _stack() -> list[ReplicaDevice]:
     stack = getattr(_local, "devices", None)
     if stack is None:
         stack = _local.devices = []
     return stack
 
 
-def current_device() -> LogicalDevice | None:
+def current_device() -> ReplicaDevice | None:
     """The innermost ``sg.device`` of this thread, or None."""
     stack = _stack()
     return stack[-1] if stack else None
 
 
-def module_device(module: torch.nn.Module) -> LogicalDevice | None:
+def module_device(module: torch.nn.Module) -> ReplicaDevice | None:
     """The ``sg.device`` a module's parameters or buffers were registered under, if any."""
     return _module_devices.get(module)
 
@@ -80,7 +80,7 @@ def check_strategy(strategy: Strategy) -> None:
         _check_conflict(strategy, target, "outside")
 
 
-def _check_conflict(strategy: Strategy, target: LogicalDevice, where: str) -> None:
+def _check_conflict(strategy: Strategy, target: ReplicaDevice, where: str) -> None:
     devices = strategy.extended.worker_devices
     if target.name not in devices:
         raise DeviceError(
@@ -92,7 +92,7 @@ def _check_conflict(strategy: Strategy, target: LogicalDevice, where: str) -> No
 
 
 @contextlib.contextmanager
-def device(device_name: str | torch.device | LogicalDevice) -> Iterator[None]:
+def device(device_name: str | torch.device | ReplicaDevice) -> Iterator[None]:
     """Place modules and tensors created inside on ``device_name`` (TF's ``tf.device``)."""
     target = parse_device(device_name)
     strategy = _active_strategy()
@@ -113,7 +113,7 @@ def device(device_name: str | torch.device | LogicalDevice) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def naming(target: LogicalDevice) -> Iterator[None]:
+def naming(target: ReplicaDevice) -> Iterator[None]:
     """For threads stratagem runs on a device (parallel branches): the thread's current device
     is ``target`` (the placement log names it), with no placement and no checks."""
     stack = _stack()

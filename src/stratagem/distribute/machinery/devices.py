@@ -23,7 +23,7 @@ _PATTERN = re.compile(
 
 
 @dataclass(frozen=True)
-class LogicalDevice:
+class ReplicaDevice:
     """A replica's device: the name the user gave and the torch device it computes on."""
 
     name: str
@@ -33,10 +33,10 @@ class LogicalDevice:
         return self.name
 
 
-def parse_device(spec: str | torch.device | LogicalDevice) -> LogicalDevice:
+def parse_device(spec: str | torch.device | ReplicaDevice) -> ReplicaDevice:
     """Parse ``"cpu:1"``, ``"/gpu:0"``, ``"cuda:0"``, TF's long form, a torch.device, or an
     ``sg.config`` device (as TF takes ``tf.config.LogicalDevice``s)."""
-    if isinstance(spec, LogicalDevice):
+    if isinstance(spec, ReplicaDevice):
         return spec
     if isinstance(spec, config_devices.LogicalDevice | config_devices.PhysicalDevice):
         spec = spec.name.replace("/physical_device:", "/device:")
@@ -53,17 +53,17 @@ def parse_device(spec: str | torch.device | LogicalDevice) -> LogicalDevice:
     kind = m.group("kind").lower()
     index = int(m.group("index") or 0)
     if kind == "cpu":
-        return LogicalDevice(f"cpu:{index}", torch.device("cpu"))
+        return ReplicaDevice(f"cpu:{index}", torch.device("cpu"))
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if index >= count:
         have = f"cuda:0..cuda:{count - 1}" if count else "no CUDA device"
         raise DeviceError(f"device {spec!r} does not exist: this process has {have}")
-    return LogicalDevice(f"cuda:{index}", torch.device("cuda", index))
+    return ReplicaDevice(f"cuda:{index}", torch.device("cuda", index))
 
 
 def parse_devices(
     specs: list[str | torch.device] | tuple[str | torch.device, ...],
-) -> list[LogicalDevice]:
+) -> list[ReplicaDevice]:
     """Parse a list of distinct devices (a duplicate would be one replica counted twice).
 
     A strategy's devices are decided now: the logical device configuration is fixed from here
@@ -81,7 +81,7 @@ def parse_devices(
     return devices
 
 
-def default_devices() -> list[LogicalDevice]:
+def default_devices() -> list[ReplicaDevice]:
     """Every CUDA device, or else every logical CPU device (TF's MirroredStrategy default:
     ``list_logical_devices("GPU") or list_logical_devices("CPU")``; one CPU device unless
     ``sg.config.set_logical_device_configuration`` split it)."""

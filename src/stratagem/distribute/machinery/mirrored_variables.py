@@ -28,7 +28,7 @@ import torch
 
 from stratagem.comm.cross_device_ops import CrossDeviceOps
 from stratagem.comm.reduce_op import ReduceOp
-from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.devices import ReplicaDevice
 from stratagem.distribute.machinery.replica_threads import MIRROR_KEY
 
 
@@ -44,7 +44,7 @@ class MirroredVariables:
 
     def __init__(
         self,
-        devices: list[LogicalDevice],
+        devices: list[ReplicaDevice],
         *,
         grad_scale: float | None = None,
         primary_device: torch.device | None = None,

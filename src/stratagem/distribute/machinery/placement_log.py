@@ -36,7 +36,7 @@ from torch.nn.modules.module import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stratagem.distribute.machinery import device_scope
-from stratagem.distribute.machinery.devices import LogicalDevice
+from stratagem.distribute.machinery.devices import ReplicaDevice
 
 logger = logging.getLogger("stratagem.device_placement")
 
@@ -107,7 +107,7 @@ class PlacementMode(TorchDispatchMode):
         return result
 
 
-def _module_device(module: torch.nn.Module) -> LogicalDevice | None:
+def _module_device(module: torch.nn.Module) -> ReplicaDevice | None:
     """The ``sg.device`` a module was created under: its own tag, or its first tagged part's
     (a ``Sequential`` has no parameters of its own)."""
     for part in module.modules():

@@ -86,10 +86,6 @@ class PsClient:
     def ps_names(self) -> list[str]:
         return list(self._ps_names)
 
-    def owns(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is one of the variables held on the ps."""
-        return id(p) in self._shards
-
     # ------------------------------------------------------------------ creation
 
     def create(self, params: list[torch.Tensor]) -> None:

@@ -1,5 +1,6 @@
 """What a ps task holds and does: variable shards, their optimizer, and each mode's update
-rule; and ``Server`` (``sg.distribute.Server``), which serves them until the workers are done.
+rule; and ``PsTaskServer`` (what ``sg.distribute.Server`` runs on a ps task), which serves them
+until the workers are done.
 
 Workers reach a ps through ``comm.messages``: ``methods`` is the fixed table of what they may
 ask (each runs on the thread of the asking worker's connection, its arguments plain data). One
@@ -434,11 +435,6 @@ class ShardStore:
             g.set_result(self._lost_any)
         return goodbye
 
-    @property
-    def lost_any(self) -> bool:
-        with self._lock:
-            return self._lost_any
-
 
 def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
@@ -574,8 +570,8 @@ def methods(store: ShardStore, worker_names: list[str]) -> dict[str, Callable[..
     }
 
 
-class Server:
-    """``sg.distribute.Server(cluster_resolver=None)``: this ps task, serving its shards.
+class PsTaskServer:
+    """This ps task, serving its shards (``sg.distribute.Server`` on a ps task).
 
     ``join()`` blocks until every worker has finished, then returns (TF's ``server.join()``
     never returns; here the ps can exit cleanly when the job is done).
