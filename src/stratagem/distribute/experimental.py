@@ -1,77 +1,29 @@
 """``sg.distribute.experimental``: collective options, variable partitioners (TF's
-``tf.distribute.experimental.partitioners``) and the experimental strategies."""
+``tf.distribute.experimental.partitioners``), TF 2.4's ``coordinator`` namespace and the
+experimental strategies: names only, each defined in its own module."""
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-
-from stratagem.comm.compression import check_compression
-
-# Re-exported: sg.distribute.experimental.partitioners, as TF has it.
-from stratagem.distribute import partitioners as partitioners
-from stratagem.distribute.machinery.branches import Ensemble as Ensemble
-from stratagem.distribute.machinery.branches import ParallelBranches as ParallelBranches
-
-
-class CommunicationImplementation(enum.Enum):
-    """Which collective implementation MultiWorkerMirroredStrategy uses (TF's names).
-
-    RING: gloo's ring algorithms, on CPU or CUDA tensors. NCCL: NCCL for CUDA tensors (on a
-    CPU-only worker it falls back to RING with a warning). AUTO: NCCL when the worker computes
-    on CUDA, else RING.
-    """
-
-    AUTO = "AUTO"
-    RING = "RING"
-    NCCL = "NCCL"
-
-
-@dataclass(frozen=True)
-class CommunicationOptions:
-    """``sg.distribute.experimental.CommunicationOptions`` (TF's signature).
-
-    ``bytes_per_pack``: gradient bucket size (0 = the default, 4 MiB); ``timeout_seconds``: how
-    long one collective may take before it fails naming the peer (None = STRATAGEM_OP_TIMEOUT or
-    60 s). ``compression`` (ours; TF has none): None, or ``"bf16"``/``"fp16"`` to send float32
-    gradient buckets in 16 bits (half the bytes) while every addition stays float32; fp16
-    chunks travel scaled by a power of two, so nothing overflows (``comm.compression``). The
-    same name and ``"bf16"`` value as ``ParameterServerStrategy(compression=)``.
-    """
-
-    bytes_per_pack: int = 0
-    timeout_seconds: float | None = None
-    implementation: CommunicationImplementation = CommunicationImplementation.AUTO
-    compression: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
-            raise ValueError(f"bytes_per_pack must be an int >= 0, got {self.bytes_per_pack!r}")
-        if self.timeout_seconds is not None and not self.timeout_seconds > 0:
-            raise ValueError(f"timeout_seconds must be > 0 or None, got {self.timeout_seconds!r}")
-        check_compression(self.compression, what="CommunicationOptions")
-        if not isinstance(self.implementation, CommunicationImplementation):
-            raise ValueError(
-                "implementation must be a CommunicationImplementation (AUTO, RING, NCCL), got "
-                f"{self.implementation!r}"
-            )
-
-
-# The experimental strategies (imported last: they build on the rest of sg.distribute).
-# TF 2.4-2.x names: tf.distribute.experimental.coordinator.ClusterCoordinator.
-from stratagem.distribute import coordinator  # noqa: E402
-from stratagem.distribute.central_storage_strategy import CentralStorageStrategy  # noqa: E402
-from stratagem.distribute.fully_sharded_strategy import FullyShardedStrategy  # noqa: E402
-from stratagem.distribute.mesh_strategy import MeshStrategy  # noqa: E402
-from stratagem.distribute.parameter_server_strategy import ParameterServerStrategy  # noqa: E402
-from stratagem.distribute.pipeline_strategy import PipelineStrategy  # noqa: E402
+from stratagem.distribute import coordinator, partitioners
+from stratagem.distribute.central_storage_strategy import CentralStorageStrategy
+from stratagem.distribute.communication_options import (
+    CommunicationImplementation,
+    CommunicationOptions,
+)
+from stratagem.distribute.fully_sharded_strategy import FullyShardedStrategy
+from stratagem.distribute.machinery.branches import Ensemble, ParallelBranches
+from stratagem.distribute.mesh_strategy import MeshStrategy
+from stratagem.distribute.parameter_server_strategy import ParameterServerStrategy
+from stratagem.distribute.pipeline_strategy import PipelineStrategy
 
 __all__ = [
     "CentralStorageStrategy",
     "CommunicationImplementation",
     "CommunicationOptions",
+    "Ensemble",
     "FullyShardedStrategy",
     "MeshStrategy",
+    "ParallelBranches",
     "ParameterServerStrategy",
     "PipelineStrategy",
     "coordinator",

@@ -59,7 +59,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
 from stratagem.comm.process_group import Timeouts, connect, without_backward_context
-from stratagem.distribute.experimental import CommunicationImplementation, CommunicationOptions
+from stratagem.distribute.communication_options import (
+    CommunicationImplementation,
+    CommunicationOptions,
+)
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery import scope_hooks
 from stratagem.distribute.machinery.devices import ReplicaDevice

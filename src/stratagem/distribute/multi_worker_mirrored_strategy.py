@@ -36,7 +36,10 @@ from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
 from stratagem.comm.bucketing import GradientReducer
 from stratagem.comm.process_group import Timeouts, connect
-from stratagem.distribute.experimental import CommunicationImplementation, CommunicationOptions
+from stratagem.distribute.communication_options import (
+    CommunicationImplementation,
+    CommunicationOptions,
+)
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery.devices import ReplicaDevice
 from stratagem.distribute.strategy import Strategy
