@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 import stratagem as sg
 from stratagem.comm import LocalCommunicator
@@ -32,18 +33,17 @@ class InTurnExtended(StrategyExtended):
         super().__init__(container, [device] * num_replicas, comm=LocalCommunicator())
         self._held: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> gradients set aside
 
+    @override
     def run_replica_calls(self, calls: list[Callable[[], Any]]) -> list[Any]:
-        return [call() for call in calls]  # in turn, in this thread
+        # In turn, in this thread: the replicas cannot meet, and the core refuses their merge
+        # calls (a strategy whose replicas meet derives from capabilities.MergesReplicas).
+        return [call() for call in calls]
 
-    def merge_call(self, what: str, action: Callable[[], None]) -> None:
-        ctx = sg.distribute.get_replica_context()
-        if ctx is not None and ctx.strategy is self.strategy and self.num_replicas_in_sync > 1:
-            raise NotImplementedError(
-                f"InTurnStrategy runs its replicas one after another, so they cannot meet at "
-                f"{what} inside strategy.run"
-            )
-        action()
+    @override
+    def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+        pass  # the replicas share the parameters: nothing to copy
 
+    @override
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         ctx = sg.distribute.get_replica_context()
         last = ctx is None or ctx.local_replica_id == self.num_replicas_in_sync - 1

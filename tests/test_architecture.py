@@ -47,7 +47,7 @@ LAYERS: dict[str, set[str]] = {
     # `shipping`'s protocol (`Portable`) only.
     "keras": {"distribute", "pipeline", "train", "data", "nn", "recompute", "shipping", "errors"},
     # sg.nn: layers that are aware of the strategy in scope.
-    "nn": {"distribute"},
+    "nn": {"distribute", "comm"},
     # Checkpoints: a strategy's public `strategy.extended` says whether this process writes.
     "train": {"distribute", "comm", "cluster", "errors"},
     # Strategies: replicas, values, input pipelines, over the engines below.
@@ -231,6 +231,46 @@ def private_import_violations(sources: tuple[Source, ...]) -> list[str]:
                 found.append(
                     f"{source.path}:{imp.line}: {source.package} imports {imp.dotted} "
                     f"({private[0]} is private to {target})"
+                )
+    return found
+
+
+# The one door into a package with a public face: from outside it, only these of its modules may
+# be imported (the package itself and its public namespaces). `distribute`'s machinery, its
+# strategy files and its contract's parts are its own business; what the layers above need,
+# `stratagem.distribute` names (its __init__ says which of those are not TF's).
+DOORS: dict[str, set[str]] = {
+    "distribute": {
+        "stratagem.distribute",
+        "stratagem.distribute.capabilities",
+        "stratagem.distribute.cluster_resolver",
+        "stratagem.distribute.coordinator",
+        "stratagem.distribute.experimental",
+        "stratagem.distribute.partitioners",
+    },
+}
+
+
+def door_violations(sources: tuple[Source, ...], doors: dict[str, set[str]]) -> list[str]:
+    """``file:line: ...`` for each import, from outside a package with doors, of one of its
+    modules that is not a door. The root package (the lazy loader) and the command are the top
+    and may reach anything."""
+    packages = packages_of(sources)
+    modules = {source.module for source in sources}
+    found = []
+    for source in sources:
+        if source.package in ("__init__", "cli"):
+            continue
+        for imp in imports_of(source):
+            target = imported_package(imp, packages)
+            if target == source.package or target not in doors:
+                continue
+            # `from stratagem.distribute import capabilities` reaches the module it names.
+            reached = imp.dotted if imp.dotted in modules else imp.module
+            if reached not in doors[target]:
+                found.append(
+                    f"{source.path}:{imp.line}: {source.package} imports {imp.dotted}, behind "
+                    f"{target}'s door (import what {target} names: {sorted(doors[target])})"
                 )
     return found
 
@@ -580,6 +620,38 @@ def test_imports_follow_the_layers():
 def test_no_import_of_another_packages_private_parts():
     found = private_import_violations(load_sources())
     assert not found, _report("imports of another package's private module or name", found)
+
+
+def test_other_packages_use_the_doors_of_distribute():
+    found = door_violations(load_sources(), DOORS)
+    assert not found, _report("imports behind a package's door", found)
+
+
+def test_checker_reports_an_import_behind_the_door_and_allows_the_doors():
+    inside = "from stratagem.distribute.machinery import context"  # distribute's own: allowed
+    sources = _sources(
+        {
+            "distribute/__init__": "",
+            "distribute/capabilities": "",
+            "distribute/machinery/__init__": "",
+            "distribute/machinery/context": "",
+            "distribute/extended": inside,
+            "keras/x": (
+                "from stratagem.distribute import get_strategy, capabilities\n"
+                "from stratagem.distribute.capabilities import PipelinedSteps\n"
+                "def f():\n"
+                "    from stratagem.distribute.machinery.context import current_replica\n"
+                "from stratagem.distribute.machinery import context\n"
+            ),
+        }
+    )
+    doors = {"distribute": {"stratagem.distribute", "stratagem.distribute.capabilities"}}
+    found = door_violations(sources, doors)
+    assert len(found) == 2, found
+    assert found[0].startswith("src/stratagem/keras/x.py:4: keras imports "), found
+    assert "stratagem.distribute.machinery.context.current_replica, behind" in found[0], found
+    assert found[1].startswith("src/stratagem/keras/x.py:5: keras imports "), found
+    assert "stratagem.distribute.machinery.context, behind distribute's door" in found[1], found
 
 
 def test_no_access_to_private_members_of_other_modules():

@@ -280,11 +280,11 @@ def test_a_cluster_with_a_ps_job_is_refused():
 
 
 def test_buckets_keep_each_dtype_in_order_under_the_limit():
-    from stratagem.distribute.fully_sharded_strategy import _buckets
+    from stratagem.distribute.machinery.worker_setup import buckets
 
     tensors = [torch.zeros(10), torch.zeros(3, dtype=torch.float64), torch.zeros(10)]
     tensors += [torch.zeros(30), torch.zeros(2)]
-    shapes = [[tuple(t.shape) for t in b] for b in _buckets(tensors, 100)]
+    shapes = [[tuple(t.shape) for t in b] for b in buckets(tensors, 100)]
     assert shapes == [[(10,), (10,)], [(3,)], [(30,)], [(2,)]]
 
 

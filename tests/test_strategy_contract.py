@@ -167,3 +167,70 @@ def test_in_turn_replicas_cannot_meet_inside_run():
     ctx_reduce = lambda: sg.distribute.get_replica_context().all_reduce("SUM", 1.0)  # noqa: E731
     with pytest.raises(NotImplementedError, match="one after another"):
         strategy.run(ctx_reduce)
+
+
+def test_the_toy_strategy_uses_the_core_contract_only():
+    # No capability: the core alone runs its replicas, reduces, gathers, fits and saves it.
+    extended = InTurnStrategy(2).extended
+    capabilities = sg.distribute.capabilities
+    for capability in (
+        capabilities.MergesReplicas,
+        capabilities.DefersGradients,
+        capabilities.PipelinedSteps,
+        capabilities.ChiefCoordination,
+    ):
+        assert not isinstance(extended, capability), capability.__name__
+    # The core's required hooks are abstract: a strategy that says nothing cannot be made.
+    required = sg.distribute.StrategyExtended.__abstractmethods__
+    assert required == {"adopt", "before_optimizer_step"}
+
+    class Silent(sg.distribute.StrategyExtended):
+        pass
+
+    with pytest.raises(TypeError, match="abstract"):
+        Silent(sg.distribute.get_strategy(), ["cpu:0"], comm=None)
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for s in cls.__subclasses__() for c in (s, *_subclasses(s))]
+
+
+def _unmarked_overrides(classes) -> list[str]:
+    """Methods and properties of ``classes`` that redefine a base's without @override."""
+    missing = []
+    for cls in classes:
+        for name, member in vars(cls).items():
+            fn = member.fget if isinstance(member, property) else member
+            if name.startswith("__") or not (callable(fn) or isinstance(fn, classmethod)):
+                continue
+            bases = [b for b in cls.__mro__[1:] if b is not object]
+            if any(name in vars(b) for b in bases) and not getattr(fn, "__override__", False):
+                missing.append(f"{cls.__qualname__}.{name}")
+    return missing
+
+
+def test_every_override_of_the_contract_says_so():
+    # Each member a strategy redefines carries @override, so that a renamed or removed hook of
+    # the contract fails at once instead of silently never being called.
+    import stratagem.distribute.experimental  # noqa: F401  (every strategy class, imported)
+
+    ours = [
+        cls
+        for root in (sg.distribute.StrategyExtended, sg.distribute.Strategy)
+        for cls in {*_subclasses(root)}
+        if cls.__module__.startswith("stratagem.") or cls.__module__ == "in_turn_strategy"
+    ]
+    assert len(ours) >= 20  # every strategy and its extended (the capabilities' too)
+    assert not _unmarked_overrides(ours)
+
+    # ... and the check finds one that does not say so.
+    class Unmarked(InTurnStrategy):
+        def __repr__(self) -> str:
+            return "dunder: not checked"
+
+        def scope(self):
+            return super().scope()
+
+    assert _unmarked_overrides([Unmarked]) == [
+        "test_every_override_of_the_contract_says_so.<locals>.Unmarked.scope"
+    ]

@@ -42,7 +42,7 @@ def __getattr__(name: str) -> Any:
 
         return Model
     if name == "device":  # sg.device, as tf.device: a placement scope
-        from stratagem.distribute.machinery.device_scope import device
+        from stratagem.distribute import device
 
         return device
     if name == "recompute_grad":  # tf.recompute_grad: activation checkpointing

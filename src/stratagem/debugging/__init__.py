@@ -1,6 +1,6 @@
 """``sg.debugging``: TF's ``tf.debugging`` names that apply here (the device placement log)."""
 
-from stratagem.distribute.machinery.placement_log import (
+from stratagem.distribute import (
     get_log_device_placement,
     set_log_device_placement,
 )

@@ -18,6 +18,7 @@ device is the single compute device when there is one, else the CPU.
 from __future__ import annotations
 
 import torch
+from typing_extensions import override
 
 from stratagem.comm.cross_device_ops import ReductionToOneDevice
 from stratagem.distribute.machinery.devices import ReplicaDevice, default_devices, parse_device
@@ -67,15 +68,18 @@ class CentralStorageExtended(MirroredExtended):
         self._stepping = False
 
     @property
+    @override
     def parameter_devices(self) -> tuple[str, ...]:
         return (self._parameter_device.name,)
 
     @property
+    @override
     def placement_device(self) -> torch.device:
         return self._parameter_device.torch_device
 
     # The update, once, on the parameter device --------------------------------------------
 
+    @override
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._stepping:  # the step below, taken from inside this hook
             return
@@ -96,6 +100,7 @@ class CentralStorageExtended(MirroredExtended):
 
         self.merge_call("optimizer.step()", reduce_and_update)
 
+    @override
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._stepping:
             return

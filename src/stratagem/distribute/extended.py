@@ -35,16 +35,18 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from stratagem.comm import Communicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
+from stratagem.distribute.capabilities import DefersGradients, MergesReplicas, PipelinedSteps
 from stratagem.distribute.machinery import context, scope_hooks
-from stratagem.distribute.machinery.context import ReplicaContext
+from stratagem.distribute.machinery.context import ReplicaContext, Strategy
 from stratagem.distribute.machinery.devices import ReplicaDevice, parse_device
 from stratagem.distribute.machinery.input import (
     DistributedDataset,
@@ -55,7 +57,7 @@ from stratagem.distribute.machinery.input import (
     split_sizes,
 )
 from stratagem.distribute.machinery.replica_random import ReplicaRandom, replica_generators
-from stratagem.distribute.machinery.replica_threads import ReplicaGroup, ReplicaView
+from stratagem.distribute.machinery.replica_threads import ReplicaView
 from stratagem.distribute.machinery.values import (
     PerReplica,
     local_results,
@@ -63,11 +65,8 @@ from stratagem.distribute.machinery.values import (
     select_replica,
 )
 
-if TYPE_CHECKING:
-    from stratagem.distribute.strategy import Strategy
 
-
-class StrategyExtended:
+class StrategyExtended(ABC):
     """``strategy.extended``: how a strategy places, steps, communicates and checkpoints.
 
     ``container_strategy`` is the ``Strategy`` this extends (TF's ``_container_strategy()``);
@@ -110,11 +109,6 @@ class StrategyExtended:
         # adopted: one that dies first (a temporary) is nobody's variable.
         self._created: list[weakref.ref[torch.Tensor]] = []
         self._sync_timeout = sync_timeout
-        self._replicas: ReplicaGroup | None = None  # replica threads, started on first use
-        # Intra-op threads per replica thread when replicas share the CPU (MirroredStrategy);
-        # between sync points one replica works alone and gets the process's threads back.
-        self._intra_op_threads: int | None = None
-        self._process_threads = torch.get_num_threads()
         self._merge_values: list[Any] = [None] * len(devices)
         self._merge_result: Any = None
         # accumulate_gradients(): how many blocks are open (replica threads each open one),
@@ -283,9 +277,11 @@ class StrategyExtended:
         if self._captured or self._created:
             self.adopt_captured()
 
+    @abstractmethod
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
-        """New parameters (True) and buffers (False) created in scope, at the scope's exit:
-        mirror them, broadcast their initial values, shard them..."""
+        """Required: new parameters (True) and buffers (False) created in scope, at the scope's
+        exit (and before a step inside it): mirror them, broadcast their initial values, shard
+        them... or nothing, saying why."""
 
     def adopt_model(self, module: torch.nn.Module) -> None:
         """A whole model handed over (``sg.keras.Model(module)``) before an optimizer binds to
@@ -319,41 +315,50 @@ class StrategyExtended:
         structure with PerReplica leaves."""
         if context.current_replica() is not None:
             raise RuntimeError("strategy.run cannot be called inside strategy.run")
+        self._check_replica_steps("run")
         self.adopt_pending()
-        args, kwargs = tuple(args), dict(kwargs or {})
-        n = len(self._devices)
-        first_id = self._comm.rank * n
+        args, kwargs = self.run_arguments(tuple(args), dict(kwargs or {}))
         global_batch = recorded_global_batch_size((args, kwargs))
         self._accumulated_in_run = False
         self.before_run()
         try:
-            if n == 1:
-                ctx = ReplicaContext(self._container, first_id, 0, global_batch)
-                previous = context.set_replica(ctx)
-                view = self.replica_view(0)  # empty unless it computes on copies
-                try:
-                    with ReplicaView(view) if view else contextlib.nullcontext():
-                        result = fn(*select_replica(args, 0, 1), **select_replica(kwargs, 0, 1))
-                finally:
-                    context.set_replica(previous)
-            else:
-                calls = self._replica_calls(fn, args, kwargs, global_batch)
-                result = regroup(self.run_replica_calls(calls))
+            with self.run_guard():
+                # Before leave_run: a mesh's replica values need the run's batch size.
+                result = self.replica_values(self._run_replicas(fn, args, kwargs, global_batch))
         finally:
             self.leave_run()
         self.after_run()
         return result
 
+    def _run_replicas(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, global_batch: int | None
+    ) -> Any:
+        n = len(self._devices)
+        first_id = self._comm.rank * n
+        if n == 1:
+            ctx = ReplicaContext(self._container, first_id, 0, global_batch)
+            previous = context.set_replica(ctx)
+            view = self.replica_view(0)  # empty unless it computes on copies
+            try:
+                with ReplicaView(view) if view else contextlib.nullcontext():
+                    return fn(*select_replica(args, 0, 1), **select_replica(kwargs, 0, 1))
+            finally:
+                context.set_replica(previous)
+        calls = self._replica_calls(fn, args, kwargs, global_batch)
+        return regroup(self.run_replica_calls(calls))
+
     def run_replica_calls(self, calls: list[Callable[[], Any]]) -> list[Any]:
         """Run one call per local replica (each sets its own replica context, device and
-        view) and return their results in order: concurrently, on replica threads, so that
-        they can meet at ``merge_call``. A strategy may run them otherwise (in turn)."""
-        return self._replica_group().run(calls)
-
-    def _replica_group(self) -> ReplicaGroup:
-        if self._replicas is None:
-            self._replicas = ReplicaGroup(len(self._devices), self._sync_timeout)
-        return self._replicas
+        view) and return their results in order. With one local replica it is just called;
+        several need a way to run: on threads that meet at merge calls (``ThreadedReplicas``),
+        or another (a strategy overrides this: in turn, say)."""
+        if len(calls) != 1:
+            raise NotImplementedError(
+                f"{type(self._container).__name__} has {len(calls)} local replicas and no way to "
+                "run them: its extended must override run_replica_calls (or derive from "
+                "ThreadedReplicas)"
+            )
+        return [calls[0]()]
 
     def _replica_calls(
         self, fn: Callable[..., Any], args: tuple, kwargs: dict, global_batch: int | None
@@ -383,9 +388,7 @@ class StrategyExtended:
                             stack.enter_context(torch.autocast(kind, dtype, enabled=enabled))
                         if device.type == "cuda":
                             stack.enter_context(torch.cuda.device(device))
-                        if self._intra_op_threads is not None:
-                            stack.callback(torch.set_num_threads, torch.get_num_threads())
-                            torch.set_num_threads(self._intra_op_threads)
+                        self.enter_replica(i, stack)
                         view = self.replica_view(i)
                         if view:  # replica 0 of most strategies computes on the primaries
                             stack.enter_context(ReplicaView(view))
@@ -403,6 +406,21 @@ class StrategyExtended:
         """id(primary) → this replica's copy; empty where it computes on the primaries."""
         return {}
 
+    def enter_replica(self, replica: int, stack: contextlib.ExitStack) -> None:
+        """Called in each replica's call of a run of several, before ``fn``: enter (on
+        ``stack``) what that replica runs under besides its context, device, view and random
+        stream (nothing by default)."""
+
+    def run_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``run``'s arguments as the replicas get them (a mesh makes global DTensors of the
+        batch); as they are by default."""
+        return args, kwargs
+
+    def run_guard(self) -> contextlib.AbstractContextManager[None]:
+        """Entered around the replicas' calls of a ``run`` (a mesh names a peer lost in
+        DTensor's own collectives); nothing by default."""
+        return contextlib.nullcontext()
+
     def before_run(self) -> None:
         """Called before each ``run``, in the cross-replica context."""
 
@@ -412,17 +430,10 @@ class StrategyExtended:
     def after_run(self) -> None:
         """Called after each ``run`` that succeeded, in the cross-replica context."""
 
-    # Whether torch.amp.GradScaler's unscale_/step/update inside ``run`` are merge calls (the
-    # replicas are threads sharing one scaler: ``machinery.grad_scaler_merge``).
-    merges_grad_scaler = False
-
-    def reduce_pending_gradients(self) -> None:
-        """Sum what the local replicas' gradients hold that is not summed yet (nothing by
-        default: the strategy reduces them itself)."""
-
     def merge_call(self, what: str, action: Callable[[], None]) -> None:
         """TF's merge call: in a replica context every local replica meets and ``action`` runs
-        once; in the cross-replica context ``action`` just runs. ``what`` names the meeting."""
+        once; in the cross-replica context ``action`` just runs. ``what`` names the meeting.
+        Several local replicas meet only where the strategy ``MergesReplicas``."""
         ctx = context.current_replica()
         if ctx is None or ctx.strategy is not self._container:
             action()
@@ -436,26 +447,12 @@ class StrategyExtended:
             else:
                 action()
             return
-
-        def unviewed() -> None:
-            # Runs in whichever replica thread arrives last; it must see the primaries.
-            with torch._C.DisableTorchFunction(), self._all_threads():
-                action()
-
-        self._replica_group().sync(ctx.local_replica_id, what, unviewed)
-
-    @contextlib.contextmanager
-    def _all_threads(self) -> Iterator[None]:
-        """Every intra-op thread of the process, for work one replica does while others wait."""
-        if self._intra_op_threads is None:
-            yield
-            return
-        previous = torch.get_num_threads()
-        torch.set_num_threads(self._process_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(previous)
+        if not isinstance(self, MergesReplicas):
+            raise NotImplementedError(
+                f"{type(self._container).__name__} runs its replicas one after another, so they "
+                f"cannot meet at {what} inside strategy.run"
+            )
+        self.merge_replicas(ctx, what, action)
 
     def check_optimizer(
         self, optimizer: torch.optim.Optimizer, num_params: int, num_outside: int
@@ -482,7 +479,7 @@ class StrategyExtended:
         """
         with self._accumulation_lock:
             if self._accumulating == 0:
-                self.defer_gradient_reduction(True)
+                self._defer(True)
             self._accumulating += 1
             self._accumulated_in_run = True
         try:
@@ -491,42 +488,26 @@ class StrategyExtended:
             with self._accumulation_lock:
                 self._accumulating -= 1
                 if self._accumulating == 0:
-                    self.defer_gradient_reduction(False)
+                    self._defer(False)
 
-    def defer_gradient_reduction(self, defer: bool) -> None:
-        """Where ``accumulate_gradients`` begins (True) and ends (False): a strategy that
-        combines gradients during backward stops and resumes doing so; one that cannot defer
-        raises here, saying why. The base class combines gradients at the step: nothing to do."""
+    def _defer(self, defer: bool) -> None:
+        # A strategy without DefersGradients combines gradients at the step: nothing to hold.
+        if isinstance(self, DefersGradients):
+            self.defer_gradient_reduction(defer)
 
     def deferred_in_run(self) -> bool:
         """Whether gradients are held back now, or a block of ``accumulate_gradients`` was
         opened during the current ``run`` (for strategies that combine gradients after run)."""
         return self._accumulating > 0 or self._accumulated_in_run
 
+    @abstractmethod
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Called by the optimizer step pre-hook (possibly in every replica thread)."""
+        """Required: how the replicas' gradients become one update. Called by the optimizer
+        step pre-hook before every ``optimizer.step()`` over parameters this strategy owns
+        (possibly once in every replica thread)."""
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Called by the optimizer step post-hook (possibly in every replica thread)."""
-
-    # ------------------------------------------------------------------ sg.keras.Model's steps
-
-    def train_batch(self, model: Any, batch: Any) -> None:
-        """One ``Model.fit`` step on a distributed global batch: every replica runs the model's
-        ``train_step``. A strategy that trains otherwise (a pipeline's schedule) overrides these
-        three, so that fit, evaluate and predict stay written once."""
-        self._container.run(model.train_step, args=(batch,))
-
-    def test_batch(self, model: Any, batch: Any) -> None:
-        """One ``evaluate`` step: every replica runs the model's ``test_step``."""
-        self._container.run(model.test_step, args=(batch,))
-
-    def predict_batch(self, model: Any, batch: Any) -> torch.Tensor:
-        """One ``predict`` step: the outputs of every replica, gathered in order."""
-        result = self._container.run(model.predict_step, args=(batch,))
-        if not isinstance(result, PerReplica | torch.Tensor):
-            raise TypeError(f"predict_step must return a tensor, got {type(result).__name__}")
-        return self._container.gather(result, axis=0)
 
     def replica_values(self, structure: Any) -> Any:
         """Values computed in a replica, as that replica's own: the identity, except where a
@@ -543,6 +524,7 @@ class StrategyExtended:
                 "strategy.reduce is called in the cross-replica context (outside strategy.run); "
                 "inside run use sg.distribute.get_replica_context().all_reduce(op, value)"
             )
+        self._check_replica_steps("reduce")
         return self._reduce_values(ReduceOp.parse(reduce_op), self._local_values(value), axis)
 
     def _local_values(self, value: Any) -> list[torch.Tensor]:
@@ -589,6 +571,7 @@ class StrategyExtended:
         it may differ)."""
         if context.current_replica() is not None:
             raise RuntimeError("strategy.gather is called outside strategy.run")
+        self._check_replica_steps("gather")
         destination = self._devices[0].torch_device
         values = [v.to(destination) for v in self._local_values(value)]
         local = torch.cat(values, dim=axis)
@@ -605,6 +588,12 @@ class StrategyExtended:
             local = torch.cat([local, local.new_zeros(shape)], dim=axis)
         pieces = comm.all_gather(local.contiguous(), what="strategy.gather")
         return torch.cat([p.narrow(axis, 0, s) for p, s in zip(pieces, sizes)], dim=axis)
+
+    def _check_replica_steps(self, what: str) -> None:
+        """A pipeline's processes hold stages, not replicas: ``what`` is refused, naming how
+        to train instead."""
+        if isinstance(self, PipelinedSteps):
+            raise NotImplementedError(self.replica_steps_refused(what))
 
     def local_results(self, value: Any) -> tuple[Any, ...]:
         """The values of the replicas in this process, as a tuple."""
@@ -653,6 +642,7 @@ class StrategyExtended:
         options: InputOptions | None = None,
     ) -> Iterable[Any]:
         """One input pipeline per process from ``dataset_fn(input_context)``."""
+        self._check_replica_steps("distribute_datasets_from_function")
         comm = self._comm
         ctx = InputContext(
             num_input_pipelines=comm.world_size,

@@ -34,10 +34,9 @@ its whole model. A ps task cannot use this strategy.
 from __future__ import annotations
 
 import collections
-import contextlib
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -54,23 +53,20 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultReduceScatter,
 )
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
+from typing_extensions import override
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
 from stratagem.comm.process_group import Timeouts, connect, without_backward_context
+from stratagem.distribute.capabilities import DefersGradients
 from stratagem.distribute.communication_options import (
     CommunicationImplementation,
     CommunicationOptions,
 )
-from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery import scope_hooks
-from stratagem.distribute.machinery.devices import ReplicaDevice
-from stratagem.distribute.machinery.replaced_parameters import repoint_optimizer
+from stratagem.distribute.machinery.worker_setup import broadcast_initial_values, worker_device
 from stratagem.distribute.strategy import Strategy
+from stratagem.distribute.whole_modules import WholeModulesExtended
 from stratagem.dtensor import Mesh
-from stratagem.dtensor.layout_map import CreatedModules
-from stratagem.errors import RendezvousError
 
 # Which modules become FSDP units: regexes over module paths (LayoutMap-style, full match),
 # or a predicate over (path, module).
@@ -79,7 +75,6 @@ WrapPolicy = str | list[str] | tuple[str, ...] | Callable[[str, torch.nn.Module]
 HSDP_DIMS = ("replicate", "shard")
 # Initial values are broadcast in buckets of about this size: one flat copy of a whole model
 # would double the memory that sharding is about to save.
-BROADCAST_BUCKET_BYTES = 4 << 20
 
 
 class FullyShardedStrategy(Strategy):
@@ -128,7 +123,7 @@ class FullyShardedStrategy(Strategy):
         )
 
 
-class FullyShardedExtended(StrategyExtended):
+class FullyShardedExtended(WholeModulesExtended, DefersGradients):
     """Models built in scope sharded by ``fully_shard``; steps as MWMS's, one replica each."""
 
     def __init__(
@@ -162,7 +157,7 @@ class FullyShardedExtended(StrategyExtended):
         self._wrap = _check_wrap(wrap, name)
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         check_task_types(resolver.cluster_spec(), ("chief", "worker", "evaluator"), name)
-        device = _worker_device(resolver)
+        device = worker_device(resolver)
         timeouts = Timeouts.from_env(options.timeout_seconds)
         comm: Communicator
         if resolver.rank is None or resolver.world_size == 1:
@@ -193,15 +188,13 @@ class FullyShardedExtended(StrategyExtended):
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
         self.device_mesh = _device_mesh(mesh, comm, device.torch_device, name)
-        self._recording: list[CreatedModules] = []  # one per scope entered, innermost last
-        # old parameter → its sharded replacement (for optimizers made over the old ones)
-        self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # FSDP's last Works and their tensors (see _HeldAllGather): a few only, as they hold
         # whole gathered parameters and gradients; FSDP waits for each on CPU, so a gloo thread
         # is long done with a Work 4 collectives later.
         self._held_works: collections.deque = collections.deque(maxlen=4)
         self._roots: list[FSDPModule] = []  # the models sharded, for accumulate_gradients
 
+    @override
     def describe(self) -> dict[str, Any]:
         mesh = self.device_mesh
         return {
@@ -212,62 +205,25 @@ class FullyShardedExtended(StrategyExtended):
 
     # ------------------------------------------------------------------ placement
 
-    @contextlib.contextmanager
-    def in_scope(self) -> Iterator[None]:
-        # Each scope entry records the modules built in it and shards the outermost ones when
-        # it ends: a model's units are known only once it is whole.
-        with CreatedModules() as created:
-            self._recording.append(created)
-            try:
-                yield
-            finally:
-                self._recording.remove(created)
-        for module in created.roots():
-            self._shard(module)
-
-    def capture_parameter(
-        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
-    ) -> torch.nn.Parameter | None:
-        # Sharded with its model later; claimed now, so that an optimizer created in the scope
-        # over these soon-replaced tensors is ours and can be pointed at their replacements.
-        scope_hooks.claim(param, self.strategy)
-        return None
-
-    def capture_buffer(
-        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
-    ) -> torch.Tensor | None:
-        scope_hooks.claim(buffer, self.strategy)
-        return None
-
-    def adopt_captured(self) -> None:
-        pass  # the scopes' exits have sharded everything (in_scope)
-
-    def adopt_pending(self) -> None:
-        # A step inside the scope: shard the models built so far, as the scope's end would.
-        for created in self._recording:
-            for module in created.changed_roots():
-                self._shard(module)
-
-    def adopt_model(self, module: torch.nn.Module) -> None:
-        self._shard(module)
-
-    def distribute_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        self._shard(module)
-        return module
-
-    def _shard(self, module: torch.nn.Module) -> None:
+    @override
+    def distribute_whole(self, module: torch.nn.Module) -> None:
         """Shard ``module`` in place (once; again is a no-op) and claim its new parameters."""
         if isinstance(module, FSDPModule) or self.device_mesh is None:
-            self._claim(module)
+            self.claim_module(module)
             return
         if not any(True for _ in module.parameters()):
             return  # an activation, a container of nothing yet: nothing to shard
         units = self._units(module)
         _check_dtypes(module, units)
-        before = dict(module.named_parameters(remove_duplicate=False))
         # Claimed (a module built outside the scope, handed to distribute_module) so that an
         # optimizer made over them is ours, and is pointed at their replacements.
-        self._claim(module)
+        self.claim_module(module)
+        with self.replacing_parameters(module):
+            self._fully_shard(module, units)
+
+    def _fully_shard(
+        self, module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]
+    ) -> None:
         self._broadcast_initial_values(module)
         settings: dict[str, Any] = {"mesh": self.device_mesh, "mp_policy": self._mp_policy}
         if self.cpu_offload:
@@ -289,11 +245,6 @@ class FullyShardedExtended(StrategyExtended):
                     sub.set_gradient_divide_factor(1.0)  # a sum over the replicas
                     # ... by SUM collectives: gloo has no PREMUL_SUM, the op a factor picks.
                     sub.set_force_sum_reduction_for_comms(True)
-        for path, new in module.named_parameters(remove_duplicate=False):
-            old = before.get(path)
-            if old is not None and old is not new:
-                self._replaced[old] = new
-        self._claim(module)
 
     def _units(self, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         """The modules that become FSDP units below the root (which is always one)."""
@@ -319,42 +270,18 @@ class FullyShardedExtended(StrategyExtended):
         return matched
 
     def _broadcast_initial_values(self, module: torch.nn.Module) -> None:
-        """The chief's initial parameters and buffers on every process, after checking that
-        every process built the same model."""
-        comm = self._comm
         # Not the shards of a unit sharded before: they are the same on every process already.
         everything = [*module.parameters(), *module.buffers()]
-        tensors = [t for t in everything if not isinstance(t, DTensor)]
-        signature = [(tuple(t.shape), str(t.dtype)) for t in tensors]
-        everyone = comm.all_gather_object(signature, what="the shapes of the model to shard")
-        for rank, theirs in enumerate(everyone):
-            if theirs != signature:
-                raise RendezvousError(
-                    f"FullyShardedStrategy: {comm.peer_name(rank)} built a model of "
-                    f"{len(theirs)} tensors but {comm.peer_name(comm.rank)} built one of "
-                    f"{len(signature)}, or of other shapes; every worker must build the same "
-                    f"model. Here: {signature[:8]}; there: {theirs[:8]}"
-                )
-        with torch.no_grad():
-            for group in _buckets(tensors, BROADCAST_BUCKET_BYTES):
-                what = f"initial values of {len(group)} tensors ({group[0].dtype})"
-                if len(group) == 1 and group[0].is_contiguous():
-                    comm.broadcast(group[0].detach(), 0, what=what)  # in place, no copy
-                    continue
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                comm.broadcast(flat, 0, what=what)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
-
-    def _claim(self, module: torch.nn.Module) -> None:
-        for t in [*module.parameters(), *module.buffers()]:
-            if scope_hooks.owner_of(t) is None:
-                scope_hooks.claim(t, self.strategy)
+        broadcast_initial_values(
+            self._comm,
+            [t for t in everything if not isinstance(t, DTensor)],
+            built="built a model of {n} tensors to shard",
+            what="the model to shard",
+        )
 
     # ------------------------------------------------------------------ steps
 
+    @override
     def defer_gradient_reduction(self, defer: bool) -> None:
         # FSDP2's own no_sync: unsharded gradients accumulate, and the next synced backward
         # reduce-scatters them with its own. Only a backward reduces: the last micro-batch's
@@ -362,12 +289,12 @@ class FullyShardedExtended(StrategyExtended):
         for root in self._roots:
             root.set_requires_gradient_sync(not defer, recurse=True)
 
+    @override
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self.device_mesh is None:
             return
-        repoint_optimizer(
+        self.repoint(
             optimizer,
-            self._replaced,
             what_happened="FullyShardedStrategy sharded the model",
             remedy="create the optimizer over the sharded model (after the scope's end), or "
             "shard the model first with strategy.distribute_module(model)",
@@ -421,14 +348,6 @@ class _HeldReduceScatter(DefaultReduceScatter):
 
 
 # ---------------------------------------------------------------------- set-up helpers
-
-
-def _worker_device(resolver: ClusterResolver) -> ReplicaDevice:
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        index = resolver.local_rank % torch.cuda.device_count()
-        torch.cuda.set_device(index)  # FSDP2 places shards on the current CUDA device
-        return ReplicaDevice(f"cuda:{index}", torch.device("cuda", index))
-    return ReplicaDevice("cpu:0", torch.device("cpu"))
 
 
 def _device_mesh(
@@ -507,23 +426,6 @@ def _wrap_matches(wrap: WrapPolicy, path: str, module: torch.nn.Module) -> bool:
 
 def _describe_wrap(wrap: WrapPolicy) -> str:
     return repr(list(wrap)) if isinstance(wrap, tuple) else repr(wrap)
-
-
-def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
-    """Tensors of one dtype together, in order, up to ``limit`` bytes a bucket (a larger tensor
-    alone)."""
-    buckets: list[list[torch.Tensor]] = []
-    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
-    for t in tensors:
-        size = t.numel() * t.element_size()
-        group, used = open_bucket.get(t.dtype, ([], 0))
-        if group and used + size > limit:
-            group, used = [], 0
-        if not group:
-            buckets.append(group)
-        group.append(t)
-        open_bucket[t.dtype] = (group, used + size)
-    return buckets
 
 
 def _check_dtypes(module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> None:

@@ -29,14 +29,13 @@ loops (``sg.dtensor`` ports those directly).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
-from torch.utils.weak import WeakIdKeyDictionary
+from typing_extensions import override
 
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.process_group import (
@@ -44,18 +43,16 @@ from stratagem.comm.process_group import (
     ProcessGroupCommunicator,
     live_connection,
 )
-from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery import scope_hooks
+from stratagem.distribute.capabilities import DefersGradients
 from stratagem.distribute.machinery.devices import ReplicaDevice
 from stratagem.distribute.machinery.input import (
     chunk_sizes,
     record_global_batch_size,
     recorded_global_batch_size,
 )
-from stratagem.distribute.machinery.replaced_parameters import repoint_optimizer
 from stratagem.distribute.strategy import Strategy
+from stratagem.distribute.whole_modules import WholeModulesExtended
 from stratagem.dtensor import Layout, LayoutMap, Mesh, MeshError, apply_layout_map, translate
-from stratagem.dtensor.layout_map import CreatedModules
 
 
 class MeshStrategy(Strategy):
@@ -80,7 +77,7 @@ class MeshStrategy(Strategy):
         )
 
 
-class MeshExtended(StrategyExtended):
+class MeshExtended(WholeModulesExtended, DefersGradients):
     """Weights laid out by a LayoutMap; steps on global DTensors split along ``batch``."""
 
     def __init__(
@@ -111,9 +108,6 @@ class MeshExtended(StrategyExtended):
         self.layout_map = layout_map
         self.batch_dim_name = batch_dim_name
         self._batch_rows: int | None = None  # the global batch of the run under way
-        self._recording: list[CreatedModules] = []  # one per scope entered, innermost last
-        # old parameter → its laid-out replacement (for optimizers made over the old ones)
-        self._replaced: WeakIdKeyDictionary = WeakIdKeyDictionary()
         device = torch.device(mesh.device_type)
         if device.type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
@@ -124,11 +118,13 @@ class MeshExtended(StrategyExtended):
             comm=_replica_communicator(mesh, batch_dim_name, self._job),
         )
 
+    @override
     def barrier(self, what: str) -> None:
         # Every process of the job, not just the replicas: a model-parallel peer of another
         # replica must also wait for the chief's write.
         self._job.barrier(what=what)
 
+    @override
     def describe(self) -> dict[str, Any]:
         return {
             **super().describe(),
@@ -138,66 +134,20 @@ class MeshExtended(StrategyExtended):
 
     # ------------------------------------------------------------------ placement
 
-    @contextlib.contextmanager
-    def in_scope(self) -> Iterator[None]:
-        # Each scope entry records the modules built in it and lays out the outermost ones
-        # when it ends (the layout map's own scope does the same, without our bookkeeping).
-        with CreatedModules() as created:
-            self._recording.append(created)
-            try:
-                yield
-            finally:
-                self._recording.remove(created)
-        for module in created.roots():
-            self._lay_out(module)
+    # A mesh owns what it lays out (DTensors); buffers it leaves local are no one's.
+    claims_buffers_in_scope = False
 
-    def _lay_out(self, module: torch.nn.Module) -> None:
-        """Lay ``module`` out (in place; again is a no-op), claim its DTensors, and remember
-        which parameter replaced which, for optimizers made over the old ones."""
-        before = dict(module.named_parameters(remove_duplicate=False))
-        apply_layout_map(module, self.layout_map)
-        for path, new in module.named_parameters(remove_duplicate=False):
-            old = before.get(path)
-            if old is not None and old is not new:
-                self._replaced[old] = new
-        self._claim(module)
+    @override
+    def distribute_whole(self, module: torch.nn.Module) -> None:
+        """Lay ``module`` out (in place; again is a no-op) and claim its DTensors."""
+        with self.replacing_parameters(module):
+            apply_layout_map(module, self.layout_map)
 
-    def distribute_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        self._lay_out(module)
-        return module
+    @override
+    def owns_after(self, tensor: torch.Tensor) -> bool:
+        return isinstance(tensor, DTensor)
 
-    def adopt_model(self, module: torch.nn.Module) -> None:
-        self.distribute_module(module)
-
-    def capture_parameter(
-        self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
-    ) -> torch.nn.Parameter | None:
-        # Laid out when the scope ends or a step comes (paths are known then). Claimed
-        # meanwhile, so that an optimizer created in the scope, over these soon-replaced
-        # tensors, is ours and can be pointed at their replacements at its first step.
-        scope_hooks.claim(param, self.strategy)
-        return None
-
-    def capture_buffer(
-        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
-    ) -> torch.Tensor | None:
-        return None
-
-    def adopt_captured(self) -> None:
-        pass  # the scopes' exits have laid everything out (in_scope)
-
-    def adopt_pending(self) -> None:
-        # A step inside the scope (TF's tutorials train there): lay out the models built so
-        # far, as the scope's end would; nothing to do at later steps until a module changes.
-        for created in self._recording:
-            for module in created.changed_roots():
-                self._lay_out(module)
-
-    def _claim(self, module: torch.nn.Module) -> None:
-        for t in [*module.parameters(), *module.buffers()]:
-            if isinstance(t, DTensor) and scope_hooks.owner_of(t) is None:
-                scope_hooks.claim(t, self.strategy)
-
+    @override
     def defer_gradient_reduction(self, defer: bool) -> None:
         if defer:
             raise NotImplementedError(
@@ -207,10 +157,10 @@ class MeshExtended(StrategyExtended):
                 "batch), or use MultiWorkerMirroredStrategy or FullyShardedStrategy"
             )
 
+    @override
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        repoint_optimizer(
+        self.repoint(
             optimizer,
-            self._replaced,
             what_happened="MeshStrategy laid the model out on the mesh",
             remedy="create the optimizer over the laid-out model (after a step or the scope's "
             "end), or lay the model out first with strategy.distribute_module(model)",
@@ -218,17 +168,20 @@ class MeshExtended(StrategyExtended):
 
     # ------------------------------------------------------------------ run
 
-    def call_for_each_replica(
-        self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict | None = None
-    ) -> Any:
-        """``fn`` on global DTensors split along ``batch``; results per replica (see above)."""
-        args, kwargs = self._to_mesh((tuple(args), dict(kwargs or {})))
-        try:
-            # DTensor runs its collectives itself: a lost or stuck peer is named all the same.
-            with self._job.named_faults("DTensor's collectives", what="the step"):
-                return self.replica_values(super().call_for_each_replica(fn, args, kwargs))
-        finally:
-            self._batch_rows = None
+    # ``fn`` runs on global DTensors split along ``batch``; results per replica (see above).
+
+    @override
+    def run_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self._to_mesh((args, kwargs))
+
+    @override
+    def run_guard(self) -> contextlib.AbstractContextManager[None]:
+        # DTensor runs its collectives itself: a lost or stuck peer is named all the same.
+        return self._job.named_faults("DTensor's collectives", what="the step")
+
+    @override
+    def leave_run(self) -> None:
+        self._batch_rows = None
 
     def _to_mesh(self, structure: Any) -> Any:
         """Each tensor of this replica's batch → one DTensor of the global batch."""
@@ -262,6 +215,7 @@ class MeshExtended(StrategyExtended):
 
         return pytree.tree_map(to_mesh, structure)
 
+    @override
     def replica_values(self, structure: Any) -> Any:
         """DTensors → this replica's own value (``translate.replica_part``)."""
         rows = self._batch_rows
@@ -273,6 +227,7 @@ class MeshExtended(StrategyExtended):
 
         return pytree.tree_map(local, structure)
 
+    @override
     def split_sizes(self, total: int, parts: int, full: int | None = None) -> list[int]:
         return chunk_sizes(total, parts)  # DTensor's cut of this batch, whatever ``full`` is
 

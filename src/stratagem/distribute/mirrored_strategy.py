@@ -24,14 +24,14 @@ from __future__ import annotations
 import os
 
 import torch
+from typing_extensions import override
 
 from stratagem.comm import LocalCommunicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
-from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.context import current_replica
 from stratagem.distribute.machinery.devices import ReplicaDevice, default_devices, parse_devices
 from stratagem.distribute.machinery.mirrored_variables import MirroredVariables
 from stratagem.distribute.strategy import Strategy
+from stratagem.distribute.threaded_replicas import ThreadedReplicas
 
 
 def _default_cross_device_ops(devices: list[ReplicaDevice]) -> CrossDeviceOps:
@@ -57,7 +57,7 @@ class MirroredStrategy(Strategy):
         )
 
 
-class MirroredExtended(StrategyExtended):
+class MirroredExtended(ThreadedReplicas):
     """MirroredStrategy's ``extended``: mirrored variables, replica threads, merge calls."""
 
     def __init__(
@@ -92,41 +92,37 @@ class MirroredExtended(StrategyExtended):
         self._mirrors = MirroredVariables(
             parsed, grad_scale=1 / len(parsed) if averaged else None, primary_device=mirrors_on
         )
-        self._intra_op_threads = self._threads_per_cpu_replica(parsed)
-
-    @staticmethod
-    def _threads_per_cpu_replica(devices: list[ReplicaDevice]) -> int | None:
-        # Replicas sharing the CPU split its intra-op threads; otherwise each would start as
-        # many threads as there are cores and they would fight over them.
-        cpu = sum(1 for d in devices if d.torch_device.type == "cpu")
-        if cpu < 2:
-            return None
-        return max(1, torch.get_num_threads() // cpu)
 
     # The mirrored variables --------------------------------------------------------------
 
+    @override
     def capture_variable(self, param: torch.nn.Parameter) -> None:
         # TF mirrors every variable created in the scope, not only a layer's: a parameter on
         # its own is a mirrored variable too, or the replica threads would share it, racing
         # on its ``.grad`` and each stepping it.
         self.keep_variable(param)
 
+    @override
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
         for tensor, is_parameter in tensors:
             self._mirrors.add(tensor, is_parameter=is_parameter)
 
+    @override
     def replica_view(self, replica: int) -> dict[int, torch.Tensor]:
         return self._mirrors.view(replica)
 
     # Around run ----------------------------------------------------------------------------
 
+    @override
     def before_run(self) -> None:
         self._mirrors.refresh()
         self._mirrors.scaling = True
 
+    @override
     def leave_run(self) -> None:
         self._mirrors.scaling = False
 
+    @override
     def after_run(self) -> None:
         # Not after a run that accumulated (``accumulate_gradients``): the next run or step
         # sums everything the replicas hold, once.
@@ -136,31 +132,20 @@ class MirroredExtended(StrategyExtended):
     def _reduce_gradients(self) -> None:
         self._mirrors.reduce_gradients(self._cross_device_ops)
 
-    # The replicas are threads sharing one GradScaler: its calls inside run are merge calls.
-    merges_grad_scaler = True
-
+    @override
     def reduce_pending_gradients(self) -> None:
         if self._mirrors.pending_gradients():
             self._reduce_gradients()
 
     # The merge call around optimizer.step() ------------------------------------------------
 
+    @override
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.merge_call("optimizer.step()", self._reduce_gradients)
-        if self._on_replica_zero():
-            # The other replicas' steps find no gradient and wait: lend replica 0 their threads.
-            torch.set_num_threads(self._process_threads)
+        # The other replicas' steps find no gradient and wait: lend replica 0 their threads.
+        self.lend_threads(to_replica_zero=True)
 
+    @override
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self._on_replica_zero():
-            torch.set_num_threads(self._intra_op_threads)
+        self.lend_threads(to_replica_zero=False)
         self.merge_call("the end of optimizer.step()", self._mirrors.refresh)
-
-    def _on_replica_zero(self) -> bool:
-        ctx = current_replica()
-        return (
-            self._intra_op_threads is not None
-            and ctx is not None
-            and ctx.strategy is self.strategy
-            and ctx.local_replica_id == 0
-        )

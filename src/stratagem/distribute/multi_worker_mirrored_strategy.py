@@ -31,30 +31,20 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
 from stratagem.comm.bucketing import GradientReducer
 from stratagem.comm.process_group import Timeouts, connect
+from stratagem.distribute.capabilities import DefersGradients
 from stratagem.distribute.communication_options import (
     CommunicationImplementation,
     CommunicationOptions,
 )
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.devices import ReplicaDevice
+from stratagem.distribute.machinery.worker_setup import broadcast_initial_values, worker_device
 from stratagem.distribute.strategy import Strategy
-from stratagem.errors import RendezvousError
-
-
-def _worker_device(resolver: ClusterResolver) -> ReplicaDevice:
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        index = resolver.local_rank % torch.cuda.device_count()
-        # The current device must be this worker's before the NCCL group starts: NCCL's
-        # communicator and every tensor made with device="cuda" (DDP's, the user's) use it,
-        # and it is cuda:0 in every process until set (FullyShardedStrategy does the same).
-        torch.cuda.set_device(index)
-        return ReplicaDevice(f"cuda:{index}", torch.device("cuda", index))
-    return ReplicaDevice("cpu:0", torch.device("cpu"))
 
 
 def _backend(options: CommunicationOptions, device: torch.device) -> str:
@@ -98,7 +88,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
 
 
-class MultiWorkerMirroredExtended(StrategyExtended):
+class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
     """One replica per process; gradients all-reduced in buckets during backward."""
 
     def __init__(
@@ -119,7 +109,7 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         check_task_types(
             resolver.cluster_spec(), ("chief", "worker", "evaluator"), type(container).__name__
         )
-        device = _worker_device(resolver)
+        device = worker_device(resolver)
         timeouts = Timeouts.from_env(options.timeout_seconds)
         comm: Communicator
         if resolver.rank is None or resolver.world_size == 1:
@@ -154,36 +144,17 @@ class MultiWorkerMirroredExtended(StrategyExtended):
         """The bucketed all-reduce of this worker's gradients (``OverlapProbe`` watches it)."""
         return self._reducer
 
+    @override
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
-        self._broadcast_initial_values([t for t, _ in tensors])
+        broadcast_initial_values(
+            self._comm,
+            [t for t, _ in tensors],
+            built="created {n} tensors in strategy.scope()",
+            what="the new parameters",
+        )
         self._reducer.add_parameters([t for t, is_param in tensors if is_param])
 
-    def _broadcast_initial_values(self, tensors: list[torch.Tensor]) -> None:
-        comm = self._comm
-        if comm.world_size == 1:
-            return
-        signature = [(tuple(t.shape), str(t.dtype)) for t in tensors]
-        everyone = comm.all_gather_object(signature, what="the shapes of the new parameters")
-        for rank, theirs in enumerate(everyone):
-            if theirs != signature:
-                raise RendezvousError(
-                    f"{comm.peer_name(rank)} created {len(theirs)} tensors in strategy.scope() "
-                    f"but {comm.peer_name(comm.rank)} created {len(signature)}; every worker "
-                    f"must build the same model. First difference: "
-                    f"{_first_difference(signature, theirs)}"
-                )
-        with torch.no_grad():
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for t in tensors:
-                by_dtype.setdefault(t.dtype, []).append(t)
-            for dtype, group in by_dtype.items():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                comm.broadcast(flat, 0, what=f"initial values of {len(group)} tensors ({dtype})")
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
-
+    @override
     def before_run(self) -> None:
         # torch's own ``replicate`` (composable DDP) sets the same class attribute in its
         # forward: dynamo reads it when it compiles a frame, and splits the graph at buckets
@@ -192,25 +163,20 @@ class MultiWorkerMirroredExtended(StrategyExtended):
             self._previous_ddp_module = DistributedDataParallel._active_ddp_module
             DistributedDataParallel._active_ddp_module = self._bucket_plan
 
+    @override
     def leave_run(self) -> None:
         if self._comm.world_size > 1:
             DistributedDataParallel._active_ddp_module = self._previous_ddp_module
             self._previous_ddp_module = None
 
+    @override
     def after_run(self) -> None:
         self._reducer.flush(deferred=False)
 
+    @override
     def defer_gradient_reduction(self, defer: bool) -> None:
         self._reducer.deferring = defer
 
+    @override
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._reducer.flush()
-
-
-def _first_difference(
-    mine: list[tuple[tuple[int, ...], str]], theirs: list[tuple[tuple[int, ...], str]]
-) -> str:
-    for i, (a, b) in enumerate(zip(mine, theirs)):
-        if a != b:
-            return f"tensor {i} is {a[0]} {a[1]} here and {b[0]} {b[1]} there"
-    return f"one list is longer ({len(mine)} vs {len(theirs)})"

@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from stratagem.cluster import (
     ClusterResolver,
@@ -46,6 +47,7 @@ from stratagem.cluster import (
 from stratagem.cluster.roles import describe_jobs
 from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import RpcWorld
+from stratagem.distribute.capabilities import ChiefCoordination
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery import scope_hooks
 from stratagem.distribute.machinery.input import (
@@ -151,7 +153,7 @@ class ParameterServerStrategy(Strategy):
         return self._client.ps_stats()
 
 
-class ParameterServerExtended(StrategyExtended):
+class ParameterServerExtended(StrategyExtended, ChiefCoordination):
     """One replica per worker; parameters sharded on the ps tasks, updated there by ``rule``."""
 
     def __init__(
@@ -183,7 +185,7 @@ class ParameterServerExtended(StrategyExtended):
         )
         self.world = world
         spec = resolver.cluster_spec()
-        self.coordinating = resolver.task_type == "chief" and is_coordinated(spec)
+        self._coordinating = resolver.task_type == "chief" and is_coordinated(spec)
         if not serving:
             # A coordinating chief does not wait for its workers at exit: they stop serving
             # only when it has ended (or said goodbye).
@@ -202,19 +204,30 @@ class ParameterServerExtended(StrategyExtended):
         )
 
     @property
+    @override
+    def coordinating(self) -> bool:
+        """Whether this is the chief of a cluster with a chief: TF2's coordinator, which
+        schedules functions (``ClusterCoordinator``, a coordinated ``fit``)."""
+        return self._coordinating
+
+    @property
+    @override
     def coordinator_seam(self) -> CoordinatorSeam:
         """What TF2's coordinator (the chief, its worker tasks) uses of this strategy."""
         return CoordinatorSeam(self)
 
     @property
+    @override
     def parameter_devices(self) -> tuple[str, ...]:
         return tuple(self.client.ps_names)
 
+    @override
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "mode": self.client.rule.mode}
 
     # Scope: shards on the ps ------------------------------------------------------------
 
+    @override
     def capture_parameter(
         self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
     ) -> torch.nn.Parameter | None:
@@ -231,6 +244,7 @@ class ParameterServerExtended(StrategyExtended):
         if coordinator is not None:
             coordinator.refresh()
 
+    @override
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
         params = [t for t, is_param in tensors if is_param]
         if params:
@@ -246,6 +260,7 @@ class ParameterServerExtended(StrategyExtended):
             scope_hooks.claim(p, self._container)
         return p, new
 
+    @override
     def check_optimizer(
         self, optimizer: torch.optim.Optimizer, num_params: int, num_outside: int
     ) -> None:
@@ -258,6 +273,7 @@ class ParameterServerExtended(StrategyExtended):
 
     # optimizer.step(): push gradients, pull values ------------------------------------
 
+    @override
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         if self._evaluator:
             raise RuntimeError(
@@ -268,15 +284,18 @@ class ParameterServerExtended(StrategyExtended):
 
     # Checkpoints: the chief's own write brings the ps's values and optimizer state home -----
 
+    @override
     def before_checkpoint_write(self, objects: list[object]) -> None:
         if self.should_checkpoint:
             self.client.bring_home(objects)
 
+    @override
     def after_checkpoint_restore(self, objects: list[object]) -> None:
         self.client.send_restored(objects)
 
     # Input: each worker its own pipeline --------------------------------------------------
 
+    @override
     def distribute_datasets_from_function(
         self,
         dataset_fn: Callable[[InputContext], Iterable[Any]],

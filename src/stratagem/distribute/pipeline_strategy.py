@@ -29,18 +29,20 @@ one after another in this process.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NoReturn
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from typing_extensions import override
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
 from stratagem.comm.process_group import Timeouts, connect, live_connection
+from stratagem.distribute.capabilities import DefersGradients, PipelinedSteps
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.input import DistributedDataset, InputContext, InputOptions
+from stratagem.distribute.machinery.input import DistributedDataset, InputOptions
 from stratagem.distribute.strategy import Strategy
 from stratagem.pipeline.pipedream import Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS
@@ -271,7 +273,7 @@ class PipelineStrategy(Strategy):
         return mine
 
 
-class PipelineExtended(StrategyExtended):
+class PipelineExtended(StrategyExtended, PipelinedSteps, DefersGradients):
     """Stages on processes: no replicas of one model to ``run`` on (see ``_refuse``); whole
     models whose checkpoints gather the stages."""
 
@@ -298,10 +300,12 @@ class PipelineExtended(StrategyExtended):
         self._whole_models: dict[int, tuple[nn.Module, PipelineModel]] = {}
 
     @property
+    @override
     def num_replicas_in_sync(self) -> int:
         """Data-parallel copies of the pipeline (1 without data parallelism)."""
         return self._layout.num_replicas
 
+    @override
     def describe(self) -> dict[str, Any]:
         return {
             **super().describe(),
@@ -311,6 +315,7 @@ class PipelineExtended(StrategyExtended):
 
     # ------------------------------------------------------------------ whole models
 
+    @override
     def register_whole_model(self, module: nn.Module, pipe: PipelineModel) -> None:
         """Checkpoints of ``module`` (the whole model, kept on every process) will first gather
         every stage's layers into it, and the optimizer state of optimizers over its parameters,
@@ -322,6 +327,7 @@ class PipelineExtended(StrategyExtended):
         entry = self._whole_models.get(id(module))
         return entry[1] if entry is not None and entry[0] is module else None
 
+    @override
     def before_checkpoint_write(self, objects: list[object]) -> None:
         """On every process, in the same order: every stage's layers into each registered
         whole module, and its optimizer state into an optimizer over it, so the chief writes
@@ -339,6 +345,7 @@ class PipelineExtended(StrategyExtended):
 
     # ------------------------------------------------------------------ the Strategy interface
 
+    @override
     def distribute_dataset(
         self, dataset: Iterable[Any], options: InputOptions | None = None
     ) -> DistributedDataset:
@@ -346,18 +353,31 @@ class PipelineExtended(StrategyExtended):
         last the targets, each replica its part (cut by the pipeline)."""
         return DistributedDataset(self, dataset, options, split=False)
 
-    def _refuse(self, what: str) -> NoReturn:
-        raise NotImplementedError(
+    # ------------------------------------------------------------------ capabilities
+
+    @override
+    def replica_steps_refused(self, what: str) -> str:
+        return (
             f"PipelineStrategy.{what}: a pipeline's processes hold different stages, not "
             "replicas of one model; train with sg.keras.Model.fit in strategy.scope(), or with "
             "strategy.pipeline(module, loss_fn) and its train_step"
         )
 
-    def call_for_each_replica(
-        self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict | None = None
-    ) -> Any:
-        self._refuse("run")
+    @property
+    @override
+    def num_microbatches(self) -> int:
+        return self._pipeline_strategy().num_microbatches
 
+    @override
+    def pipeline(self, module: nn.Module, loss_fn: Any, sample_input: Any = None) -> PipelineModel:
+        return self._pipeline_strategy().pipeline(module, loss_fn, sample_input=sample_input)
+
+    def _pipeline_strategy(self) -> PipelineStrategy:
+        strategy = self.strategy
+        assert isinstance(strategy, PipelineStrategy)
+        return strategy
+
+    @override
     def defer_gradient_reduction(self, defer: bool) -> None:
         if defer:
             raise NotImplementedError(
@@ -367,13 +387,12 @@ class PipelineExtended(StrategyExtended):
                 "num_microbatches (with the batch) instead"
             )
 
-    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        self._refuse("reduce")
+    @override
+    def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
+        """Nothing at the scope's end: every process builds the whole model alike, and
+        ``pipeline`` cuts it into stages (checking that the stages start equal)."""
 
-    def gather(self, value: Any, axis: int = 0) -> Any:
-        self._refuse("gather")
-
-    def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: Any = None
-    ) -> Any:
-        self._refuse("distribute_datasets_from_function")
+    @override
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing: the schedule combines the gradients (micro-batches, replicas, shared
+        parameters) before it returns."""

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from stratagem import data as sg_data
+from stratagem.distribute import InputContext, InputOptions
+from stratagem.distribute.capabilities import ChiefCoordination
 from stratagem.distribute.coordinator import ClusterCoordinator
-from stratagem.distribute.machinery.input import InputContext, InputOptions
-from stratagem.distribute.parameter_server_strategy import ParameterServerStrategy
 from stratagem.keras.data_adapter import _as_tensor
 
 
@@ -55,7 +55,8 @@ class DatasetCreator:
 def coordinator_for(strategy: Any) -> ClusterCoordinator | None:
     """The strategy's ``ClusterCoordinator`` when this process is the chief of a cluster with
     a chief (TF2's coordinated training); None for every other strategy and task."""
-    if isinstance(strategy, ParameterServerStrategy) and strategy.coordinated:
+    extended = strategy.extended
+    if isinstance(extended, ChiefCoordination) and extended.coordinating:
         return ClusterCoordinator(strategy)
     return None
 
@@ -102,16 +103,16 @@ def creator_dataset_fn(strategy: Any, creator: DatasetCreator) -> Callable[[], A
 def train_steps(model: Any, iterator: Iterator[Any], steps: int) -> None:
     """Scheduled by ``fit``: ``steps`` batches of the worker's iterator, each a train step on
     the worker (its optimizer step pushes the gradients to the ps)."""
-    extended = model.distribute_strategy.extended
+    strategy = model.distribute_strategy
     for _ in range(steps):
-        extended.train_batch(model, next(iterator))
+        strategy.run(model.train_step, args=(next(iterator),))
 
 
 def test_batches(model: Any, batches: list[Any]) -> None:
     """Scheduled by ``evaluate``: these batches (sent with the function) through test steps."""
-    extended = model.distribute_strategy.extended
+    strategy = model.distribute_strategy
     for batch in batches:
-        extended.test_batch(model, batch)
+        strategy.run(model.test_step, args=(batch,))
 
 
 def check_fit(steps_per_epoch: int | None, x: Any) -> None:

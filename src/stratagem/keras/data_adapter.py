@@ -23,7 +23,7 @@ import torch
 from stratagem import data as sg_data
 
 if TYPE_CHECKING:
-    from stratagem.distribute.strategy import Strategy
+    from stratagem.distribute import Strategy
 
 DEFAULT_BATCH_SIZE = 32
 

@@ -14,8 +14,7 @@ from typing import Any
 
 import torch
 
-from stratagem.distribute import ReduceOp, Strategy, get_strategy
-from stratagem.distribute.machinery.context import current_replica
+from stratagem.distribute import ReduceOp, Strategy, current_replica, get_strategy
 from stratagem.shipping.portable import Portable
 
 

@@ -2,9 +2,9 @@
 
 The loops are written once, over the Strategy interface: global batches go through
 ``strategy.experimental_distribute_dataset`` (split across replicas, auto-sharded across
-workers), each step goes through the strategy's ``extended.train_batch`` (by default
-``strategy.run(self.train_step, ...)``; on a pipeline, Keras's own pipelined steps run the
-schedule, ``pipeline_steps.py``), and metrics are read in the cross-replica context, where
+workers), each step is ``strategy.run(self.train_step, ...)`` (on a strategy with
+``PipelinedSteps``, Keras's own pipelined steps run the schedule instead, ``pipeline_steps.py``),
+and metrics are read in the cross-replica context, where
 ``result()`` sums every replica's state. The default strategy makes
 the same code single-device training. ``train_step`` and ``test_step`` are the override points.
 
@@ -26,9 +26,15 @@ import numpy as np
 import torch
 
 from stratagem import nn as sg_nn
-from stratagem.distribute import ReduceOp, Strategy, get_strategy, has_strategy
-from stratagem.distribute.machinery.scope_hooks import owner_of
-from stratagem.distribute.pipeline_strategy import PipelineStrategy
+from stratagem.distribute import (
+    PerReplica,
+    ReduceOp,
+    Strategy,
+    capabilities,
+    get_strategy,
+    has_strategy,
+    owner_of,
+)
 from stratagem.keras import callbacks as callbacks_module
 from stratagem.keras import coordinated, losses, metrics, optimizers
 from stratagem.keras.data_adapter import DataPosition, FitData, global_batches
@@ -186,7 +192,8 @@ class Model(Portable):
         _check_count("steps_per_execution", steps_per_execution, minimum=1)
         self.steps_per_execution = steps_per_execution
         options = _compiled_forward_options(jit_compile)
-        if options is not None and isinstance(self.distribute_strategy, PipelineStrategy):
+        pipelined = isinstance(self.distribute_strategy.extended, capabilities.PipelinedSteps)
+        if options is not None and pipelined:
             warnings.warn(
                 "model.compile(jit_compile=...) is ignored on a PipelineStrategy: its stages run "
                 "their own steps; torch.compile the stages' modules instead",
@@ -326,8 +333,8 @@ class Model(Portable):
     def _pipelined(self, batch: Any) -> KerasPipeline | None:
         """On a pipeline, this model's stages and their steps (cut on first use); else None:
         the strategy runs the steps."""
-        strategy = self.distribute_strategy
-        if not isinstance(strategy, PipelineStrategy):
+        extended = self.distribute_strategy.extended
+        if not isinstance(extended, capabilities.PipelinedSteps):
             return None
         if self._pipeline is None:
             if self.optimizer is not None and self.optimizer.gradient_accumulation_steps:
@@ -336,7 +343,7 @@ class Model(Portable):
                     f"{self.optimizer.gradient_accumulation_steps} is not supported; a pipeline "
                     "accumulates its num_microbatches micro-batches within each step already"
                 )
-            self._pipeline = KerasPipeline.build(self, strategy, unpack(batch)[0])
+            self._pipeline = KerasPipeline.build(self, extended, unpack(batch)[0])
         return self._pipeline
 
     def _train_batch(self, batch: Any) -> None:
@@ -345,7 +352,7 @@ class Model(Portable):
         if pipeline is not None:
             pipeline.train_batch(batch)
         else:
-            self.distribute_strategy.extended.train_batch(self, batch)
+            self.distribute_strategy.run(self.train_step, args=(batch,))
         assert self.optimizer is not None
         self.optimizer.finish_batch()
 
@@ -354,14 +361,18 @@ class Model(Portable):
         if pipeline is not None:
             pipeline.test_batch(batch)
         else:
-            self.distribute_strategy.extended.test_batch(self, batch)
+            self.distribute_strategy.run(self.test_step, args=(batch,))
 
     def _predict_batch(self, batch: Any) -> torch.Tensor:
         self._remember_input(batch)
         pipeline = self._pipelined(batch)
         if pipeline is not None:
             return pipeline.predict_batch(batch)
-        return self.distribute_strategy.extended.predict_batch(self, batch)
+        strategy = self.distribute_strategy
+        result = strategy.run(self.predict_step, args=(batch,))
+        if not isinstance(result, PerReplica | torch.Tensor):
+            raise TypeError(f"predict_step must return a tensor, got {type(result).__name__}")
+        return strategy.gather(result, axis=0)  # every replica's outputs, in order
 
     # ------------------------------------------------------------------ fit
 

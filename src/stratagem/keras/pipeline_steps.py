@@ -1,4 +1,5 @@
-"""``sg.keras.Model``'s fit, evaluate and predict steps on a pipeline (``PipelineStrategy``).
+"""``sg.keras.Model``'s fit, evaluate and predict steps on a pipeline (a strategy with
+``PipelinedSteps``: ``PipelineStrategy``).
 
 Keras owns the pipelined step, as torchtitan's trainer does: on a pipeline, ``Model`` runs its
 steps through these instead of ``strategy.extended``'s, so that ``fit`` (its callbacks,
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from stratagem.distribute.pipeline_strategy import PipelineExtended, PipelineStrategy
+from stratagem.distribute.capabilities import PipelinedSteps
 from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
 from stratagem.pipeline.stages import PipelineModel
 
@@ -83,7 +84,7 @@ class KerasPipeline:
         self._first_batch: int | None = None  # the first training batch's size (the nominal)
 
     @classmethod
-    def build(cls, model: Any, strategy: PipelineStrategy, x: Any) -> KerasPipeline:
+    def build(cls, model: Any, extended: PipelinedSteps, x: Any) -> KerasPipeline:
         """Cut ``model.module`` into this process's stage(s), the first batch's inputs ``x``
         giving the sample a split by measured time needs."""
         overridden = [
@@ -118,10 +119,8 @@ class KerasPipeline:
                 f"a pipeline's inputs must be tensors (the first stage's input); got {type(x)}"
             )
         loss = IndexedLoss(lambda y, y_pred: model.loss.call(torch.as_tensor(y), y_pred))
-        sample = x[: max(1, x.shape[0] // strategy.num_microbatches)]
-        pipe = strategy.pipeline(model.module, loss, sample_input=sample)
-        extended = strategy.extended
-        assert isinstance(extended, PipelineExtended)
+        sample = x[: max(1, x.shape[0] // extended.num_microbatches)]
+        pipe = extended.pipeline(model.module, loss, sample_input=sample)
         extended.register_whole_model(model.module, pipe)
         return cls(model, pipe, loss)
 

@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from stratagem.distribute.machinery.scope_hooks import strategy_for
+from stratagem.distribute import strategy_for
 from stratagem.keras import losses, optimizers
 from stratagem.keras.io_options import LoadOptions, SaveOptions, check_options
 from stratagem.keras.mixed_precision import LossScaleOptimizer

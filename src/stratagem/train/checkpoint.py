@@ -15,8 +15,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 
 import torch
 
-from stratagem.distribute import StrategyExtended
-from stratagem.distribute.machinery.scope_hooks import strategy_for
+from stratagem.distribute import StrategyExtended, strategy_for
 from stratagem.errors import CheckpointError, CheckpointMatchError
 from stratagem.train import sharded
 from stratagem.train.restore import (

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from stratagem.comm import plain_data
 from stratagem.comm.dtensor_check import is_dtensor
-from stratagem.distribute.machinery.scope_hooks import tensors_of
+from stratagem.distribute import tensors_of
 from stratagem.errors import CheckpointError
 from stratagem.train.atomic_dir import publish
 from stratagem.train.dcp_reader import SafeLoadPlanner, SafeReader, read_dcp_metadata

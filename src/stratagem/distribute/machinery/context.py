@@ -8,13 +8,34 @@ own context; code outside any strategy sees the default strategy and its single 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from stratagem.distribute.strategy import Strategy
+from typing import Any, Protocol
 
 _local = threading.local()
+
+
+class Strategy(Protocol):
+    """What the machinery needs of a strategy: ``sg.distribute.Strategy`` (above the
+    machinery, in ``distribute/strategy.py``) is one."""
+
+    @property
+    def extended(self) -> Any: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+
+# The default strategy's maker: ``distribute/default_strategy.py`` provides it when imported
+# (importing any part of ``stratagem.distribute`` imports it), so this module needs no import
+# of the strategies built on it.
+_default_maker: Callable[[], Strategy] | None = None
+
+
+def provide_default(maker: Callable[[], Strategy]) -> None:
+    """Name the maker of the default strategy (what code outside any scope sees)."""
+    global _default_maker
+    _default_maker = maker
 
 
 @dataclass(frozen=True)
@@ -50,10 +71,14 @@ def _scopes() -> list[Strategy]:
     return stack
 
 
-def _default() -> Strategy:
-    from stratagem.distribute.default_strategy import default_strategy
-
-    return default_strategy()
+def default_strategy() -> Strategy:
+    """The default strategy (one replica, nothing placed): TF's when no strategy is active."""
+    if _default_maker is None:
+        raise RuntimeError(
+            "the default strategy is not provided yet: import stratagem.distribute (it provides "
+            "it) before asking for the current strategy"
+        )
+    return _default_maker()
 
 
 def mixing_error(current: Strategy, strategy: Strategy) -> RuntimeError:
@@ -70,7 +95,7 @@ def check_not_mixed(strategy: Strategy) -> None:
     no other strategy's scope is current in this thread (TF's
     ``_require_cross_replica_or_default_context_extended``)."""
     current = scope_strategy()
-    if current is not None and current is not strategy and current is not _default():
+    if current is not None and current is not strategy and current is not default_strategy():
         raise mixing_error(current, strategy)
 
 
@@ -80,8 +105,8 @@ def push_scope(strategy: Strategy) -> None:
     strategy's scope, which TF does not count as a strategy (``has_strategy()`` is False there).
     The default strategy inside another's scope is TF's "Must not nest" error."""
     stack = _scopes()
-    if stack and stack[-1] is not strategy and stack[-1] is not _default():
-        if strategy is _default():
+    if stack and stack[-1] is not strategy and stack[-1] is not default_strategy():
+        if strategy is default_strategy():
             raise RuntimeError(
                 f"Must not nest sg.distribute.Strategy scopes: the default strategy's scope "
                 f"entered inside the scope of {stack[-1]!r}"
@@ -122,8 +147,6 @@ def get_strategy() -> Strategy:
     scoped = scope_strategy()
     if scoped is not None:
         return scoped
-    from stratagem.distribute.default_strategy import default_strategy
-
     return default_strategy()
 
 
@@ -131,7 +154,7 @@ def _strategy_scope() -> Strategy | None:
     """The scope's strategy unless it is the default one: TF's default strategy's scope keeps
     the default state (``has_strategy()`` False, the default replica context current)."""
     scoped = scope_strategy()
-    return None if scoped is None or scoped is _default() else scoped
+    return None if scoped is None or scoped is default_strategy() else scoped
 
 
 def has_strategy() -> bool:
@@ -146,7 +169,7 @@ def get_replica_context() -> ReplicaContext | None:
         return ctx
     if _strategy_scope() is not None:
         return None
-    return ReplicaContext(_default(), 0, 0, None)
+    return ReplicaContext(default_strategy(), 0, 0, None)
 
 
 def in_cross_replica_context() -> bool:

@@ -21,7 +21,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.nn.modules.module import (
@@ -30,11 +30,9 @@ from torch.nn.modules.module import (
 )
 
 from stratagem.distribute.machinery import context
+from stratagem.distribute.machinery.context import Strategy
 from stratagem.distribute.machinery.devices import ReplicaDevice, parse_device
 from stratagem.errors import DeviceError
-
-if TYPE_CHECKING:
-    from stratagem.distribute.strategy import Strategy
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -73,10 +71,8 @@ def check_strategy(strategy: Strategy) -> None:
 
     The default strategy places nothing (TF does not count it as a strategy): its scope keeps
     the device scope's placement."""
-    from stratagem.distribute.default_strategy import default_strategy
-
     target = current_device()
-    if target is not None and strategy is not default_strategy():
+    if target is not None and strategy is not context.default_strategy():
         _check_conflict(strategy, target, "outside")
 
 

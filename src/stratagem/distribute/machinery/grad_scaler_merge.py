@@ -7,7 +7,7 @@ optimizer's step, later), so the replicas could decide differently about an over
 second thread's ``unscale_`` raises ("unscale_() has already been called on this optimizer").
 TF's answer to such a call is a merge call: every replica meets, and the call runs once, in
 the cross-replica context. So the scaler's ``unscale_``, ``step`` and ``update``, called in a
-replica context of a strategy that asks for it (``StrategyExtended.merges_grad_scaler``), meet
+replica context of a strategy whose replicas are threads (``MergesReplicas``), meet
 the other replicas; the last to arrive sums the replicas' gradients and makes the call once,
 on the summed gradients, and every replica gets its result. One overflow decision for all, as
 DDP's one scaler per process gives. Elsewhere the methods are torch's own, unchanged.
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from stratagem.distribute.capabilities import MergesReplicas
 from stratagem.distribute.machinery import context
 
 _MERGED = ("unscale_", "step", "update")
@@ -36,7 +37,7 @@ def _merged(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         ctx = context.current_replica()
         extended = ctx.strategy.extended if ctx is not None else None
-        if extended is None or not extended.merges_grad_scaler:
+        if not isinstance(extended, MergesReplicas):
             return original(self, *args, **kwargs)
         results: list[Any] = []
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -50,8 +50,21 @@ from stratagem.errors import InputError
 
 AutoShardPolicy = sg_data.AutoShardPolicy
 
-if TYPE_CHECKING:
-    from stratagem.distribute.extended import StrategyExtended
+
+class StrategyExtended(Protocol):
+    """What distributed input reads of ``strategy.extended`` (``distribute/extended.py``'s
+    class, above this module, is one)."""
+
+    @property
+    def communicator(self) -> Any: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def replica_devices(self) -> tuple[torch.device, ...]: ...
+
+    def split_sizes(self, total: int, parts: int, full: int | None = None) -> list[int]: ...
 
 
 class InputContext:

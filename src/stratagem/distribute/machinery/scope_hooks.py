@@ -27,7 +27,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.nn.modules.module import (
@@ -37,9 +37,7 @@ from torch.nn.modules.module import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from stratagem.distribute.machinery import context, grad_scaler_merge
-
-if TYPE_CHECKING:
-    from stratagem.distribute.strategy import Strategy
+from stratagem.distribute.machinery.context import Strategy
 
 # torch.optim's package namespace hides the submodule that defines the global hooks.
 _optimizer_module = sys.modules["torch.optim.optimizer"]

@@ -29,8 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from stratagem.distribute import ReduceOp, get_replica_context
-from stratagem.distribute.machinery.scope_hooks import strategy_for
+from stratagem.distribute import ReduceOp, get_replica_context, strategy_for
 from stratagem.keras import optimizers
 
 DEFAULT_INITIAL_SCALE = 2.0**15

@@ -1,0 +1,90 @@
+"""What a strategy of one replica per process sets up first, written once for
+MultiWorkerMirroredStrategy and FullyShardedStrategy: the device this worker computes on, and
+the chief's initial values on every worker.
+
+Every worker builds the model itself (from its own seed, perhaps), so the chief's values must
+reach the others before the first step: the shapes are compared first (a worker that built
+another model is named, with the first difference), then the values are broadcast in buckets
+of one dtype, a lone contiguous tensor in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stratagem.cluster import ClusterResolver
+from stratagem.comm import Communicator
+from stratagem.distribute.machinery.devices import ReplicaDevice
+from stratagem.errors import RendezvousError
+
+BROADCAST_BUCKET_BYTES = 4 << 20
+
+Signature = list[tuple[tuple[int, ...], str]]
+
+
+def worker_device(resolver: ClusterResolver) -> ReplicaDevice:
+    """This worker's device: its local rank's GPU where there are GPUs, else the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        index = resolver.local_rank % torch.cuda.device_count()
+        # The current device must be this worker's before the NCCL group starts: NCCL's
+        # communicator, FSDP2's shards and every tensor made with device="cuda" (DDP's, the
+        # user's) use it, and it is cuda:0 in every process until set.
+        torch.cuda.set_device(index)
+        return ReplicaDevice(f"cuda:{index}", torch.device("cuda", index))
+    return ReplicaDevice("cpu:0", torch.device("cpu"))
+
+
+def broadcast_initial_values(
+    comm: Communicator, tensors: list[torch.Tensor], *, built: str, what: str
+) -> None:
+    """The chief's values of ``tensors`` on every process, once every process is found to have
+    made the same ones. ``built`` says what each made in the error (``"created {n} tensors in
+    strategy.scope()"``: ``{n}`` is the count); ``what`` names the tensors in the check."""
+    if comm.world_size == 1:
+        return
+    signature = [(tuple(t.shape), str(t.dtype)) for t in tensors]
+    everyone = comm.all_gather_object(signature, what=f"the shapes of {what}")
+    for rank, theirs in enumerate(everyone):
+        if theirs != signature:
+            raise RendezvousError(
+                f"{comm.peer_name(rank)} {built.format(n=len(theirs))} but "
+                f"{comm.peer_name(comm.rank)} {built.format(n=len(signature))}; every worker "
+                f"must build the same model. First difference: "
+                f"{_first_difference(signature, theirs)}"
+            )
+    with torch.no_grad():
+        for group in buckets(tensors, BROADCAST_BUCKET_BYTES):
+            label = f"initial values of {len(group)} tensors ({group[0].dtype})"
+            if len(group) == 1 and group[0].is_contiguous():
+                comm.broadcast(group[0].detach(), 0, what=label)  # in place, no copy
+                continue
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            comm.broadcast(flat, 0, what=label)
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def _first_difference(mine: Signature, theirs: Signature) -> str:
+    for i, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            return f"tensor {i} is {a[0]} {a[1]} here and {b[0]} {b[1]} there"
+    return f"one list is longer ({len(mine)} vs {len(theirs)})"
+
+
+def buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """Tensors of one dtype together, in order, up to ``limit`` bytes a bucket (a larger tensor
+    alone)."""
+    buckets: list[list[torch.Tensor]] = []
+    open_bucket: dict[torch.dtype, tuple[list[torch.Tensor], int]] = {}
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        group, used = open_bucket.get(t.dtype, ([], 0))
+        if group and used + size > limit:
+            group, used = [], 0
+        if not group:
+            buckets.append(group)
+        group.append(t)
+        open_bucket[t.dtype] = (group, used + size)
+    return buckets
