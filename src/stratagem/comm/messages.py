@@ -3,7 +3,8 @@
 A parameter-server task serves its operations to the workers through a ``MessageServer``; each
 worker keeps one ``Connection`` to each ps. Nothing a peer sends is unpickled or imported:
 every message is one frame of ``plain_data`` (JSON and raw tensor bytes in a fixed schema), and
-a request can only name a method of the server's fixed table.
+a request can only name a method of the server's fixed table. The file is kept whole: the
+wire format, its two ends and the shared-memory path are one protocol, read top to bottom.
 
 Opening a connection, before any request is read:
 

@@ -3,31 +3,31 @@
 TensorFlow splits a strategy in two: ``tf.distribute.Strategy``, the API a training script
 calls, and ``strategy.extended`` (``StrategyExtended``), which implements it and which library
 code (Keras, checkpoints) talks to. stratagem does the same. ``Strategy`` only forwards; this
-class holds the shared mechanics and every hook a strategy may specialise, in four groups:
+class is the **core** every strategy has:
 
+- **required** (abstract): ``adopt`` (what scope does to new parameters and buffers) and
+  ``before_optimizer_step`` (how the replicas' gradients become one update);
+- **public methods that validate, then call hooks**: ``call_for_each_replica`` (``run``),
+  ``merge_call``, ``reduce``, ``gather``, ``accumulate_gradients``, the input methods; their
+  hooks (``run_arguments``, ``run_guard``, ``enter_replica``, ``run_replica_calls``,
+  ``replica_view``, ``before_run``/``leave_run``/``after_run``, ``replica_values``,
+  ``split_sizes``) have defaults a strategy overrides where it differs;
 - **placement** (``capture_parameter``, ``capture_buffer``, ``capture_variable``,
-  ``placement_device``, ``place``, ``adopt``, ``adopt_model``, ``distribute_module``,
-  ``in_scope``): what happens to parameters, buffers and modules created in
-  ``strategy.scope()`` (``machinery/scope_hooks.py`` calls the capture hooks from PyTorch's
-  global registration hooks, and ``capture_variable`` for every parameter created there) or
-  handed over explicitly;
-- **steps** (``call_for_each_replica`` and its ``before_run``/``leave_run``/``after_run``,
-  ``run_replica_calls``, ``replica_view``, ``merge_call``, ``check_optimizer``,
-  ``before_optimizer_step``, ``after_optimizer_step``, ``accumulate_gradients`` and its
-  ``defer_gradient_reduction``, and the three steps ``Model.fit`` runs:
-  ``train_batch``, ``test_batch``, ``predict_batch``; ``replica_values``,
-  ``gradient_aggregation``);
+  ``placement_device``, ``place``, ``adopt_model``, ``distribute_module``, ``in_scope``):
+  what happens to what ``strategy.scope()`` captures (``machinery/scope_hooks.py`` calls the
+  capture hooks from PyTorch's global registration hooks) or is handed over explicitly;
 - **process facts** (``communicator``, ``num_replicas_in_sync``, ``replica_devices``,
   ``worker_devices``, ``parameter_devices``, ``should_checkpoint``, ``should_save_summary``,
-  ``should_init``, ``barrier``, ``describe``);
-- **checkpoint state** (``before_checkpoint_write``, ``after_checkpoint_restore``): state that
-  lives in other processes (a parameter server's) or is split between them (pipeline stages).
+  ``barrier``, ``describe``) and **checkpoint state** (``before_checkpoint_write``,
+  ``after_checkpoint_restore``).
 
-The base class is a complete strategy of its own: N local replicas (threads when N > 1) over a
-communicator (``LocalCommunicator`` alone). A new strategy subclasses it, overrides what
-differs, and wraps it in a ``Strategy`` subclass; ``docs/architecture.md`` ("Writing a
-strategy") walks through one. Nothing outside ``distribute/`` reads a strategy's underscore
-members: this class is the whole contract.
+What only some strategies do is a capability they opt into (``capabilities.py``: merge calls
+between replica threads, deferred gradients, pipelined steps, chief coordination); library
+code asks for the capability, never for a strategy class. Every override carries
+``@override``. ``docs/architecture.md`` ("Writing a strategy") walks through writing one.
+Nothing outside ``distribute/`` reads a strategy's underscore members: this class and the
+capabilities are the whole contract. The file is kept whole (a little over 600 lines, most of
+them the contract's documentation) so that the contract reads in one place.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from stratagem.distribute.machinery.input import (
     recorded_global_batch_size,
     split_sizes,
 )
+from stratagem.distribute.machinery.reduction import gather_values, reduce_values
 from stratagem.distribute.machinery.replica_random import ReplicaRandom, replica_generators
 from stratagem.distribute.machinery.replica_threads import ReplicaView
 from stratagem.distribute.machinery.values import (
@@ -539,32 +540,15 @@ class StrategyExtended(ABC):
     def _reduce_values(
         self, op: ReduceOp, values: list[torch.Tensor], axis: int | None
     ) -> torch.Tensor:
-        destination = self._devices[0].torch_device
-        combine = ReduceOp.SUM if op is ReduceOp.MEAN else op
-        if axis is None:
-            count = torch.tensor(float(self.num_replicas_in_sync))
-            parts = values
-        else:
-            dims = {v.dim() for v in values}
-            if any(not -d <= axis < d for d in dims):
-                raise ValueError(f"axis {axis} is out of range for values of rank {sorted(dims)}")
-            count = torch.tensor(float(sum(v.shape[axis] for v in values)))
-            if op in (ReduceOp.SUM, ReduceOp.MEAN):
-                parts = [v.sum(axis) for v in values]
-            else:
-                reducer = torch.amax if op is ReduceOp.MAX else torch.amin
-                parts = [reducer(v, axis) for v in values if v.shape[axis] > 0]
-                if not parts:
-                    raise ValueError(f"cannot take {op.name} along axis {axis} of empty values")
-        local = self._cross_device_ops.reduce(combine, parts, destination).clone()
-        if op is ReduceOp.MEAN and not local.is_floating_point():
-            local = local.double()
-        self._comm.all_reduce(local, combine, what=f"strategy.reduce({op.name})")
-        if op is not ReduceOp.MEAN:
-            return local
-        if axis is not None:
-            self._comm.all_reduce(count, ReduceOp.SUM, what="strategy.reduce(MEAN) counts")
-        return local / count.to(local.device, local.dtype)
+        return reduce_values(
+            op,
+            values,
+            axis,
+            num_replicas=self.num_replicas_in_sync,
+            cross_device_ops=self._cross_device_ops,
+            comm=self._comm,
+            destination=self._devices[0].torch_device,
+        )
 
     def gather(self, value: Any, axis: int = 0) -> Any:
         """``strategy.gather``: every replica's value concatenated along ``axis`` (sizes along
@@ -574,20 +558,7 @@ class StrategyExtended(ABC):
         self._check_replica_steps("gather")
         destination = self._devices[0].torch_device
         values = [v.to(destination) for v in self._local_values(value)]
-        local = torch.cat(values, dim=axis)
-        comm = self._comm
-        if comm.world_size == 1:
-            return local
-        axis = axis % local.dim()
-        size = torch.tensor([local.shape[axis]], dtype=torch.int64)
-        sizes = [int(s) for s in comm.all_gather(size, what="strategy.gather sizes")]
-        pad = max(sizes) - local.shape[axis]
-        if pad:
-            shape = list(local.shape)
-            shape[axis] = pad
-            local = torch.cat([local, local.new_zeros(shape)], dim=axis)
-        pieces = comm.all_gather(local.contiguous(), what="strategy.gather")
-        return torch.cat([p.narrow(axis, 0, s) for p, s in zip(pieces, sizes)], dim=axis)
+        return gather_values(values, axis, self._comm)
 
     def _check_replica_steps(self, what: str) -> None:
         """A pipeline's processes hold stages, not replicas: ``what`` is refused, naming how

@@ -58,7 +58,8 @@ from stratagem.distribute.machinery.input import (
 from stratagem.distribute.partitioners import Partitioner, Shard
 from stratagem.distribute.ps import chief_reads
 from stratagem.distribute.ps.client import IndependentWorker, PsClient
-from stratagem.distribute.ps.server import PsTaskServer, UpdateRule
+from stratagem.distribute.ps.server import UpdateRule
+from stratagem.distribute.ps.task_server import PsTaskServer
 from stratagem.distribute.strategy import Strategy
 
 MODES = ("async", "sync")

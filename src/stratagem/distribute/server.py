@@ -2,8 +2,8 @@
 ``tf.distribute.Server(server_or_cluster_def, job_name=None, task_index=None, protocol=None,
 config=None, start=True)``).
 
-- On a ``ps`` task it serves the task's variable shards (``ps.server.PsTaskServer``) until every
-  worker is done.
+- On a ``ps`` task it serves the task's variable shards (``ps.task_server.PsTaskServer``)
+  until every worker is done.
 - On a ``worker`` task of a cluster with a ``chief`` it serves the chief's
   ``ClusterCoordinator`` (``coordinator.worker.WorkerServer``): the scheduled functions run here.
 
@@ -25,7 +25,7 @@ from stratagem.cluster import (
     resolve_cluster,
 )
 from stratagem.distribute.coordinator.worker import WorkerServer
-from stratagem.distribute.ps.server import PsTaskServer
+from stratagem.distribute.ps.task_server import PsTaskServer
 
 
 class Server:

@@ -1,9 +1,9 @@
 """``sg.distribute.coordinator``: TF2's ``ClusterCoordinator`` (the chief schedules functions
 that worker tasks run; functions travel by reference, see ``stratagem.shipping``)."""
 
-from stratagem.distribute.coordinator.cluster_coordinator import (
+from stratagem.distribute.coordinator.cluster_coordinator import ClusterCoordinator
+from stratagem.distribute.coordinator.values import (
     CancelledError,
-    ClusterCoordinator,
     FunctionError,
     PerWorkerDataset,
     PerWorkerIterator,
