@@ -7,7 +7,9 @@ Over every ``.py`` under ``src/stratagem/``:
 2. no module imports another package's private module (``stratagem.data._structure``) or private
    name (``from stratagem.train.checkpoint import _kind``);
 3. no module reaches ``obj._x`` (``obj`` not ``self``, ``cls`` or ``super()``) where ``_x`` is a
-   private member that stratagem defines only in other modules.
+   private member that stratagem defines only in other modules;
+4. no two modules import each other, directly or through others (an import circle), counting
+   every import as rule 1 does, except the circles ALLOWED_CIRCLES lists.
 
 The checker is plain functions over source text; the last tests feed it snippets, so that it
 cannot pass by reporting nothing.
@@ -90,6 +92,11 @@ LAYERS["cli"] = set(LAYERS)
 # stratagem's (torch's or Python's own member of the same name). Each entry is
 # (the module that reads it, the name): that module's reads of that name are not checked.
 FOREIGN_PRIVATE: set[tuple[str, str]] = set()
+
+# Import circles that stand for now, each as the set of its modules; any other circle fails
+# test_no_import_circles, and so does an entry here that is no longer a circle (remove it).
+# None stands: a new circle is a design question, not an entry here.
+ALLOWED_CIRCLES: set[frozenset[str]] = set()
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 ROOT = "stratagem"
@@ -551,6 +558,104 @@ def private_member_violations(
     return found
 
 
+# --- import circles ------------------------------------------------------------------------------
+
+
+def imported_module(imp: Import, modules: set[str]) -> str | None:
+    """The module of ours an import reaches: ``from pkg.mod import name`` is ``pkg.mod.name``
+    where that is a module (a submodule), else ``pkg.mod`` (``from pkg import name``: the
+    package's ``__init__``); ``import pkg.mod`` is ``pkg.mod``. A path that names no module (a
+    typo, a module being moved) reaches the nearest module above it."""
+    parts = (imp.dotted if imp.dotted in modules else imp.module).split(".")
+    while parts and ".".join(parts) not in modules:
+        parts = parts[:-1]
+    return ".".join(parts) or None
+
+
+def module_imports(sources: tuple[Source, ...]) -> Iterator[tuple[Source, Import, str]]:
+    """Each import of one module of ``sources`` by another, wherever it stands (functions,
+    ``if TYPE_CHECKING:``: a lazy import is a dependency all the same), with the module it
+    reaches."""
+    modules = {source.module for source in sources}
+    for source in sources:
+        for imp in imports_of(source):
+            target = imported_module(imp, modules)
+            if target is not None and target != source.module:
+                yield source, imp, target
+
+
+def module_graph(sources: tuple[Source, ...]) -> dict[str, set[str]]:
+    """Each module of ``sources`` and the modules of ours it imports."""
+    graph: dict[str, set[str]] = {source.module: set() for source in sources}
+    for source, _, target in module_imports(sources):
+        graph[source.module].add(target)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """The strongly connected components of ``graph`` with more than one module: each a circle
+    of imports (every module in it reaches every other), sorted, in sorted order. Tarjan's
+    algorithm, with an explicit stack rather than recursion."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def enter(module: str) -> tuple[str, Iterator[str]]:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        return module, iter(sorted(graph.get(module, set())))
+
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [enter(root)]
+        while work:
+            module, targets = work[-1]
+            target = next(targets, None)
+            if target is None:  # every import of ``module`` followed
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[module])
+                if low[module] == index[module]:  # the root of a component: pop it whole
+                    component = set()
+                    while module not in component:
+                        component.add(stack.pop())
+                    on_stack.difference_update(component)
+                    if len(component) > 1:
+                        circles.append(tuple(sorted(component)))
+            elif target not in index:
+                work.append(enter(target))
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+    return sorted(circles)
+
+
+def circle_problems(sources: tuple[Source, ...], allowed: set[frozenset[str]]) -> list[str]:
+    """Each import circle of ``sources`` that ``allowed`` does not list, with the imports that
+    make it (``file:line: a -> b``), and each entry of ``allowed`` that is no longer a circle."""
+    circles = import_circles(module_graph(sources))
+    found = []
+    for circle in circles:
+        if frozenset(circle) in allowed:
+            continue
+        members = set(circle)
+        edges = dict.fromkeys(  # one line for `from m import a, b`
+            f"{source.path}:{imp.line}: {source.module} -> {target}"
+            for source, imp, target in module_imports(sources)
+            if source.module in members and target in members
+        )
+        found.append(f"{', '.join(circle)}\n" + "\n".join(f"      {edge}" for edge in edges))
+    found += [
+        f"ALLOWED_CIRCLES lists {', '.join(sorted(entry))}, which is no longer a circle: "
+        "remove the entry"
+        for entry in sorted(allowed - {frozenset(circle) for circle in circles}, key=sorted)
+    ]
+    return found
+
+
 # --- the table -----------------------------------------------------------------------------------
 
 
@@ -657,6 +762,11 @@ def test_checker_reports_an_import_behind_the_door_and_allows_the_doors():
 def test_no_access_to_private_members_of_other_modules():
     found = private_member_violations(load_sources(), FOREIGN_PRIVATE)
     assert not found, _report("private members reached from another module", found)
+
+
+def test_no_import_circles():
+    found = circle_problems(load_sources(), ALLOWED_CIRCLES)
+    assert not found, _report("import circles (modules that import each other)", found)
 
 
 # --- the checker itself --------------------------------------------------------------------------
@@ -843,3 +953,69 @@ def test_checker_finds_cycles_and_unlisted_packages():
     assert len(problems) == 2, problems
     assert problems[0].startswith("package new is not in LAYERS"), problems
     assert problems[1].startswith("LAYERS names gone (in cli's entry)"), problems
+
+
+# A package whose modules import each other twice over: x <-> y through an import inside a
+# function, p <-> q through one under TYPE_CHECKING; and imports that make no circle (a package
+# __init__ re-exporting its module, another package importing that __init__, a module importing
+# itself by name).
+CIRCLES = {
+    "data/__init__": "from stratagem.data.x import X\n",
+    "data/x": "from . import y\n\nX = 1\n",
+    "data/y": "def f():\n    from stratagem.data.x import X\n\n    return X\n",
+    "comm/__init__": "",
+    "comm/p": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from ..comm.q import Q\n",
+    "comm/q": "from stratagem.comm.p import A, B\n\nQ = 1\n",
+    "errors": "",
+    "keras/m": "import stratagem.keras.m\nfrom stratagem import errors\n"
+    "from stratagem.data import X\n",
+}
+
+
+def test_checker_builds_the_module_graph():
+    graph = module_graph(_sources(CIRCLES))
+    assert graph == {
+        "stratagem.data": {"stratagem.data.x"},
+        "stratagem.data.x": {"stratagem.data.y"},
+        "stratagem.data.y": {"stratagem.data.x"},
+        "stratagem.comm": set(),
+        "stratagem.comm.p": {"stratagem.comm.q"},
+        "stratagem.comm.q": {"stratagem.comm.p"},
+        "stratagem.errors": set(),
+        "stratagem.keras.m": {"stratagem.errors", "stratagem.data"},
+    }, graph
+
+
+def test_checker_finds_circles_through_lazy_and_type_checking_imports():
+    graph = module_graph(_sources(CIRCLES))
+    assert import_circles(graph) == [
+        ("stratagem.comm.p", "stratagem.comm.q"),
+        ("stratagem.data.x", "stratagem.data.y"),
+    ]
+    # One long circle, its modules found in any order, with a chord and a tail outside it.
+    ring = {"a": {"b"}, "b": {"c", "e"}, "c": {"d", "a"}, "d": {"b"}, "e": set(), "f": {"a"}}
+    assert import_circles(ring) == [("a", "b", "c", "d")]
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_checker_reports_each_circle_and_each_stale_allowance():
+    sources = _sources(CIRCLES)
+    allowed = {
+        frozenset({"stratagem.data.x", "stratagem.data.y"}),
+        frozenset({"stratagem.comm.p", "stratagem.comm.gone"}),
+    }
+    found = circle_problems(sources, allowed)
+    assert len(found) == 2, found
+    assert found[0].splitlines() == [
+        "stratagem.comm.p, stratagem.comm.q",
+        "      src/stratagem/comm/p.py:4: stratagem.comm.p -> stratagem.comm.q",
+        "      src/stratagem/comm/q.py:1: stratagem.comm.q -> stratagem.comm.p",
+    ], found[0]
+    assert found[1] == (
+        "ALLOWED_CIRCLES lists stratagem.comm.gone, stratagem.comm.p, which is no longer a "
+        "circle: remove the entry"
+    ), found[1]
+    assert (
+        circle_problems(sources, {frozenset(c) for c in import_circles(module_graph(sources))})
+        == []
+    )

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from stratagem.cluster.job_secret import job_secret, task_hosts
 from stratagem.comm import error_report
+from stratagem.comm.adopted_group import exchange_over_group
 from stratagem.comm.binding import pin_transport_interfaces
 from stratagem.comm.communicator import Communicator, LocalCommunicator, PendingOp
 from stratagem.comm.liveness import SILENT, LivenessServer, advertised_host, probe_all
@@ -113,7 +114,7 @@ class ProcessGroupCommunicator(Communicator):
     """Collectives among the chief and workers of a cluster, over torch.distributed."""
 
     # True when the group moves CUDA tensors only: a pure NCCL group another library started
-    # (``adopted_group``). Ours always has gloo beside NCCL ("cpu:gloo,cuda:nccl").
+    # (``AdoptedGroupCommunicator``). Ours always has gloo beside NCCL ("cpu:gloo,cuda:nccl").
     stage_cpu_tensors = False
 
     def on_group(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -363,6 +364,64 @@ class ProcessGroupCommunicator(Communicator):
             _live = None
 
 
+class AdoptedGroupCommunicator(ProcessGroupCommunicator):
+    """The job's collectives over a default group another library initialised (Ray Train's
+    ``TorchTrainer`` does, before the user's function runs; so may a user).
+
+    The group is taken as it is: no store of ours and no second ``init_process_group`` (its port
+    is already taken by the owner's store). The roll call travels over the group itself
+    (``adopted_group``). The owner destroys the group; this communicator only leaves it.
+    """
+
+    def __init__(self, resolver: Resolver, *, timeouts: Timeouts) -> None:
+        # Not ProcessGroupCommunicator.__init__: that one opens a store and starts the group.
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if resolver.rank != rank or resolver.world_size != world:
+            raise RendezvousError(
+                f"torch.distributed was already initialised as rank {rank} of {world}, but "
+                f"{resolver.describe()} is rank {resolver.rank} of {resolver.world_size}; "
+                "expected the same rank and size (the environment and the group disagree)"
+            )
+        self.rank = rank
+        self.world_size = world
+        self.backend = str(dist.get_backend())
+        # Ray Train starts a pure NCCL group on GPUs: it cannot move the CPU tensors some
+        # collectives carry (a barrier's flag, metrics' totals, a seed); they go via the GPU.
+        self.stage_cpu_tensors = self.backend == "nccl"
+        # The owner's group was joined without our secret; so are the groups made from it (a
+        # mesh's dimensions): prove_group has nothing to prove.
+        self._secret = None
+        self.timeouts = timeouts
+        self._resolver = resolver
+        self._me = resolver.peer_name(rank)
+        self._seq = 0
+        self._closed = False
+        self._recent_works: collections.deque = collections.deque(maxlen=64)
+        self._peers: dict[int, str] = {}
+        address = resolver.rendezvous_address
+        self._liveness = LivenessServer(advertised_host(address[0] if address else "127.0.0.1"))
+        me = Member(
+            rank=rank,
+            world_size=world,
+            name=self._me,
+            cluster=_canonical(resolver),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            liveness=self._liveness.address,
+        )
+        members = exchange_over_group(
+            me,
+            device="cuda" if self.backend == "nccl" else "cpu",
+            all_gather=lambda record: self.all_gather(record, what="the roll call"),
+        )
+        self._peers = {m.rank: m.liveness for m in members if m.rank != rank}
+        self.barrier(what="the end of start-up")
+        self._watch_exit()
+
+    def _release_group(self) -> None:
+        """Leave the group to the library that started it (Ray destroys it at shutdown)."""
+
+
 class GroupCommunicator(Communicator):
     """Collectives among some of a job's processes (one dimension of a mesh), over the job's
     connection: the same named operations, timeouts and lost-peer diagnosis.
@@ -503,8 +562,6 @@ def connect(
         if dist.is_initialized():
             # Someone else started the default group (Ray Train does, before the train function
             # runs): join it as it is rather than start a second one on its port.
-            from stratagem.comm.adopted_group import AdoptedGroupCommunicator
-
             _live = AdoptedGroupCommunicator(resolver, timeouts=timeouts or Timeouts.from_env())
             return _live
         _live = ProcessGroupCommunicator(

@@ -136,10 +136,11 @@ def create_mesh(
             f"process{'es' if world != 1 else ''} (one device per process); expected mesh "
             f"dimensions whose sizes multiply to {world}"
         )
-    from stratagem.comm.process_group import live_connection
-    from stratagem.dtensor import translate
+    from torch.distributed.device_mesh import init_device_mesh
 
-    device_mesh = translate.device_mesh(device_type, shape, names)
+    from stratagem.comm.process_group import live_connection
+
+    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     job = live_connection()
     if job is not None:
         # Each dimension's group opens gloo connections of its own: each proves the secret.

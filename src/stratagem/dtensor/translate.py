@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import (
     DTensor,
     Partial,
@@ -32,7 +31,6 @@ __all__ = [
     "LaidOutParameter",
     "batch_part_to_mesh",
     "copy_to_mesh",
-    "device_mesh",
     "fetch_layout",
     "layout_parameter",
     "pack",
@@ -41,10 +39,6 @@ __all__ = [
     "replica_part",
     "unpack",
 ]
-
-
-def device_mesh(device_type: str, shape: Sequence[int], names: Sequence[str]) -> DeviceMesh:
-    return init_device_mesh(device_type, tuple(shape), mesh_dim_names=tuple(names))
 
 
 def placements(layout: Layout) -> tuple[Placement, ...]:

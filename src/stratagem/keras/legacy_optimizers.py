@@ -3,6 +3,6 @@ optimizers, kept for old code), the same recipes as ``sg.keras.optimizers``: the
 optimizer implementation here, torch's, so legacy and current differ in nothing. Keras 2's
 ``lr=`` and ``decay=`` arguments are not accepted (``learning_rate=``; a schedule callback)."""
 
-from stratagem.keras.optimizers import SGD, Adagrad, Adam, RMSprop
+from stratagem.keras.optimizer_recipes import SGD, Adagrad, Adam, RMSprop
 
 __all__ = ["SGD", "Adagrad", "Adam", "RMSprop"]

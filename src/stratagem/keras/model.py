@@ -42,6 +42,7 @@ from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
 from stratagem.keras.mixed_precision import LossScaleOptimizer
 from stratagem.keras.mixed_precision import policy as dtype_policies
 from stratagem.keras.pipeline_steps import KerasPipeline
+from stratagem.keras.saving import example_for, save_model
 from stratagem.recompute import recompute_grad
 from stratagem.shipping.portable import Portable
 from stratagem.train import Checkpoint, latest_checkpoint
@@ -138,8 +139,6 @@ class Model(Portable):
         """Keras's ``build(input_shape)``: give the model the shape of its input (the batch
         dimension may be None) without calling it on data, as a Keras layer's ``input_shape=``
         does; ``save`` traces the module's program on zeros of it."""
-        from stratagem.keras.saving import example_for
-
         self._example_input = example_for(self.module, input_shape)
 
     # ------------------------------------------------------------------ added losses
@@ -698,8 +697,6 @@ class Model(Portable):
         is refused with Keras's error: the directory holds the module's exported program,
         which needs an input to trace (Keras 3 likewise refuses to export or save the weights
         of an unbuilt model)."""
-        from stratagem.keras.saving import save_model
-
         if not self.built:
             raise ValueError(
                 "You are saving a model that has not yet been built. Try building the model "

@@ -1,5 +1,68 @@
-"""``sg.keras.models``: ``load_model``, where Keras keeps it."""
+"""``sg.keras.models``: ``load_model``, where Keras keeps it: a ``Model`` from ``model.save``'s
+directory (the format is ``saving.py``), compiled as it was saved."""
 
-from stratagem.keras.saving import load_model
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from stratagem.keras import losses, optimizers
+from stratagem.keras.io_options import LoadOptions
+from stratagem.keras.mixed_precision import LossScaleOptimizer
+from stratagem.keras.model import Model
+from stratagem.keras.saving import read_saved
 
 __all__ = ["load_model"]
+
+
+def load_model(
+    path: str,
+    module: torch.nn.Module | None = None,
+    compile: bool = True,
+    options: LoadOptions | None = None,
+) -> Model:
+    """A Model from ``model.save``'s directory; inside a strategy scope it is distributed.
+    ``options``: an ``sg.saved_model.LoadOptions`` (``experimental_io_device``)."""
+    saved = read_saved(path, module, options, "load_model")
+    if saved.module is None:
+        raise ValueError(
+            f"{path!r} holds no exported program ({saved.config.get('program_missing_because')}"
+            f"); pass module= (a fresh {saved.config['module']['class']}) to load its weights"
+        )
+    model = Model(saved.module, dtype=saved.config.get("dtype_policy"))
+    if compile and saved.config.get("compile"):
+        _recompile(model, saved.config["compile"])
+    return model
+
+
+def _recompile(model: Model, spec: dict[str, Any]) -> None:
+    opt = spec["optimizer"]
+    torch_class = getattr(torch.optim, opt["torch_class"], None)
+    if torch_class is None:
+        raise ValueError(f"saved optimizer class {opt['torch_class']!r} is not in torch.optim")
+    defaults = {k: tuple(v) if isinstance(v, list) else v for k, v in opt["defaults"].items()}
+    defaults["lr"] = opt["learning_rate"]
+    accepted = inspect.signature(torch_class).parameters
+    optimizer = torch_class(
+        model.module.parameters(), **{k: v for k, v in defaults.items() if k in accepted}
+    )
+    loss = None
+    if spec.get("loss"):
+        options = dict(spec["loss"])
+        loss = getattr(losses, options.pop("class"))(**options)
+    steps = opt.get("gradient_accumulation_steps")  # absent from files saved before it existed
+    bound = optimizers.BoundOptimizer(optimizer, steps)
+    scaling = opt.get("loss_scale")
+    if scaling is not None:
+        bound = LossScaleOptimizer(
+            bound,
+            dynamic=bool(scaling["dynamic"]),
+            initial_scale=float(scaling["initial_scale"]),
+            dynamic_growth_steps=scaling["dynamic_growth_steps"],
+        )
+        state = bound.trackables()  # in place: the scale and the counter reached
+        state["loss_scale"].fill_(float(scaling["scale"]))
+        state["dynamic_counter"].fill_(int(scaling["counter"] or 0))
+    model.compile(bound, loss, spec.get("metrics") or [])

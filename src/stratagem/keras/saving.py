@@ -28,14 +28,13 @@ archive checked first (``program.py``).
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import os
 import shutil
 import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -57,8 +56,10 @@ from stratagem.train.manifest import (
 from stratagem.train.sharded import whole_module
 
 if TYPE_CHECKING:
-    from stratagem.distribute import StrategyExtended
-    from stratagem.keras.model import Model
+    from stratagem.distribute import Strategy, StrategyExtended
+    from stratagem.keras import metrics
+    from stratagem.keras.callbacks.history import History
+    from stratagem.keras.mixed_precision.policy import Policy
 
 FORMAT = "stratagem.keras.model"
 FORMAT_VERSION = 1
@@ -67,7 +68,21 @@ CONFIG_FILE = "config.json"
 PROGRAM_FILE = "program.pt2"
 
 
-def _compile_config(model: Model) -> dict[str, Any] | None:
+class SavedModel(Protocol):
+    """What ``save_model`` reads of a Keras model: an ``sg.keras.Model`` is one. Saving sits
+    below the model whose ``save`` calls it (``load_model``, which makes a ``Model``, is in
+    ``models.py``), so it names only these members."""
+
+    module: torch.nn.Module
+    optimizer: optimizers.BoundOptimizer | None
+    loss: losses.Loss | None
+    compiled_metrics: list[metrics.Metric]
+    history: History | None
+    dtype_policy: Policy
+    distribute_strategy: Strategy
+
+
+def _compile_config(model: SavedModel) -> dict[str, Any] | None:
     if model.optimizer is None:
         return None
     torch_optimizer = model.optimizer.torch_optimizer
@@ -142,7 +157,7 @@ def example_for(module: torch.nn.Module, input_shape: Any) -> torch.Tensor:
 
 
 def save_model(
-    model: Model,
+    model: SavedModel,
     path: str,
     *,
     example_input: torch.Tensor | None = None,
@@ -392,56 +407,3 @@ def _parse_config(path: str, text: bytes) -> dict[str, Any]:
             f"to version {FORMAT_VERSION}"
         )
     return config
-
-
-def load_model(
-    path: str,
-    module: torch.nn.Module | None = None,
-    compile: bool = True,
-    options: LoadOptions | None = None,
-) -> Model:
-    """A Model from ``model.save``'s directory; inside a strategy scope it is distributed.
-    ``options``: an ``sg.saved_model.LoadOptions`` (``experimental_io_device``)."""
-    from stratagem.keras.model import Model
-
-    saved = read_saved(path, module, options, "load_model")
-    if saved.module is None:
-        raise ValueError(
-            f"{path!r} holds no exported program ({saved.config.get('program_missing_because')}"
-            f"); pass module= (a fresh {saved.config['module']['class']}) to load its weights"
-        )
-    model = Model(saved.module, dtype=saved.config.get("dtype_policy"))
-    if compile and saved.config.get("compile"):
-        _recompile(model, saved.config["compile"])
-    return model
-
-
-def _recompile(model: Model, spec: dict[str, Any]) -> None:
-    opt = spec["optimizer"]
-    torch_class = getattr(torch.optim, opt["torch_class"], None)
-    if torch_class is None:
-        raise ValueError(f"saved optimizer class {opt['torch_class']!r} is not in torch.optim")
-    defaults = {k: tuple(v) if isinstance(v, list) else v for k, v in opt["defaults"].items()}
-    defaults["lr"] = opt["learning_rate"]
-    accepted = inspect.signature(torch_class).parameters
-    optimizer = torch_class(
-        model.module.parameters(), **{k: v for k, v in defaults.items() if k in accepted}
-    )
-    loss = None
-    if spec.get("loss"):
-        options = dict(spec["loss"])
-        loss = getattr(losses, options.pop("class"))(**options)
-    steps = opt.get("gradient_accumulation_steps")  # absent from files saved before it existed
-    bound = optimizers.BoundOptimizer(optimizer, steps)
-    scaling = opt.get("loss_scale")
-    if scaling is not None:
-        bound = LossScaleOptimizer(
-            bound,
-            dynamic=bool(scaling["dynamic"]),
-            initial_scale=float(scaling["initial_scale"]),
-            dynamic_growth_steps=scaling["dynamic_growth_steps"],
-        )
-        state = bound.trackables()  # in place: the scale and the counter reached
-        state["loss_scale"].fill_(float(scaling["scale"]))
-        state["dynamic_counter"].fill_(int(scaling["counter"] or 0))
-    model.compile(bound, loss, spec.get("metrics") or [])

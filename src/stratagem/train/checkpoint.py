@@ -222,9 +222,10 @@ class Checkpoint:
         if not os.path.basename(path):
             raise ValueError(f"checkpoint path {path!r} names a directory, expected a file name")
         extended = self._extended()
-        if sharded.holds_dtensors(self):
+        tracked = self._tracked()
+        if sharded.holds_dtensors(tracked):
             # Weights laid out on a mesh (sg.dtensor): every process writes its own shards.
-            return sharded.write(self, path, self._meta(extended))
+            return sharded.write(tracked, path, self._meta(extended), self._describe_shards())
         # Every process: pipeline stages gather (a collective), a ps's state comes home.
         extended.before_checkpoint_write(self._objects())
         if not extended.should_checkpoint:
@@ -248,6 +249,26 @@ class Checkpoint:
             "torch_version": torch.__version__,
             "distribution": extended.describe(),
         }
+
+    def _tracked(self) -> sharded.Tracked:
+        """What this checkpoint tracks, as it is saved, for a sharded checkpoint (DCP)."""
+        return sharded.Tracked(
+            {n: v._tracked() if isinstance(v, Checkpoint) else v for n, v in self._views().items()},
+            self._save_counter,
+        )
+
+    def _describe_shards(self) -> dict[str, Any]:
+        """What a sharded checkpoint's ``meta.json`` says of its trackables (DCP's files hold
+        the values)."""
+        described: dict[str, Any] = {}
+        for name, obj in self._views().items():
+            info: dict[str, Any] = {"kind": kind_of(obj), "type": type(obj).__name__}
+            if isinstance(obj, Checkpoint):
+                info["trackables"] = obj._describe_shards()
+            elif isinstance(obj, torch.Tensor):
+                info["shape"] = list(obj.shape)
+            described[name] = info
+        return described
 
     def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(what ``state.pt`` holds, what ``meta.json`` says about it), recursively."""
@@ -292,7 +313,8 @@ class Checkpoint:
         path = os.fspath(save_path)
         meta, state = read_checkpoint(path)  # both from one save, whatever saves run meanwhile
         if meta.get("sharded"):
-            return sharded.restore(self, path, meta)  # collective, resharding to live layouts
+            # Collective, resharding to the live layouts.
+            return sharded.restore(self._tracked(), path, meta)
         apply: list[Callable[[], None]] = []
         report = Report()
         self._plan(state, meta.get("trackables", {}), path, "", apply, report)
@@ -417,9 +439,3 @@ def is_writer(checkpoint: Checkpoint) -> bool:
     """Whether this process writes ``checkpoint`` (the chief of the strategy of what it
     tracks); the others only read."""
     return checkpoint._extended().should_checkpoint
-
-
-def trackables_of(checkpoint: Checkpoint) -> dict[str, Any]:
-    """What ``checkpoint`` tracks, by name, as it is saved (``view_of``: a Keras model as a
-    nested checkpoint of its module and optimizer); nested checkpoints as they are."""
-    return checkpoint._views()

@@ -21,6 +21,7 @@ import copy
 import os
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,26 +38,35 @@ from stratagem.train.restore import LoadStatus, copy_into
 from stratagem.train.storage import hidden_sibling, is_checkpoint, write_file
 
 
-def _trackables(checkpoint: Any) -> Iterator[tuple[str, Any]]:
-    """Every trackable, nested checkpoints flattened, with dotted names."""
-    from stratagem.train.checkpoint import Checkpoint, trackables_of
+@dataclass(frozen=True)
+class Tracked:
+    """What a checkpoint tracks, as it is saved, handed in by ``Checkpoint`` (which sits above
+    this module): each object by name (``checkpoint.view_of``: a Keras model as a nested
+    checkpoint of its module and optimizer), a nested checkpoint as a ``Tracked`` of its own;
+    and the checkpoint's save counter, which DCP writes and restores in place."""
 
-    for name, obj in trackables_of(checkpoint).items():
-        if isinstance(obj, Checkpoint):
+    objects: dict[str, Any]
+    save_counter: torch.Tensor
+
+
+def _trackables(tracked: Tracked) -> Iterator[tuple[str, Any]]:
+    """Every trackable, nested checkpoints flattened, with dotted names."""
+    for name, obj in tracked.objects.items():
+        if isinstance(obj, Tracked):
             for inner, value in _trackables(obj):
                 yield f"{name}.{inner}", value
         else:
             yield name, obj
 
 
-def holds_dtensors(checkpoint: Any) -> bool:
+def holds_dtensors(tracked: Tracked) -> bool:
     """Whether any trackable holds a DTensor, which makes the checkpoint a sharded one."""
-    return any(is_dtensor(t) for _, obj in _trackables(checkpoint) for t in tensors_of(obj))
+    return any(is_dtensor(t) for _, obj in _trackables(tracked) for t in tensors_of(obj))
 
 
-def _owner(optimizer: torch.optim.Optimizer, checkpoint: Any, name: str) -> torch.nn.Module:
+def _owner(optimizer: torch.optim.Optimizer, root: Tracked, name: str) -> torch.nn.Module:
     params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    for _, obj in _trackables(checkpoint):
+    for _, obj in _trackables(root):
         if isinstance(obj, torch.nn.Module) and params <= {id(p) for p in obj.parameters()}:
             return obj
     raise CheckpointError(
@@ -66,18 +76,16 @@ def _owner(optimizer: torch.optim.Optimizer, checkpoint: Any, name: str) -> torc
     )
 
 
-def _state(checkpoint: Any, root: Any) -> dict[str, Any]:
-    """The DCP state dict of ``checkpoint``: tensors (shards included) where the values live."""
+def _state(tracked: Tracked, root: Tracked) -> dict[str, Any]:
+    """The DCP state dict of ``tracked``: tensors (shards included) where the values live."""
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
         get_optimizer_state_dict,
     )
 
-    from stratagem.train.checkpoint import Checkpoint, trackables_of
-
     state: dict[str, Any] = {}
-    for name, obj in trackables_of(checkpoint).items():
-        if isinstance(obj, Checkpoint):
+    for name, obj in tracked.objects.items():
+        if isinstance(obj, Tracked):
             state[name] = _state(obj, root)
         elif isinstance(obj, torch.nn.Module):
             state[name] = get_model_state_dict(obj)
@@ -87,24 +95,22 @@ def _state(checkpoint: Any, root: Any) -> dict[str, Any]:
             state[name] = obj
         else:
             state[name] = obj.state_dict()
-    state["save_counter"] = checkpoint.save_counter
+    state["save_counter"] = tracked.save_counter
     return state
 
 
-def _load(checkpoint: Any, root: Any, state: dict[str, Any], saved: dict[str, Any]) -> None:
+def _load(tracked: Tracked, root: Tracked, state: dict[str, Any], saved: dict[str, Any]) -> None:
     """Put the values DCP loaded into ``state`` back into the trackables."""
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    from stratagem.train.checkpoint import Checkpoint, trackables_of
-
-    for name, obj in trackables_of(checkpoint).items():
+    for name, obj in tracked.objects.items():
         if name not in saved:
             continue
         value = state[name]
-        if isinstance(obj, Checkpoint):
+        if isinstance(obj, Tracked):
             _load(obj, root, value, saved[name].get("trackables", {}))
         elif isinstance(obj, torch.nn.Module):
             set_model_state_dict(obj, value)
@@ -115,20 +121,6 @@ def _load(checkpoint: Any, root: Any, state: dict[str, Any], saved: dict[str, An
                 copy_into(obj, value)
         else:
             obj.load_state_dict(value)
-
-
-def _describe(checkpoint: Any) -> dict[str, Any]:
-    from stratagem.train.checkpoint import Checkpoint, kind_of, trackables_of
-
-    described: dict[str, Any] = {}
-    for name, obj in trackables_of(checkpoint).items():
-        info: dict[str, Any] = {"kind": kind_of(obj), "type": type(obj).__name__}
-        if isinstance(obj, Checkpoint):
-            info["trackables"] = _describe(obj)
-        elif isinstance(obj, torch.Tensor):
-            info["shape"] = list(obj.shape)
-        described[name] = info
-    return described
 
 
 def _from_process_0(value: Any, *, what: str) -> Any:
@@ -156,8 +148,9 @@ def _from_process_0(value: Any, *, what: str) -> Any:
     return plain_data.decode(buffer.cpu().numpy().tobytes(), sender="process 0", what=what)
 
 
-def write(checkpoint: Any, path: str, meta: dict[str, Any]) -> str:
-    """Every process writes its shards; process 0 adds ``meta.json`` and renames into place."""
+def write(tracked: Tracked, path: str, meta: dict[str, Any], described: dict[str, Any]) -> str:
+    """Every process writes its shards; process 0 adds ``meta.json`` (``meta``, and
+    ``described``, what the checkpoint says of its trackables) and renames into place."""
     import json
 
     import torch.distributed.checkpoint as dcp
@@ -180,12 +173,12 @@ def write(checkpoint: Any, path: str, meta: dict[str, Any]) -> str:
     if tmp[0]:
         raise CheckpointError(tmp[0])
     tmp = tmp[1]
-    state = _state(checkpoint, checkpoint)
+    state = _state(tracked, tracked)
     dcp.save(state, checkpoint_id=tmp)  # collective: returns once every process has written
     problem = None
     if rank == 0:
         try:
-            meta = {**meta, "sharded": True, "trackables": _describe(checkpoint)}
+            meta = {**meta, "sharded": True, "trackables": described}
             meta["checksums"] = MANIFEST_FILE
             text = json.dumps(meta, indent=2, default=str) + "\n"
             write_file(os.path.join(tmp, "meta.json"), text)
@@ -201,14 +194,14 @@ def write(checkpoint: Any, path: str, meta: dict[str, Any]) -> str:
     return path
 
 
-def restore(checkpoint: Any, path: str, meta: dict[str, Any]) -> LoadStatus:
+def restore(tracked: Tracked, path: str, meta: dict[str, Any]) -> LoadStatus:
     """Load every trackable the checkpoint holds, resharded to the live layouts."""
     import torch.distributed.checkpoint as dcp
 
     saved = meta.get("trackables", {})
     metadata = read_dcp_metadata(path)  # refuses what would run code, naming it
-    state = _state(checkpoint, checkpoint)
-    _expect_saved_entries(checkpoint, state, metadata, ())
+    state = _state(tracked, tracked)
+    _expect_saved_entries(tracked, state, metadata, ())
     wanted = {
         name: value for name, value in state.items() if name in saved or name == "save_counter"
     }
@@ -224,28 +217,23 @@ def restore(checkpoint: Any, path: str, meta: dict[str, Any]) -> LoadStatus:
         if unsafe is not None:
             raise unsafe from e
         raise CheckpointError(f"cannot restore sharded checkpoint {path!r}: {e}") from e
-    _load(checkpoint, checkpoint, state, saved)
-    from stratagem.train.checkpoint import trackables_of
-
-    tracked = trackables_of(checkpoint)
-    unrestored = [name for name in tracked if name not in saved]
-    unused = [name for name in saved if name not in tracked]
+    _load(tracked, tracked, state, saved)
+    unrestored = [name for name in tracked.objects if name not in saved]
+    unused = [name for name in saved if name not in tracked.objects]
     return LoadStatus(path, unused, unrestored, len(saved) - len(unused))
 
 
 def _expect_saved_entries(
-    checkpoint: Any, state: dict[str, Any], metadata: Any, prefix: tuple[str, ...]
+    tracked: Tracked, state: dict[str, Any], metadata: Any, prefix: tuple[str, ...]
 ) -> None:
     """Give each trackable that is no module, optimizer or tensor (its ``state_dict`` has the
     keys it has now, perhaps none yet: a fresh BackupAndRestore's progress) the tensor entries
     the checkpoint saved for it, as empty tensors of their saved shapes for DCP to fill."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from stratagem.train.checkpoint import Checkpoint, trackables_of
-
     paths = metadata.planner_data or {}
-    for name, obj in trackables_of(checkpoint).items():
-        if isinstance(obj, Checkpoint):
+    for name, obj in tracked.objects.items():
+        if isinstance(obj, Tracked):
             _expect_saved_entries(obj, state[name], metadata, (*prefix, name))
             continue
         if isinstance(obj, torch.nn.Module | torch.optim.Optimizer | torch.Tensor):

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stratagem.cluster import launcher
 from stratagem.jobs.custom_job import CustomJob, JobResult, failed_task_log
@@ -24,15 +24,13 @@ from stratagem.jobs.directories import JobDirectories
 from stratagem.jobs.state import JobState
 from stratagem.tune.errors import TuningError
 from stratagem.tune.hparams import write_trial_hparams
-from stratagem.tune.parameter_specs import distributions, format_value
+from stratagem.tune.parameter_specs import ParameterSpec, distributions, format_value
 from stratagem.tune.report import METRIC_FILE_VARIABLE, Report, ReportReader, final_measurement
 from stratagem.tune.study import counted, requeue
 from stratagem.tune.trials import Trial, study_trial, trial_id
 
 if TYPE_CHECKING:
     import optuna
-
-    from stratagem.tune.tuning_job import HyperparameterTuningJob
 
 # How often the tuner reads the trials' metric files when no trial has ended meanwhile.
 _POLL_S = 0.05
@@ -55,6 +53,25 @@ def median_pruner(
     if not median_stopping:
         return optuna.pruners.NopPruner()
     return optuna.pruners.MedianPruner(n_startup_trials=min_trials, n_warmup_steps=warmup_steps)
+
+
+class TrialPlan(Protocol):
+    """What the scheduler reads of a study's job: a ``HyperparameterTuningJob`` is one. The
+    scheduler sits below the job that runs it, so it names only these members."""
+
+    display_name: str
+    custom_job: CustomJob  # the trial template
+    metric_id: str
+    goal: str  # "maximize" or "minimize"
+    measurement_selection: str  # "best" or "last"
+    parameter_spec: Mapping[str, ParameterSpec]
+    max_trial_count: int
+    parallel_trial_count: int
+    max_failed_trial_count: int
+    device_groups: list[str]  # a CUDA_VISIBLE_DEVICES value per trial that may run at once
+    study_dir: Path
+
+    def threads_per_task(self) -> int: ...
 
 
 @dataclass(eq=False)
@@ -81,7 +98,7 @@ class TrialScheduler:
 
     def __init__(
         self,
-        job: HyperparameterTuningJob,
+        job: TrialPlan,
         study: optuna.Study,
         progress: Callable[[str, Trial], None],
     ) -> None:

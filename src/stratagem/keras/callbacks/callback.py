@@ -1,19 +1,38 @@
 """``Callback``, the base class of every callback, and the small helpers the callbacks and
-``Model`` share: ``Logs``, ``is_chief``, ``format_logs``."""
+``Model`` share: ``Logs``, ``is_chief``, ``format_logs``; ``FitModel``, what the callbacks use
+of the model they are set on."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from stratagem.distribute import get_strategy
 
 if TYPE_CHECKING:
-    from stratagem.keras.model import Model
+    import torch
+
+    from stratagem.distribute import Strategy
+    from stratagem.keras.optimizer_recipes import BoundOptimizer
 
 Logs = dict[str, float]
 
 
-def is_chief(model: Model | None) -> bool:
+class FitModel(Protocol):
+    """What the callbacks here use of the model they are set on: an ``sg.keras.Model`` is one.
+    The callbacks sit below the model whose ``fit``, ``evaluate`` and ``predict`` call them, so
+    they name only these members."""
+
+    module: torch.nn.Module
+    optimizer: BoundOptimizer | None
+    distribute_strategy: Strategy
+    stop_training: bool
+
+    def fit_progress(self, epoch: int, step: int) -> dict[str, torch.Tensor]: ...
+
+    def resume_fit(self, progress: dict[str, torch.Tensor]) -> None: ...
+
+
+def is_chief(model: FitModel | None) -> bool:
     """Whether this process prints and writes summaries for ``model``'s fit: the chief of the
     strategy the model was built under (``extended.should_save_summary``); with no model, of
     the current strategy."""
@@ -25,10 +44,10 @@ class Callback:
     """Base class; override the hooks you need. ``self.model`` is set before training."""
 
     def __init__(self) -> None:
-        self.model: Model | None = None
+        self.model: FitModel | None = None
         self.params: dict[str, Any] = {}
 
-    def set_model(self, model: Model) -> None:
+    def set_model(self, model: FitModel) -> None:
         self.model = model
 
     def set_params(self, params: dict[str, Any]) -> None:

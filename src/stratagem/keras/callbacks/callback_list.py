@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from stratagem.keras.callbacks.callback import Callback, Logs
-
-if TYPE_CHECKING:
-    from stratagem.keras.model import Model
+from stratagem.keras.callbacks.callback import Callback, FitModel, Logs
 
 
 class CallbackList:
@@ -17,7 +14,7 @@ class CallbackList:
     entry, as ``LearningRateScheduler`` adds ``learning_rate``, shows it to the later ones,
     ``History`` last)."""
 
-    def __init__(self, callbacks: Iterable[Callback], model: Model, params: dict[str, Any]):
+    def __init__(self, callbacks: Iterable[Callback], model: FitModel, params: dict[str, Any]):
         self.callbacks = list(callbacks)
         for cb in self.callbacks:
             if not isinstance(cb, Callback):

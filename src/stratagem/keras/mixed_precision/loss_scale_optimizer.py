@@ -30,13 +30,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from stratagem.distribute import ReduceOp, get_replica_context, strategy_for
-from stratagem.keras import optimizers
+from stratagem.keras import optimizer_recipes
 
 DEFAULT_INITIAL_SCALE = 2.0**15
 DEFAULT_GROWTH_STEPS = 2000
 
 
-class LossScaleOptimizer(optimizers.BoundOptimizer):
+class LossScaleOptimizer(optimizer_recipes.BoundOptimizer):
     """Wraps an optimizer with loss scaling (``tf.keras.mixed_precision.LossScaleOptimizer``).
 
     ``inner_optimizer``: an ``sg.keras.optimizers`` recipe or name (bound to the parameters at
@@ -85,17 +85,17 @@ class LossScaleOptimizer(optimizers.BoundOptimizer):
         # Tracked by checkpoints (restored in place), as Keras tracks its scale variables.
         self._scale = torch.tensor(float(scale), dtype=torch.float32)
         self._counter = torch.tensor(0, dtype=torch.int64)
-        if isinstance(inner_optimizer, optimizers.BoundOptimizer):
+        if isinstance(inner_optimizer, optimizer_recipes.BoundOptimizer):
             self._take_over(inner_optimizer)
         elif isinstance(inner_optimizer, torch.optim.Optimizer):
-            self._take_over(optimizers.BoundOptimizer(inner_optimizer))
-        elif not isinstance(inner_optimizer, optimizers.Optimizer | str):
+            self._take_over(optimizer_recipes.BoundOptimizer(inner_optimizer))
+        elif not isinstance(inner_optimizer, optimizer_recipes.Optimizer | str):
             raise TypeError(
                 "LossScaleOptimizer wraps an sg.keras.optimizers optimizer (or its name) or a "
                 f"torch.optim.Optimizer; got {type(inner_optimizer).__name__}: {inner_optimizer!r}"
             )
 
-    def _take_over(self, bound: optimizers.BoundOptimizer) -> None:
+    def _take_over(self, bound: optimizer_recipes.BoundOptimizer) -> None:
         # This object becomes the bound optimizer, loss scaling added: it takes over the inner
         # one's state (its torch optimizer, and whatever else a BoundOptimizer keeps, so that
         # the inherited zero_grad/step logic runs on it as on the inner one).
@@ -104,7 +104,7 @@ class LossScaleOptimizer(optimizers.BoundOptimizer):
     def bind(self, params: Iterable[torch.nn.Parameter]) -> LossScaleOptimizer:
         """Bind an inner recipe to the model's parameters (``Model.compile`` calls it)."""
         if self.torch_optimizer is None:
-            self._take_over(optimizers.get(self.inner_optimizer, params))
+            self._take_over(optimizer_recipes.get(self.inner_optimizer, params))
         return self
 
     def _bound(self) -> torch.optim.Optimizer:

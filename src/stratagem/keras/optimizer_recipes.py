@@ -1,0 +1,254 @@
+"""Keras optimizers (``sg.keras.optimizers``): names and recipes, bound to parameters at compile.
+
+Keras builds an optimizer before it knows the variables; PyTorch optimizers need their
+parameters up front. So ``sg.keras.optimizers.Adam(learning_rate=1e-3)`` is a recipe that
+``Model.compile`` binds to the model's parameters, giving a real ``torch.optim`` optimizer
+wrapped so that ``model.optimizer.learning_rate`` reads and sets every group's ``lr``. Keras's
+defaults are kept (they differ from torch's: RMSprop's rho 0.9 and epsilon 1e-7, for example).
+
+``gradient_accumulation_steps=k`` (Keras 3's argument, every optimizer): ``fit`` applies the
+mean of k micro-batches' gradients every k-th batch, as Keras does; the k-1 backward passes
+before it only accumulate (``strategy.extended.accumulate_gradients()``), so the replicas'
+gradients are combined once per step, not once per batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from stratagem.shipping.portable import Portable
+
+
+class Optimizer(Portable):
+    """A recipe for a ``torch.optim`` optimizer; ``build(params)`` makes the optimizer."""
+
+    torch_class: type[torch.optim.Optimizer] = torch.optim.SGD
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        *,
+        gradient_accumulation_steps: int | None = None,
+        **options: Any,
+    ) -> None:
+        self.learning_rate = float(learning_rate)
+        self.gradient_accumulation_steps = _check_steps(gradient_accumulation_steps)
+        self.options = options
+
+    def _torch_options(self) -> dict[str, Any]:
+        return dict(self.options)
+
+    def build(self, params: Iterable[torch.nn.Parameter]) -> BoundOptimizer:
+        optimizer = self.torch_class(params, lr=self.learning_rate, **self._torch_options())
+        return BoundOptimizer(optimizer, self.gradient_accumulation_steps)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(learning_rate={self.learning_rate:g})"
+
+
+class SGD(Optimizer):
+    torch_class = torch.optim.SGD
+
+    def __init__(
+        self,
+        learning_rate: float = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        gradient_accumulation_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            learning_rate,
+            momentum=momentum,
+            nesterov=nesterov,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+
+class Adam(Optimizer):
+    torch_class = torch.optim.Adam
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        gradient_accumulation_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            learning_rate,
+            betas=(beta_1, beta_2),
+            eps=epsilon,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+
+class RMSprop(Optimizer):
+    torch_class = torch.optim.RMSprop
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        rho: float = 0.9,
+        momentum: float = 0.0,
+        epsilon: float = 1e-7,
+        gradient_accumulation_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            learning_rate,
+            alpha=rho,
+            momentum=momentum,
+            eps=epsilon,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+
+class Adagrad(Optimizer):
+    torch_class = torch.optim.Adagrad
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        epsilon: float = 1e-7,
+        gradient_accumulation_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            learning_rate, eps=epsilon, gradient_accumulation_steps=gradient_accumulation_steps
+        )
+
+
+class BoundOptimizer(Portable):
+    """A torch optimizer with Keras's ``learning_rate`` attribute; everything else delegates.
+
+    With ``gradient_accumulation_steps=k``, ``Model.train_step``'s ``zero_grad``, ``backward``
+    and ``step`` make one optimizer step of k batches, as Keras 3's optimizer: the gradients are
+    cleared at the first, each backward adds loss/k's (so the step sees their mean), and the
+    update runs at the k-th. ``iterations`` counts optimizer steps (Keras: batches // k).
+    """
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, gradient_accumulation_steps: int | None = None
+    ) -> None:
+        self.torch_optimizer = optimizer
+        self.gradient_accumulation_steps = _check_steps(gradient_accumulation_steps)
+        self._batches = 0  # Keras's ``_iterations``: batches seen by fit, micro-batches included
+
+    @property
+    def iterations(self) -> int:
+        """Optimizer steps applied by ``fit`` (Keras's: batches, divided by k when
+        accumulating)."""
+        k = self.gradient_accumulation_steps
+        return self._batches // k if k else self._batches
+
+    @iterations.setter
+    def iterations(self, value: int) -> None:
+        # Keras's ``optimizer.iterations.assign(n)``: a sidecar evaluator sets the step of the
+        # checkpoint it evaluates, for its callbacks.
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"optimizer.iterations must be an integer >= 0; got {value!r}")
+        k = self.gradient_accumulation_steps
+        self._batches = value * k if k else value
+
+    @property
+    def mid_accumulation(self) -> bool:
+        """Whether the batches of ``fit`` so far end inside an accumulated step (gradients of
+        some micro-batches held, not applied yet): a backup now could not resume exactly."""
+        k = self.gradient_accumulation_steps
+        return bool(k) and self._batches % k != 0
+
+    def _updates_now(self) -> bool:
+        k = self.gradient_accumulation_steps
+        return not k or (self._batches + 1) % k == 0
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients, except between the micro-batches of one accumulated step."""
+        k = self.gradient_accumulation_steps
+        if not k or self._batches % k == 0:
+            self.torch_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def backward(self, loss: torch.Tensor, strategy: Any) -> None:
+        """``loss.backward()`` for one batch of ``fit``; when accumulating, ``loss/k``'s, and
+        before the step's last micro-batch without reducing across replicas."""
+        k = self.gradient_accumulation_steps
+        if not k:
+            loss.backward()
+            return
+        last = self._updates_now()
+        with contextlib.nullcontext() if last else strategy.extended.accumulate_gradients():
+            (loss / k).backward()
+
+    def step(self) -> None:
+        """The update, on every batch, or on the last micro-batch of each accumulated step."""
+        if self._updates_now():
+            self.torch_optimizer.step()
+
+    def finish_batch(self) -> None:
+        """Count one batch of ``fit`` (after every replica ran it: in the cross-replica
+        context, so that replica threads all see the same count during the batch)."""
+        self._batches += 1
+
+    @property
+    def learning_rate(self) -> float:
+        return float(self.torch_optimizer.param_groups[0]["lr"])
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        for group in self.torch_optimizer.param_groups:
+            group["lr"] = float(value)
+
+    lr = learning_rate  # Keras 2's name
+
+    def bind(self, params: Iterable[torch.nn.Parameter]) -> BoundOptimizer:
+        """This optimizer over ``params`` (already bound: itself; a wrapper binds its inner)."""
+        return self
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss backward starts from (Keras 3's name): the loss itself, except under a
+        ``LossScaleOptimizer``."""
+        return loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.torch_optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"BoundOptimizer({self.torch_optimizer!r})"
+
+
+def _check_steps(steps: int | None) -> int | None:
+    # Keras's own check and message: None, or an integer >= 2.
+    if steps is None:
+        return None
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(
+            "`gradient_accumulation_steps` must be an integer >= 2. Received: "
+            f"gradient_accumulation_steps={steps!r}"
+        )
+    return steps
+
+
+_BY_NAME: dict[str, type[Optimizer]] = {
+    "sgd": SGD,
+    "adam": Adam,
+    "rmsprop": RMSprop,
+    "adagrad": Adagrad,
+}
+
+
+def get(identifier: Any, params: Iterable[torch.nn.Parameter]) -> BoundOptimizer:
+    """An optimizer over ``params`` from a name, a recipe, or a torch optimizer."""
+    if isinstance(identifier, BoundOptimizer):
+        return identifier.bind(params)
+    if isinstance(identifier, torch.optim.Optimizer):
+        return BoundOptimizer(identifier)
+    if isinstance(identifier, Optimizer):
+        return identifier.build(params)
+    if isinstance(identifier, str) and identifier.lower() in _BY_NAME:
+        return _BY_NAME[identifier.lower()]().build(params)
+    raise ValueError(
+        f"unknown optimizer {identifier!r}; expected one of {sorted(_BY_NAME)}, an "
+        "sg.keras.optimizers object, or a torch.optim.Optimizer"
+    )
