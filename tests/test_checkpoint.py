@@ -35,11 +35,21 @@ class FakeWorker(LocalCommunicator):
         self.world_size = world_size
 
 
+class WorkerExtended(StrategyExtended):
+    """The core contract with nothing to distribute (one replica): its two required hooks."""
+
+    def adopt(self, tensors):
+        pass
+
+    def before_optimizer_step(self, optimizer):
+        pass
+
+
 class WorkerStrategy(sg.distribute.Strategy):
     """A strategy (through the public contract alone) whose process is worker 1 of 2."""
 
     def __init__(self) -> None:
-        super().__init__(StrategyExtended(self, ["cpu:0"], comm=FakeWorker()))
+        super().__init__(WorkerExtended(self, ["cpu:0"], comm=FakeWorker()))
 
 
 @pytest.fixture
