@@ -56,14 +56,18 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
-from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
-from stratagem.comm.process_group import Timeouts, connect, without_backward_context
+from stratagem.comm import Communicator, ReduceOp
+from stratagem.comm.process_group import Timeouts, without_backward_context
 from stratagem.distribute.capabilities import DefersGradients
 from stratagem.distribute.communication_options import (
     CommunicationImplementation,
     CommunicationOptions,
 )
-from stratagem.distribute.machinery.worker_setup import broadcast_initial_values, worker_device
+from stratagem.distribute.machinery.worker_setup import (
+    broadcast_initial_values,
+    worker_communicator,
+    worker_device,
+)
 from stratagem.distribute.strategy import Strategy
 from stratagem.distribute.whole_modules import WholeModulesExtended
 from stratagem.dtensor import Mesh
@@ -159,16 +163,13 @@ class FullyShardedExtended(WholeModulesExtended, DefersGradients):
         check_task_types(resolver.cluster_spec(), ("chief", "worker", "evaluator"), name)
         device = worker_device(resolver)
         timeouts = Timeouts.from_env(options.timeout_seconds)
-        comm: Communicator
-        if resolver.rank is None or resolver.world_size == 1:
-            comm = LocalCommunicator()  # an evaluator, or a job of one: nothing to shard
-        else:
-            backend = "gloo"
-            if device.torch_device.type == "cuda" and (
-                options.implementation is not CommunicationImplementation.RING
-            ):
-                backend = "cpu:gloo,cuda:nccl"
-            comm = connect(resolver, backend=backend, timeouts=timeouts)
+        nccl = device.torch_device.type == "cuda" and (
+            options.implementation is not CommunicationImplementation.RING
+        )
+        # An evaluator, or a job of one, gets a local communicator: nothing to shard.
+        comm = worker_communicator(
+            resolver, lambda: "cpu:gloo,cuda:nccl" if nccl else "gloo", timeouts
+        )
         super().__init__(
             container,
             [device],

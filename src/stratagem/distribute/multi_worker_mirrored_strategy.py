@@ -34,16 +34,20 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
-from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
+from stratagem.comm import ReduceOp
 from stratagem.comm.bucketing import GradientReducer
-from stratagem.comm.process_group import Timeouts, connect
+from stratagem.comm.process_group import Timeouts
 from stratagem.distribute.capabilities import DefersGradients
 from stratagem.distribute.communication_options import (
     CommunicationImplementation,
     CommunicationOptions,
 )
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.worker_setup import broadcast_initial_values, worker_device
+from stratagem.distribute.machinery.worker_setup import (
+    broadcast_initial_values,
+    worker_communicator,
+    worker_device,
+)
 from stratagem.distribute.strategy import Strategy
 
 
@@ -111,13 +115,10 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
         )
         device = worker_device(resolver)
         timeouts = Timeouts.from_env(options.timeout_seconds)
-        comm: Communicator
-        if resolver.rank is None or resolver.world_size == 1:
-            comm = LocalCommunicator()  # an evaluator, or a cluster of one
-        else:
-            comm = connect(
-                resolver, backend=_backend(options, device.torch_device), timeouts=timeouts
-            )
+        # An evaluator, or a cluster of one, gets a local communicator.
+        comm = worker_communicator(
+            resolver, lambda: _backend(options, device.torch_device), timeouts
+        )
         super().__init__(
             container,
             [device],

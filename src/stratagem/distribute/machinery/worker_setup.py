@@ -1,6 +1,6 @@
 """What a strategy of one replica per process sets up first, written once for
-MultiWorkerMirroredStrategy and FullyShardedStrategy: the device this worker computes on, and
-the chief's initial values on every worker.
+MultiWorkerMirroredStrategy and FullyShardedStrategy: the device this worker computes on, its
+connection to the job, and the chief's initial values on every worker.
 
 Every worker builds the model itself (from its own seed, perhaps), so the chief's values must
 reach the others before the first step: the shapes are compared first (a worker that built
@@ -10,10 +10,13 @@ of one dtype, a lone contiguous tensor in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from stratagem.cluster import ClusterResolver
-from stratagem.comm import Communicator
+from stratagem.comm import Communicator, LocalCommunicator
+from stratagem.comm.process_group import Timeouts, connect
 from stratagem.distribute.machinery.devices import ReplicaDevice
 from stratagem.errors import RendezvousError
 
@@ -32,6 +35,16 @@ def worker_device(resolver: ClusterResolver) -> ReplicaDevice:
         torch.cuda.set_device(index)
         return ReplicaDevice(f"cuda:{index}", torch.device("cuda", index))
     return ReplicaDevice("cpu:0", torch.device("cpu"))
+
+
+def worker_communicator(
+    resolver: ClusterResolver, backend: Callable[[], str], timeouts: Timeouts
+) -> Communicator:
+    """This worker's connection to the job (``backend()`` names the process group's backend);
+    a local one for an evaluator or a job of one, which has no peer to meet."""
+    if resolver.rank is None or resolver.world_size == 1:
+        return LocalCommunicator()
+    return connect(resolver, backend=backend(), timeouts=timeouts)
 
 
 def broadcast_initial_values(
