@@ -11,6 +11,11 @@ the same code single-device training. ``train_step`` and ``test_step`` are the o
 The loss follows the seeds: each replica's loss is its per-example losses summed and divided by
 the *global* batch (``sg.nn.compute_average_loss``), and the strategy sums gradients, so the
 update equals one device training on the whole global batch.
+
+The file is kept whole (over 800 lines): it is one class, Keras's ``Model``, its methods in the
+order a user meets them (compile, the steps, fit, evaluate, predict, weights), and the loops
+share its state; the pieces that stand alone live beside it (``data_adapter``,
+``pipeline_steps``, ``coordinated``, ``saving``, ``callbacks/``).
 """
 
 from __future__ import annotations
