@@ -604,8 +604,14 @@ class StrategyExtended(ABC):
     def distribute_dataset(
         self, dataset: Iterable[Any], options: InputOptions | None = None
     ) -> Iterable[Any]:
-        """``experimental_distribute_dataset``: each global batch split across all replicas."""
-        return DistributedDataset(self, dataset, options)
+        """``experimental_distribute_dataset``: each global batch split across all replicas
+        (or, where ``splits_global_batches`` says not, every process gets it whole)."""
+        return DistributedDataset(self, dataset, options, split=self.splits_global_batches())
+
+    def splits_global_batches(self) -> bool:
+        """Whether a distributed dataset cuts each global batch into the replicas' parts
+        (a pipeline's processes each get it whole); True by default."""
+        return True
 
     def distribute_datasets_from_function(
         self,
@@ -614,13 +620,16 @@ class StrategyExtended(ABC):
     ) -> Iterable[Any]:
         """One input pipeline per process from ``dataset_fn(input_context)``."""
         self._check_replica_steps("distribute_datasets_from_function")
+        return DistributedDatasetFromFunction(self, dataset_fn, self.input_context(), options)
+
+    def input_context(self) -> InputContext:
+        """This process's input pipeline among the job's: one per process by default."""
         comm = self._comm
-        ctx = InputContext(
+        return InputContext(
             num_input_pipelines=comm.world_size,
             input_pipeline_id=comm.rank,
             num_replicas_in_sync=self.num_replicas_in_sync,
         )
-        return DistributedDatasetFromFunction(self, dataset_fn, ctx, options)
 
     def distribute_values_from_function(self, value_fn: Callable[[Any], Any]) -> Any:
         """A PerReplica of ``value_fn(ctx)`` for each local replica (ctx has the replica id)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -51,9 +51,7 @@ from stratagem.distribute.capabilities import ChiefCoordination
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery import scope_hooks
 from stratagem.distribute.machinery.input import (
-    DistributedDatasetFromFunction,
     InputContext,
-    InputOptions,
 )
 from stratagem.distribute.partitioners import Partitioner, Shard
 from stratagem.distribute.ps import chief_reads
@@ -297,17 +295,13 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
     # Input: each worker its own pipeline --------------------------------------------------
 
     @override
-    def distribute_datasets_from_function(
-        self,
-        dataset_fn: Callable[[InputContext], Iterable[Any]],
-        options: InputOptions | None = None,
-    ) -> DistributedDatasetFromFunction:
-        ctx = InputContext(
+    def input_context(self) -> InputContext:
+        # Each worker its own pipeline, of one replica: its index among the W workers.
+        return InputContext(
             num_input_pipelines=self.num_workers,
             input_pipeline_id=self.worker_index,
             num_replicas_in_sync=1,
         )
-        return DistributedDatasetFromFunction(self, dataset_fn, ctx, options)
 
 
 class CoordinatorSeam:

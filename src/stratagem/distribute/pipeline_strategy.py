@@ -29,7 +29,7 @@ one after another in this process.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,6 @@ from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
 from stratagem.comm.process_group import Timeouts, connect, live_connection
 from stratagem.distribute.capabilities import DefersGradients, PipelinedSteps
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.input import DistributedDataset, InputOptions
 from stratagem.distribute.strategy import Strategy
 from stratagem.pipeline.pipedream import Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS
@@ -346,12 +345,10 @@ class PipelineExtended(StrategyExtended, PipelinedSteps, DefersGradients):
     # ------------------------------------------------------------------ the Strategy interface
 
     @override
-    def distribute_dataset(
-        self, dataset: Iterable[Any], options: InputOptions | None = None
-    ) -> DistributedDataset:
-        """Every process gets each whole global batch: the first stage uses the inputs, the
-        last the targets, each replica its part (cut by the pipeline)."""
-        return DistributedDataset(self, dataset, options, split=False)
+    def splits_global_batches(self) -> bool:
+        # Every process gets each whole global batch: the first stage uses the inputs, the
+        # last the targets, each replica its part (cut by the pipeline).
+        return False
 
     # ------------------------------------------------------------------ capabilities
 
