@@ -321,3 +321,88 @@ def test_element_spec_of_map():
         sg.data.TensorSpec((None,), torch.int64),
         sg.data.TensorSpec((None,), torch.float32),
     )
+
+
+# -- map_test.py: errors, names, namedtuples ------------------------------------------------------
+
+
+def _check_numerics(x):
+    if torch.isnan(x):
+        raise FloatingPointError("message")  # tf.debugging.check_numerics's InvalidArgumentError
+    return x
+
+
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        lambda d: d.map(_check_numerics),
+        lambda d: d.map(_check_numerics, num_parallel_calls=2),
+        lambda d: d.map(_check_numerics).prefetch(2),
+        lambda d: d.map(_check_numerics, num_parallel_calls=2).prefetch(None),
+    ],
+    ids=["map", "parallel-map", "prefetch", "parallel-map-prefetch-autotune"],
+)
+def test_a_failed_element_raises_in_its_place_and_the_pass_goes_on(pipeline):
+    """map_test.testParallelMapError, testPrefetchError (and the sequential map): the 4th
+    element is NaN; next() raises for it, the 5th still comes, then the end."""
+    components = torch.tensor([1.0, 2.0, 3.0, float("nan"), 5.0])
+    iterator = iter(pipeline(Dataset.from_tensor_slices(components)))
+    assert [float(next(iterator)) for _ in range(3)] == [1.0, 2.0, 3.0]
+    with pytest.raises(FloatingPointError, match="message"):
+        next(iterator)
+    assert float(next(iterator)) == 5.0
+    with pytest.raises(StopIteration):
+        next(iterator)
+
+
+def test_a_failed_element_drops_the_batch_it_was_for_and_filter_errors_are_elements_too():
+    # TF's batch returns its input's error at once (the partial batch is dropped) and starts
+    # the next batch with the next element; a filter predicate's error is the element's.
+    def fail_on_2(x):
+        if int(x) == 2:
+            raise ValueError("bad 2")
+        return x
+
+    iterator = iter(Dataset.range(7).map(fail_on_2).batch(2))
+    assert next(iterator).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="bad 2"):
+        next(iterator)
+    assert [b.tolist() for b in iterator] == [[3, 4], [5, 6]]
+    iterator = iter(Dataset.range(4).filter(lambda x: bool(fail_on_2(x) % 2 == 0)))
+    assert int(next(iterator)) == 0
+    with pytest.raises(ValueError, match="bad 2"):
+        next(iterator)
+    assert list(iterator) == []  # 3 is odd: nothing after the error
+    # A cache does not keep a pass that had a failed element: the next pass computes it again.
+    cached = Dataset.range(3).map(fail_on_2).cache()
+    for _ in range(2):
+        iterator = iter(cached)
+        assert [int(next(iterator)) for _ in range(2)] == [0, 1]
+        with pytest.raises(ValueError, match="bad 2"):
+            next(iterator)
+
+
+def test_name_is_accepted_everywhere_tf_takes_it_and_prefetch_none_is_autotune():
+    """TF 2.6+ takes name= on sources and transformations; prefetch(None) is AUTOTUNE."""
+    d = Dataset.from_tensor_slices(torch.arange(8), name="s")
+    d = (
+        d.shuffle(4, seed=1, name="sh")
+        .map(lambda x: x * 2, name="m")
+        .filter(lambda x: x >= 0, name="f")
+    )
+    d = d.batch(2, name="b").repeat(1, name="r").take(3, name="t").skip(0, name="k")
+    d = d.enumerate(name="e").shard(1, 0, name="sd").cache(name="c").prefetch(None, name="p")
+    assert len(list(d)) == 3
+    assert Dataset.from_tensors(torch.ones(2), name="one").cardinality() == 1
+    assert "prefetch(AUTOTUNE)" in repr(Dataset.range(2).prefetch(None))
+
+
+def test_a_namedtuple_element_is_one_argument_a_plain_tuple_is_unpacked():
+    """map_test.testMapNamedtuple: TF unpacks only plain tuples into arguments."""
+    import collections
+
+    Example = collections.namedtuple("Example", "x y")
+    d = Dataset.from_tensor_slices(Example(torch.arange(3), torch.arange(3) * 10))
+    assert [int(v) for v in d.map(lambda e: e.x + e.y)] == [0, 11, 22]
+    pairs = Dataset.from_tensor_slices((torch.arange(3), torch.arange(3) * 10))
+    assert [int(v) for v in pairs.map(lambda x, y: x + y)] == [0, 11, 22]

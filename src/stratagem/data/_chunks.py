@@ -134,7 +134,29 @@ class ValueChunk:
         return iter(self.values)
 
 
-Chunk = IndexChunk | ValueChunk
+class ErrorChunk:
+    """One element that failed (its ``map`` function raised), as tf.data keeps an element's
+    error: it is raised where the element is asked for, by ``next()``, and the pass goes on
+    with the next element. Stages pass it through in order; one that cannot (it would have to
+    look inside the element) raises it there, ending its pass."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        return 1  # it stands for one element: take, skip and shard count it
+
+    def select(self, selection: Selection) -> ErrorChunk | ValueChunk:
+        chosen = range(1)[selection] if isinstance(selection, slice) else np.flatnonzero(selection)
+        return self if len(chosen) else ValueChunk([])
+
+    def elements(self) -> Iterator[Any]:
+        raise self.error
+
+
+Chunk = IndexChunk | ValueChunk | ErrorChunk
 
 
 def source_chunks(source: Source) -> Iterator[Chunk]:

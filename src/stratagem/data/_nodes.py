@@ -13,6 +13,7 @@ from typing import Any
 from stratagem.data import _structure
 from stratagem.data._chunks import (
     Chunk,
+    ErrorChunk,
     IndexChunk,
     Source,
     ValueChunk,
@@ -120,6 +121,12 @@ class Batch(Node):
         count = 0
         for chunk in chunks:
             if not len(chunk):
+                continue
+            if isinstance(chunk, ErrorChunk):
+                # As TF's batch: the error is this batch's, and the elements gathered for it
+                # are dropped; the next batch starts with the next element.
+                yield chunk
+                pending, count = [], 0
                 continue
             pending.append(chunk)
             count += len(chunk)

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from stratagem.data import _structure
-from stratagem.data._chunks import Chunk, ValueChunk
+from stratagem.data._chunks import Chunk, ErrorChunk, ValueChunk
 from stratagem.data._nodes import Node
 from stratagem.data._values import Map, as_component, call_with_element
 
@@ -49,15 +49,30 @@ class ParallelMap(Map):
         in_flight: deque[Future[Any]] = deque()
         try:
             for chunk in chunks:
+                if isinstance(chunk, ErrorChunk):
+                    in_flight.append(_failed(chunk.error))  # in its place among the results
+                    continue
                 for element in chunk.elements():
                     in_flight.append(pool.submit(_apply, self.fn, element))
                     if len(in_flight) >= self.calls:
-                        # .result() re-raises a call's exception with the worker's traceback.
-                        yield ValueChunk([in_flight.popleft().result()])
+                        yield _result(in_flight.popleft())
             while in_flight:
-                yield ValueChunk([in_flight.popleft().result()])
+                yield _result(in_flight.popleft())
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(call: Future[Any]) -> Chunk:
+    """A call's result, or its error as the element's (raised by the ``next()`` that asks for
+    it, with the worker's traceback; the pass goes on, as tf.data's)."""
+    error = call.exception()
+    return ErrorChunk(error) if isinstance(error, Exception) else ValueChunk([call.result()])
+
+
+def _failed(error: Exception) -> Future[Any]:
+    done: Future[Any] = Future()
+    done.set_exception(error)
+    return done
 
 
 def _apply(fn: Callable[..., Any], element: Any) -> Any:

@@ -5,8 +5,10 @@ batch from the arrays, a copy to a device), which keeps up to ``buffer_size`` fi
 in a queue while the training step runs in the caller's thread. Elements come out in the order
 the upstream makes them: one producer, one FIFO queue.
 
-An exception in the background thread is handed to the consumer and raised by its ``next()``
-with the background thread's traceback. The thread stops when the pass ends, when the pass is
+An element's error (its ``map`` raised) travels in its place and is raised by the ``next()``
+that asks for it; the pass goes on, as tf.data's. Any other exception in the background thread
+is handed to the consumer and raised by its ``next()`` with the background thread's traceback,
+ending the pass. The thread stops when the pass ends, when the pass is
 abandoned (a ``break`` drops the iterator: the generator's ``finally`` or, for a pass never
 started, a ``weakref.finalize``, stops it), and at interpreter exit (an ``atexit`` hook stops
 every live one), so no thread outlives its iterator.
@@ -21,7 +23,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from stratagem.data._chunks import Chunk, ValueChunk
+from stratagem.data._chunks import Chunk, ErrorChunk, ValueChunk
 from stratagem.data._nodes import Node
 
 # TF's AUTOTUNE tunes the buffer while it runs; a fixed two elements keeps one ready while the
@@ -30,7 +32,7 @@ AUTOTUNE_BUFFER = 2
 
 Transfer = Callable[[Any], Any]
 
-_ITEM, _END, _ERROR = "item", "end", "error"
+_ITEM, _FAILED, _END, _ERROR = "item", "failed", "end", "error"
 _live: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 
 
@@ -83,6 +85,9 @@ def _drain(worker: Prefetcher, receive: Transfer | None) -> Iterator[Chunk]:
             if kind == _ERROR:
                 # The exception keeps the background thread's frames in its traceback.
                 raise value
+            if kind == _FAILED:
+                yield ErrorChunk(value)
+                continue
             yield ValueChunk([value if receive is None else receive(value)])
     finally:
         worker.stop()
@@ -104,6 +109,10 @@ class Prefetcher:
     def _fill(self, chunks: Iterator[Chunk]) -> None:
         try:
             for chunk in chunks:
+                if isinstance(chunk, ErrorChunk):
+                    if not self._put(_FAILED, chunk.error):
+                        return
+                    continue
                 for element in chunk.elements():
                     if not self._put(_ITEM, element):
                         return

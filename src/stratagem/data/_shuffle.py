@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stratagem.data._chunks import BLOCK, Chunk, IndexChunk, Source, ValueChunk
+from stratagem.data._chunks import BLOCK, Chunk, ErrorChunk, IndexChunk, Source, ValueChunk
 from stratagem.data._nodes import Node
 
 _MASK64 = (1 << 64) - 1
@@ -158,7 +158,12 @@ class _Handles:
 
 def _permuted(chunks: Iterator[Chunk], rng: np.random.Generator) -> Iterator[Chunk]:
     handles = _Handles()
-    encoded = [handles.encode(c) for c in chunks if len(c)]
+    encoded = []
+    for chunk in chunks:
+        if isinstance(chunk, ErrorChunk):
+            yield chunk  # as TF's shuffle: an input's error is raised while the buffer fills
+        elif len(chunk):
+            encoded.append(handles.encode(chunk))
     if encoded:
         everything = np.concatenate(encoded)
         yield from handles.decode(everything[rng.permutation(len(everything))])
@@ -177,6 +182,9 @@ def _streaming(chunks: Iterator[Chunk], size: int, rng: np.random.Generator) -> 
     filled = 0
     buffer: np.ndarray | None = None
     for chunk in chunks:
+        if isinstance(chunk, ErrorChunk):
+            yield chunk  # as TF's shuffle: an input's error is raised when it arrives
+            continue
         if not len(chunk):
             continue
         incoming = handles.encode(chunk)

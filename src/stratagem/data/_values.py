@@ -14,7 +14,14 @@ import numpy as np
 import torch
 
 from stratagem.data import _structure
-from stratagem.data._chunks import Chunk, TensorSlices, ValueChunk, source_chunks, stack_values
+from stratagem.data._chunks import (
+    Chunk,
+    ErrorChunk,
+    TensorSlices,
+    ValueChunk,
+    source_chunks,
+    stack_values,
+)
 from stratagem.data._nodes import INFINITE, UNKNOWN, Node, fresh_copy
 from stratagem.data.spec import TensorSpec, spec_of
 from stratagem.errors import InputError
@@ -58,10 +65,18 @@ class Map(Node):
 
     def _map(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
         # One result at a time, as tf.data's map: a consumer (a prefetch thread, the step) gets
-        # each element as soon as it is made, and an error comes after the elements before it.
+        # each element as soon as it is made, and an error comes after the elements before it,
+        # as that element's: the next() that asks for it raises, the next one goes on.
         for chunk in chunks:
+            if isinstance(chunk, ErrorChunk):
+                yield chunk
+                continue
             for element in chunk.elements():
-                result = call_with_element(self.fn, element)
+                try:
+                    result = call_with_element(self.fn, element)
+                except Exception as e:
+                    yield ErrorChunk(e)
+                    continue
                 yield ValueChunk([_structure.map_leaves(as_component, result)])
 
 
@@ -75,8 +90,9 @@ def _unknown_leading(spec: TensorSpec) -> TensorSpec:
 
 
 def call_with_element(fn: Callable[..., Any], element: Any) -> Any:
-    """Call ``fn`` as tf.data does: a tuple element's components become positional args."""
-    return fn(*element) if isinstance(element, tuple) else fn(element)
+    """Call ``fn`` as tf.data does: a plain tuple element's components become positional args;
+    any other element, a namedtuple included, is the one argument."""
+    return fn(*element) if type(element) is tuple else fn(element)
 
 
 def as_component(value: Any) -> Any:
@@ -110,11 +126,18 @@ class Filter(Node):
 
     def _filter(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
         for chunk in chunks:
+            if isinstance(chunk, ErrorChunk):
+                yield chunk  # the failed element's error, in its place
+                continue
             for start in range(0, len(chunk), _VALUE_GROUP):
                 part = chunk.select(slice(start, start + _VALUE_GROUP))
-                keep = np.array([self._keep(e) for e in part.elements()], dtype=bool)
-                if keep.any():
-                    yield part.select(keep)  # index chunks stay index chunks
+                yield from _kept(part, [self._outcome(e) for e in part.elements()])
+
+    def _outcome(self, element: Any) -> bool | Exception:
+        try:
+            return self._keep(element)
+        except Exception as e:  # the element's error, raised where it is asked for
+            return e
 
     def _keep(self, element: Any) -> bool:
         result = call_with_element(self.predicate, element)
@@ -126,6 +149,22 @@ class Filter(Node):
                 )
             return bool(result.item())
         return bool(result)
+
+
+def _kept(part: Chunk, outcomes: list[bool | Exception]) -> Iterator[Chunk]:
+    """``part``'s elements whose outcome is True, in order, with each failed element's error
+    in its place (index chunks stay index chunks)."""
+    begin = 0
+    for i in range(len(outcomes) + 1):
+        if i < len(outcomes) and not isinstance(outcomes[i], Exception):
+            continue
+        keep = np.zeros(len(outcomes), dtype=bool)
+        keep[begin:i] = [bool(o) for o in outcomes[begin:i]]
+        if keep.any():
+            yield part.select(keep)
+        if i < len(outcomes):
+            yield ErrorChunk(outcomes[i])  # type: ignore[arg-type]
+        begin = i + 1
 
 
 class Cache(Node):
@@ -153,11 +192,15 @@ class Cache(Node):
 
     def _record(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
         seen: list[Chunk] = []
+        failed = False
         for chunk in chunks:
+            failed = failed or isinstance(chunk, ErrorChunk)
             seen.append(chunk)
             yield chunk
-        # Reached only when the pass completes; an abandoned pass keeps nothing, as in TF.
-        self._kept = _compact(seen)
+        # Reached only when the pass completes; an abandoned pass keeps nothing, as in TF, and
+        # neither does one with a failed element (the next pass computes it again).
+        if not failed:
+            self._kept = _compact(seen)
 
 
 def _compact(chunks: list[Chunk]) -> list[Chunk]:
@@ -204,6 +247,10 @@ class Enumerate(Node):
         count = self.start
         for chunk in chunks:
             if not len(chunk):
+                continue
+            if isinstance(chunk, ErrorChunk):
+                yield chunk  # as TF's zip with a range: the failed element takes its number
+                count += 1
                 continue
             numbers = torch.arange(count, count + len(chunk), dtype=torch.int64)
             yield ValueChunk(list(zip(numbers.unbind(), chunk.elements())))

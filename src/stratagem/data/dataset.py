@@ -45,6 +45,11 @@ AUTOTUNE = -1
 class Dataset:
     """A re-iterable, immutable pipeline: each transformation returns a new ``Dataset`` and each
     ``iter()`` starts a new pass. Build one with ``from_tensor_slices`` or ``range``.
+
+    Every ``name=`` argument (TF names the op it builds) is accepted for porting and unused: no
+    graph op is built here. An element whose ``map`` (or ``filter``) function raises is TF's
+    failed element: the ``next()`` that asks for it raises that error, and the pass goes on with
+    the next element.
     """
 
     INFINITE: ClassVar[int] = INFINITE
@@ -58,7 +63,7 @@ class Dataset:
     # -- sources ---------------------------------------------------------------------------
 
     @staticmethod
-    def from_tensor_slices(tensors: Any) -> Dataset:
+    def from_tensor_slices(tensors: Any, name: str | None = None) -> Dataset:
         """One element per slice along dim 0 of ``tensors``: a tensor or array, or a tuple, list
         or dict (nested) of them, all of the same first dimension.
 
@@ -91,7 +96,7 @@ class Dataset:
         return Dataset(SourceNode(source, f"from_tensor_slices({_shapes(template)})"))
 
     @staticmethod
-    def from_tensors(tensors: Any) -> Dataset:
+    def from_tensors(tensors: Any, name: str | None = None) -> Dataset:
         """One element: ``tensors`` itself (a tensor, array, number, string, or a structure of
         them), as ``tf.data.Dataset.from_tensors``; ``from_tensors(x).repeat(n)`` gives it n
         times.
@@ -147,6 +152,7 @@ class Dataset:
         buffer_size: int,
         seed: int | None = None,
         reshuffle_each_iteration: bool | None = None,
+        name: str | None = None,
     ) -> Dataset:
         """Elements in random order, drawn through a buffer of ``buffer_size`` as in tf.data.
 
@@ -173,6 +179,7 @@ class Dataset:
         drop_remainder: bool = False,
         num_parallel_calls: int | None = None,
         deterministic: bool | None = None,
+        name: str | None = None,
     ) -> Dataset:
         """Consecutive elements stacked into batches of ``batch_size`` (a new leading dim).
 
@@ -184,7 +191,7 @@ class Dataset:
             raise InputError(f"batch_size must be >= 1; got {batch_size!r}")
         return Dataset(Batch(self._node, size, bool(drop_remainder)))
 
-    def repeat(self, count: int | None = None) -> Dataset:
+    def repeat(self, count: int | None = None, name: str | None = None) -> Dataset:
         """The dataset ``count`` times over, each time a new pass; ``None`` or -1: forever."""
         if count is not None:
             count = _integer("repeat count", count)
@@ -192,7 +199,7 @@ class Dataset:
                 raise InputError(f"repeat count must be >= 0, or -1/None for forever; got {count}")
         return Dataset(Repeat(self._node, None if count in (None, -1) else count))
 
-    def shard(self, num_shards: int, index: int) -> Dataset:
+    def shard(self, num_shards: int, index: int, name: str | None = None) -> Dataset:
         """Every ``num_shards``-th element starting at ``index`` (``i % num_shards == index``).
 
         ``shard(SHARD_HINT, SHARD_HINT)`` (``sg.data.experimental.SHARD_HINT``) is a placeholder
@@ -210,11 +217,11 @@ class Dataset:
             )
         return Dataset(Shard(self._node, shards, position))
 
-    def take(self, count: int) -> Dataset:
+    def take(self, count: int, name: str | None = None) -> Dataset:
         """The first ``count`` elements (all of them for -1)."""
         return Dataset(Take(self._node, _count("take", count)))
 
-    def skip(self, count: int) -> Dataset:
+    def skip(self, count: int, name: str | None = None) -> Dataset:
         """All but the first ``count`` elements (none of them for -1)."""
         return Dataset(Skip(self._node, _count("skip", count)))
 
@@ -223,6 +230,7 @@ class Dataset:
         map_func: Callable[..., Any],
         num_parallel_calls: int | None = None,
         deterministic: bool | None = None,
+        name: str | None = None,
     ) -> Dataset:
         """``map_func`` applied to each element, called as tf.data calls it: a tuple element's
         components are positional arguments, any other element is the one argument.
@@ -249,12 +257,12 @@ class Dataset:
             return Dataset(Map(self._node, map_func))
         return Dataset(ParallelMap(self._node, map_func, calls))
 
-    def enumerate(self, start: int = 0) -> Dataset:
+    def enumerate(self, start: int = 0, name: str | None = None) -> Dataset:
         """``(index, element)`` pairs, ``index`` an int64 scalar counting from ``start``, as in
         TensorFlow. Runs element by element, as ``map`` does."""
         return Dataset(Enumerate(self._node, _integer("enumerate start", start)))
 
-    def filter(self, predicate: Callable[..., Any]) -> Dataset:
+    def filter(self, predicate: Callable[..., Any], name: str | None = None) -> Dataset:
         """The elements for which ``predicate`` (called as ``map_func`` is) returns true.
 
         The cardinality becomes ``UNKNOWN``, as in TensorFlow.
@@ -262,17 +270,20 @@ class Dataset:
         _require_callable("filter", predicate)
         return Dataset(Filter(self._node, predicate))
 
-    def prefetch(self, buffer_size: int) -> Dataset:
+    def prefetch(self, buffer_size: int | None, name: str | None = None) -> Dataset:
         """The same elements, made up to ``buffer_size`` ahead by a background thread while the
         caller's step runs, as tf.data's ``prefetch``.
 
         Every stage before it (a slow ``map``, reading batches) runs in that thread, one per
         pass; put ``prefetch`` last. ``sg.data.AUTOTUNE`` keeps two elements ready (TF tunes the
         size as it runs; with one producer and one consumer, two already overlap them).
-        ``0`` prefetches nothing. An error in the background stages is raised by the step's
-        ``next()`` with its original traceback; the thread ends with the pass, when the
+        ``None`` is AUTOTUNE, as in TF. ``0`` prefetches nothing. An error in the background
+        stages is raised by the step's ``next()`` with its original traceback (a failed
+        element's, in its place, and the pass goes on); the thread ends with the pass, when the
         iterator is dropped (``break``) and at interpreter exit.
         """
+        if buffer_size is None:
+            buffer_size = AUTOTUNE  # as TF's prefetch(None)
         size = _integer("prefetch buffer_size", buffer_size)
         if size < AUTOTUNE:
             raise InputError(f"prefetch buffer_size must be >= -1 (AUTOTUNE); got {buffer_size}")
@@ -292,7 +303,7 @@ class Dataset:
             )
         return result
 
-    def cache(self, filename: str = "") -> Dataset:
+    def cache(self, filename: str = "", name: str | None = None) -> Dataset:
         """Keep the first complete pass in memory and replay it on later passes, as tf.data does.
 
         The data is already in memory, so for a pipeline without ``map`` this keeps only index
