@@ -256,6 +256,18 @@ def test_input_context_properties():
     assert default.num_replicas_in_sync == 1
 
 
+def test_input_context_str():
+    """distribute_lib_test.testStr, with sg. for tf. (the porting rule)."""
+    one = sg.distribute.InputContext(
+        num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=42
+    )
+    assert str(one) == "sg.distribute.InputContext(input pipeline id 0, total: 1)"
+    three = sg.distribute.InputContext(
+        num_input_pipelines=3, input_pipeline_id=1, num_replicas_in_sync=42
+    )
+    assert str(three) == "sg.distribute.InputContext(input pipeline id 1, total: 3)"
+
+
 def test_input_context_given_to_dataset_fn(two_cpus):
     """distribute_datasets_from_function calls the function with this worker's InputContext
     (one pipeline per worker; the replicas in sync over all workers)."""

@@ -234,3 +234,15 @@ def test_every_override_of_the_contract_says_so():
     assert _unmarked_overrides([Unmarked]) == [
         "test_every_override_of_the_contract_says_so.<locals>.Unmarked.scope"
     ]
+
+
+def test_reduce_of_a_structure_reduces_each_value_and_keeps_the_structure(strategy):
+    # TF: strategy.reduce("SUM", (a, b)) of what run returned for fn's tuple is a tuple (each
+    # value reduced over the replicas), never the two stacked into one tensor.
+    n = strategy.num_replicas_in_sync
+    values = strategy.run(lambda: (torch.tensor(1.0), {"b": torch.tensor([2.0, 3.0])}))
+    total, parts = strategy.reduce("SUM", values, axis=None)
+    assert total.shape == () and float(total) == n
+    assert set(parts) == {"b"} and parts["b"].tolist() == [2.0 * n, 3.0 * n]
+    mean = strategy.reduce(sg.distribute.ReduceOp.MEAN, [torch.tensor(4.0)], axis=None)
+    assert isinstance(mean, list) and float(mean[0]) == 4.0

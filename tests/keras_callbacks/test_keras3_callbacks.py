@@ -80,8 +80,8 @@ def test_missing_monitor_warns_and_training_goes_on(tmp_path):
     assert len(history.epoch) == 3
     with pytest.warns(UserWarning, match="Can save best model only with val_loss"):
         _fit([cb.ModelCheckpoint(str(tmp_path / "ckpt-{epoch}"), save_best_only=True)], epochs=1)
-    # Keras saves anyway when the monitored value is missing (with the warning).
-    assert (tmp_path / "ckpt-1").is_dir()
+    # TF's tf.keras skips the save when the monitored value is missing (Keras 3 saves).
+    assert not (tmp_path / "ckpt-1").exists()
 
 
 def test_unknown_mode_warns_and_falls_back_to_auto():
@@ -226,3 +226,25 @@ def test_reduce_lr_on_plateau():
         warnings.simplefilter("error")  # val_loss missing: a warning, not an error
         with pytest.raises(UserWarning, match="Learning rate reduction is conditioned"):
             _fit([cb.ReduceLROnPlateau()], epochs=1)
+
+
+def test_early_stopping_settles_monitor_op_first_and_an_unknown_monitor_raises_in_auto():
+    """early_stopping.py on_epoch_end: _set_monitor_op() runs first, so in mode "auto" a monitor
+    whose direction cannot be told raises even when the logs lack it; monitor_op is np.less for
+    a loss, np.greater for a compiled accuracy, and a user's own monitor_op is kept."""
+    import numpy as np
+
+    stop = cb.EarlyStopping(monitor="val_loss")
+    assert stop.monitor_op is None
+    with pytest.warns(UserWarning, match="not available"):
+        _fit([stop], epochs=1)
+    assert stop.monitor_op is np.less
+    accuracy = cb.EarlyStopping(monitor="accuracy")
+    _fit([accuracy], epochs=1)
+    assert accuracy.monitor_op is np.greater
+    with pytest.raises(ValueError, match=r"monitor=unheard_of.*Pass `mode='max'`"):
+        _fit([cb.EarlyStopping(monitor="unheard_of")], epochs=1)
+    own = cb.EarlyStopping(monitor="loss", patience=0)
+    own.monitor_op = np.greater  # the loss must rise to count as better: it falls, so it stops
+    _, history = _fit([own], epochs=4)
+    assert own.monitor_op is np.greater and len(history.epoch) == 2

@@ -526,7 +526,16 @@ class StrategyExtended(ABC):
                 "inside run use sg.distribute.get_replica_context().all_reduce(op, value)"
             )
         self._check_replica_steps("reduce")
-        return self._reduce_values(ReduceOp.parse(reduce_op), self._local_values(value), axis)
+        op = ReduceOp.parse(reduce_op)
+        if isinstance(value, tuple | list | dict) and not isinstance(value, PerReplica):
+            # A structure of values (what run returns for fn's structure): each leaf reduced,
+            # the structure kept, as TF's nest.map_structure does; never stacked into one.
+            return pytree.tree_map(
+                lambda leaf: self._reduce_values(op, self._local_values(leaf), axis),
+                value,
+                is_leaf=lambda leaf: isinstance(leaf, PerReplica),
+            )
+        return self._reduce_values(op, self._local_values(value), axis)
 
     def _local_values(self, value: Any) -> list[torch.Tensor]:
         values = [torch.as_tensor(v).detach() for v in local_results(value)]

@@ -100,6 +100,13 @@ class InputContext:
             f"{self.input_pipeline_id}, num_replicas_in_sync={self.num_replicas_in_sync})"
         )
 
+    def __str__(self) -> str:
+        # TF's words, with sg. for tf. (distribute_lib_test.testStr).
+        return (
+            f"sg.distribute.InputContext(input pipeline id {self.input_pipeline_id}, "
+            f"total: {self.num_input_pipelines})"
+        )
+
 
 @dataclass(frozen=True)
 class InputOptions:

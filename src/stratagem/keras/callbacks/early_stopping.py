@@ -56,6 +56,9 @@ class EarlyStopping(MonitorCallback):
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         assert self.model is not None
+        # First, as Keras: a monitor whose direction cannot be told raises in mode "auto",
+        # whether or not the logs have it (the model's metrics are built by now).
+        self._monitor_direction()
         current = self.get_monitor_value(logs, "Early stopping")
         if current is None or epoch < self.start_from_epoch:
             return

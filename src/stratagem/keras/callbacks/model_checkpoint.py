@@ -25,7 +25,7 @@ class ModelCheckpoint(MonitorCallback):
     ``model.load_weights(path)`` find it; Keras's ``.keras`` / ``.weights.h5`` suffixes are
     neither required nor special. ``save_best_only`` keeps to saves where ``monitor`` improved
     (``mode``) on the best so far, starting from ``initial_value_threshold``; when the logs
-    lack ``monitor`` it warns and saves (Keras).
+    lack ``monitor`` it warns and skips the save, as TF's ``tf.keras`` (Keras 3 saves).
     """
 
     def __init__(
@@ -88,8 +88,11 @@ class ModelCheckpoint(MonitorCallback):
             return True
         current = logs.get(self.monitor)
         if current is None:
-            warnings.warn(f"Can save best model only with {self.monitor} available.", stacklevel=4)
-            return True
+            # TF's tf.keras skips (Keras 3 saves): "save best only" never saves an unknown.
+            warnings.warn(
+                f"Can save best model only with {self.monitor} available, skipping.", stacklevel=4
+            )
+            return False
         best = "None" if self.best is None else f"{self.best:.5f}"
         if math.isfinite(current) and self._is_improvement(current, self.best):
             if chief_says:

@@ -6,6 +6,10 @@ whether a new value improves on it by more than ``min_delta``."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 from stratagem.keras.callbacks.callback import Callback, Logs
 
@@ -39,10 +43,16 @@ class MonitorCallback(Callback):
         self.best: float | None = baseline
         self.min_delta = abs(min_delta)
         self._direction: str | None = None  # "min" or "max", settled on first use
+        # Keras's name for the settled direction: np.less or np.greater (None until then).
+        self.monitor_op: Callable[[Any, Any], Any] | None = None
 
     def _monitor_direction(self) -> str:
         if self._direction is None:
-            self._direction = self.mode if self.mode != "auto" else self._infer_direction()
+            if self.monitor_op is not None:  # set by the user, as TF code may do
+                self._direction = "min" if self.monitor_op in (np.less, np.less_equal) else "max"
+            else:
+                self._direction = self.mode if self.mode != "auto" else self._infer_direction()
+                self.monitor_op = np.less if self._direction == "min" else np.greater
         return self._direction
 
     def _infer_direction(self) -> str:
@@ -65,9 +75,11 @@ class MonitorCallback(Callback):
     def _is_improvement(self, value: float, reference: float | None) -> bool:
         if reference is None:
             return True
-        if self._monitor_direction() == "min":
-            return value + self.min_delta < reference
-        return value - self.min_delta > reference
+        self._monitor_direction()
+        assert self.monitor_op is not None
+        # Keras: monitor_op(value - min_delta, reference), min_delta negative when minimising.
+        delta = -self.min_delta if self._direction == "min" else self.min_delta
+        return bool(self.monitor_op(value - delta, reference))
 
     def get_monitor_value(self, logs: Logs | None, what: str) -> float | None:
         """The monitored value, or None with a warning when the logs lack it (Keras goes on:
