@@ -273,7 +273,8 @@ def test_checkpoints_of_another_model_or_without_one_are_named_errors(digits, st
     with pytest.raises(ValueError, match="max_evaluations must be a positive integer"):
         sg.keras.utils.SidecarEvaluator(make_model(), test, other, max_evaluations=0)
     with pytest.raises(TypeError, match=r"needs an sg\.keras\.Model"):
-        sg.keras.utils.SidecarEvaluator(torch.nn.Linear(2, 2), test, other)
+        # As TF, the evaluator takes what it is given and finds out when it starts.
+        sg.keras.utils.SidecarEvaluator(torch.nn.Linear(2, 2), test, other).start()
 
 
 def test_model_checkpoint_saves_are_followed_and_the_old_name_warns(digits, tmp_path):
@@ -361,3 +362,13 @@ def _job_digits():
     from workers.sidecar_job import digits as job_digits
 
     return job_digits()
+
+
+def test_the_deprecated_experimental_name_only_warns_and_start_checks_what_it_was_given():
+    """sidecar_evaluator_test.testExperimentalDeprecatedMessage: SidecarEvaluator(None, None,
+    None) under its experimental name warns that the endpoint is deprecated, and nothing else
+    until it starts; starting then names what is missing."""
+    with pytest.warns(DeprecationWarning, match="`sg.keras.experimental.SidecarEvaluator`"):
+        evaluator = sg.keras.experimental.SidecarEvaluator(None, None, None)
+    with pytest.raises(TypeError, match=r"needs an sg\.keras\.Model"):
+        evaluator.start()

@@ -83,11 +83,9 @@ class SidecarEvaluator:
         *,
         timeout: float | None = None,
     ) -> None:
-        if not isinstance(model, Model):
-            raise TypeError(
-                f"SidecarEvaluator needs an sg.keras.Model (compiled with the metrics to "
-                f"report), got {type(model).__module__}.{type(model).__qualname__}"
-            )
+        # The model and the directory are checked when evaluation starts, as TF's evaluator
+        # takes anything here (SidecarEvaluator(None, None, None) only warns, under its
+        # deprecated experimental name).
         for name, value in (("steps", steps), ("max_evaluations", max_evaluations)):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -102,7 +100,9 @@ class SidecarEvaluator:
             )
         self.model = model
         self.data = data
-        self.checkpoint_dir = os.fspath(checkpoint_dir)
+        self.checkpoint_dir: Any = (
+            os.fspath(checkpoint_dir) if isinstance(checkpoint_dir, str | os.PathLike) else None
+        )
         self.steps = steps
         self.max_evaluations = max_evaluations
         self.callbacks = list(callbacks or [])
@@ -113,6 +113,16 @@ class SidecarEvaluator:
 
     def start(self) -> None:
         """Evaluate checkpoints as they appear, until the last one (see the class)."""
+        if not isinstance(self.model, Model):
+            raise TypeError(
+                f"SidecarEvaluator needs an sg.keras.Model (compiled with the metrics to "
+                f"report), got {type(self.model).__module__}.{type(self.model).__qualname__}"
+            )
+        if self.checkpoint_dir is None:
+            raise TypeError(
+                "SidecarEvaluator needs checkpoint_dir, the directory the training writes its "
+                "checkpoints to (a str or path); it was given none"
+            )
         for path in checkpoints_iterator(
             self.checkpoint_dir,
             timeout=self.timeout,
