@@ -78,3 +78,22 @@ def test_profile_batch_values_are_checked_as_keras_does():
             sg.keras.callbacks.TensorBoard(profile_batch=bad)
     with pytest.raises(NotImplementedError, match="embeddings_freq"):
         sg.keras.callbacks.TensorBoard(embeddings_freq=1)
+
+
+def test_evaluate_writes_its_logs_against_the_optimizers_iterations(tmp_path):
+    """tensorboard.py on_test_end: evaluation_<name>_vs_iterations under validation/, at the
+    optimizer's iterations, for fit's validation and for evaluate alike."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x, y = keras_data(48)
+    board = sg.keras.callbacks.TensorBoard(str(tmp_path / "logs"))
+    model = _compiled()
+    model.fit(x, y, batch_size=16, epochs=2, validation_data=(x, y), callbacks=[board], verbose=0)
+    loss, accuracy = model.evaluate(x, y, batch_size=16, callbacks=[board], verbose=0)
+    validation = EventAccumulator(str(tmp_path / "logs" / "validation"))
+    validation.Reload()
+    events = validation.Scalars("evaluation_loss_vs_iterations")
+    assert [e.step for e in events] == [3, 6, 6]  # after each epoch's 3 steps, then evaluate
+    assert events[-1].value == pytest.approx(loss, rel=1e-6)
+    last = validation.Scalars("evaluation_accuracy_vs_iterations")[-1]
+    assert last.value == pytest.approx(accuracy, rel=1e-6)

@@ -456,7 +456,8 @@ class Model(Portable):
         if validation_data is not None:
             # batch_size applies to validation arrays; a validation dataset comes batched.
             val_batch = batch_size if _is_array(_split_xy(validation_data)[0]) else None
-            val = self._evaluate_logs(validation_data, val_batch, verbose=0)
+            # With fit's callbacks, as Keras's fit evaluates: their on_test_* hooks run too.
+            val = self._evaluate_logs(validation_data, val_batch, verbose=0, cbs=cbs)
             logs.update({f"val_{k}": v for k, v in val.items()})
             _set_training(self.module, True)
         cbs.on_epoch_end(epoch, logs)

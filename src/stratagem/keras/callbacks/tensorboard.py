@@ -85,6 +85,7 @@ class TensorBoard(Callback):
         self._profiler: torch.profiler.profile | None = None
         self._batch_start = 0.0
         self._epoch_start, self._epoch_first_step = 0.0, 0
+        self._training = False  # between on_train_begin and on_train_end
 
     @property
     def needs_batch_logs(self) -> bool:
@@ -99,6 +100,7 @@ class TensorBoard(Callback):
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._step = 0
+        self._training = True
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._epoch_start, self._epoch_first_step = time.time(), self._step
@@ -180,6 +182,23 @@ class TensorBoard(Callback):
     def on_train_end(self, logs: Logs | None = None) -> None:
         if self._profiler is not None:  # fit ended before the last batch to profile
             self._stop_profiler()
+        self._training = False
+        self._close_writers()
+
+    def on_test_end(self, logs: Logs | None = None) -> None:
+        # Keras: each evaluation's logs against the optimizer's iterations, under validation/
+        # (fit's validation, evaluate, and so a SidecarEvaluator's evaluations too).
+        if not logs or not is_chief(self.model) or self.model.optimizer is None:
+            return
+        step = int(self.model.optimizer.iterations)
+        writer = self._writer("validation")
+        for name, value in logs.items():
+            writer.add_scalar(f"evaluation_{name}_vs_iterations", value, step)
+        writer.flush()
+        if not self._training:
+            self._close_writers()  # an evaluate outside fit leaves no writer open
+
+    def _close_writers(self) -> None:
         for writer in self._writers.values():
             writer.close()
         self._writers = {}
