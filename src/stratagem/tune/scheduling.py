@@ -117,8 +117,12 @@ class TrialScheduler:
         try:
             while True:
                 for r in list(running.values()):
+                    # Whether the job had ended before this read: then the read takes in all it
+                    # reported. Checked after the read, a job ending in between would lose its
+                    # last reports (a loaded machine widens that gap).
+                    ended = r.result is not None
                     self._read_reports(r)
-                    if r.result is None:
+                    if not ended:
                         continue
                     assert r.thread is not None
                     r.thread.join()
