@@ -23,6 +23,16 @@ class InputError(StratagemError, ValueError):
     """Input data cannot be distributed as asked (a batch that does not split, say)."""
 
 
+class ModelOutputError(StratagemError, ValueError):
+    """A model's output cannot give what Keras-style training asks of it: a loss (no ``.loss``
+    and no compiled loss), or a prediction for the compiled loss and metrics (no ``.logits``,
+    no output named at compile)."""
+
+
+class UnavailableOptimizerError(StratagemError, ValueError):
+    """A Keras optimizer name that this torch has no implementation of (``"lion"``)."""
+
+
 class RendezvousError(StratagemError, RuntimeError):
     """The processes of a job could not meet: a peer never came, a port is taken, sizes differ."""
 

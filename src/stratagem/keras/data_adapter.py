@@ -2,7 +2,9 @@
 
 - arrays or tensors ``x`` (and ``y``) with ``batch_size`` (the *global* batch, default 32): an
   ``sg.data.Dataset``, shuffled each epoch when asked (the distribute layer gives every worker
-  the same shuffle, so slicing the global batch shards the data exactly once per epoch);
+  the same shuffle, so slicing the global batch shards the data exactly once per epoch); a
+  dict of arrays (``{"input_ids": ..., "attention_mask": ...}``, as Keras takes a model's named
+  inputs) is batched and split across replicas key by key, each batch a dict;
 - an ``sg.data.Dataset``, a DataLoader or any re-iterable of batches ``(x, y)`` or
   ``(x, y, sample_weight)``: used as is, each batch being a global batch.
 
@@ -13,7 +15,7 @@ within the pass), so that a backup taken mid-epoch resumes exactly where it was.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,18 +51,56 @@ def _check_batch_size(batch_size: Any) -> int:
 
 
 def _is_arrays(x: Any) -> bool:
-    return isinstance(x, torch.Tensor | np.ndarray)
+    return isinstance(x, torch.Tensor | np.ndarray) or _is_dict_of_arrays(x)
+
+
+def is_array_data(x: Any) -> bool:
+    """Whether ``x`` is examples that fit batches itself (arrays, tensors, or a dict of them),
+    rather than a dataset of batches."""
+    return _is_arrays(x)
+
+
+def _is_dict_of_arrays(x: Any) -> bool:
+    return (
+        isinstance(x, Mapping)
+        and bool(x)
+        and all(isinstance(v, torch.Tensor | np.ndarray) for v in x.values())
+    )
+
+
+def _as_tensors(value: Any, name: str) -> torch.Tensor | dict[str, torch.Tensor]:
+    """An array as a tensor, or a dict of arrays as a dict of tensors (the same keys)."""
+    if isinstance(value, Mapping):
+        if not _is_dict_of_arrays(value):
+            kinds = {str(k): type(v).__name__ for k, v in value.items()}
+            raise TypeError(f"{name} as a dict must map names to arrays or tensors; got {kinds}")
+        return {str(k): _as_tensor(v, f"{name}[{k!r}]") for k, v in value.items()}
+    return _as_tensor(value, name)
+
+
+def _count(values: torch.Tensor | dict[str, torch.Tensor], name: str) -> int:
+    """How many examples ``values`` hold: its length, the same for every key of a dict."""
+    if isinstance(values, torch.Tensor):
+        return len(values)
+    lengths = {key: len(v) for key, v in values.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(
+            f"the arrays of {name} hold different numbers of examples: {lengths}; each key "
+            "needs one row per example"
+        )
+    return next(iter(lengths.values()))
 
 
 def _examples(x: Any, y: Any) -> tuple[sg_data.Dataset, int]:
     """Arrays ``x`` (and ``y``) as a dataset of examples, and how many there are."""
-    xs = _as_tensor(x, "x")
+    xs = _as_tensors(x, "x")
+    n = _count(xs, "x")
     if y is None:
-        return sg_data.Dataset.from_tensor_slices(xs), len(xs)
-    ys = _as_tensor(y, "y")
-    if len(ys) != len(xs):
-        raise ValueError(f"x and y hold different numbers of examples: {len(xs)} and {len(ys)}")
-    return sg_data.Dataset.from_tensor_slices((xs, ys)), len(xs)
+        return sg_data.Dataset.from_tensor_slices(xs), n
+    ys = _as_tensors(y, "y")
+    if _count(ys, "y") != n:
+        raise ValueError(f"x and y hold different numbers of examples: {n} and {_count(ys, 'y')}")
+    return sg_data.Dataset.from_tensor_slices((xs, ys)), n
 
 
 def global_batches(

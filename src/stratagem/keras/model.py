@@ -12,6 +12,12 @@ The loss follows the seeds: each replica's loss is its per-example losses summed
 the *global* batch (``sg.nn.compute_average_loss``), and the strategy sums gradients, so the
 update equals one device training on the whole global batch.
 
+Any model trains, not only Keras-shaped ones (``module_calls.py``): a dict ``x`` reaches
+``forward`` as keyword arguments, a module that computes its own loss (an output with
+``.loss``: Hugging Face's) trains with no compiled loss, ``y`` then reaching ``forward`` as
+``labels=``, and the compiled loss, metrics and ``predict`` read the output's ``.logits`` (or
+the output named at ``compile(output=...)``).
+
 The file is kept whole (over 800 lines): it is one class, Keras's ``Model``, its methods in the
 order a user meets them (compile, the steps, fit, evaluate, predict, weights), and the loops
 share its state; the pieces that stand alone live beside it (``data_adapter``,
@@ -24,7 +30,7 @@ import itertools
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,8 +47,8 @@ from stratagem.distribute import (
     owner_of,
 )
 from stratagem.keras import callbacks as callbacks_module
-from stratagem.keras import coordinated, losses, metrics, optimizers
-from stratagem.keras.data_adapter import DataPosition, FitData, global_batches
+from stratagem.keras import coordinated, losses, metrics, module_calls, optimizers
+from stratagem.keras.data_adapter import DataPosition, FitData, global_batches, is_array_data
 from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
 from stratagem.keras.mixed_precision import LossScaleOptimizer
 from stratagem.keras.mixed_precision import policy as dtype_policies
@@ -97,6 +103,8 @@ class Model(Portable):
         self.distribute_strategy.extended.adopt_model(module)
         self.optimizer: optimizers.BoundOptimizer | None = None
         self.loss: losses.Loss | None = None
+        # compile(output=...): the output the compiled loss, metrics and predict read.
+        self.output_name: module_calls.OutputName | None = None
         self.compiled_metrics: list[metrics.Metric] = []
         self.stop_training = False
         self.history: callbacks_module.History | None = None
@@ -111,10 +119,20 @@ class Model(Portable):
         self.jit_compile = False
         self._forward: Callable[..., Any] | None = None  # the compiled module, jit_compile=True
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
+        """The module on the inputs, as Keras's ``model(x, training=...)``: ``training=True``
+        (False) runs this call in torch's train (eval) mode, the modes restored after, and
+        reaches ``forward`` only where it takes a ``training`` argument; None keeps the
+        module's mode. A dict ``x`` of ``forward``'s parameters reaches it as keywords."""
         if args and isinstance(args[0], torch.Tensor):
             self._remember_example(args[0])  # calling the model builds it, as in Keras
-        return self._call_module(*args, **kwargs)
+        signature = module_calls.forward_signature(self.module)
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            args, kwargs = module_calls.call_arguments(signature, args[0], kwargs)
+        if training is not None and signature.takes("training"):
+            kwargs["training"] = training
+        with module_calls.training_mode(self.module, training):
+            return self._call_module(*args, **kwargs)
 
     def _call_module(self, *args: Any, **kwargs: Any) -> Any:
         """The module (compiled, with ``jit_compile``) under the dtype policy (autocast for a
@@ -179,8 +197,15 @@ class Model(Portable):
         metrics: Iterable[Any] | None = None,
         steps_per_execution: int = 1,
         jit_compile: bool | str | dict[str, Any] = "auto",
+        output: module_calls.OutputName | None = None,
     ) -> None:
         """Optimizer, loss and metrics by Keras name or as objects (a torch optimizer too).
+
+        Without a ``loss``, the model's own is the loss, as Hugging Face's Keras models do: the
+        module's output must have a ``.loss`` (``y`` reaches ``forward`` as ``labels=``). The
+        loss, the metrics and ``predict`` read the output itself when it is a tensor, else
+        ``output`` (a key or attribute: ``"start_logits"``; a position in a tuple), else its
+        ``.logits``.
 
         ``jit_compile=True`` runs the module's forward through ``torch.compile`` in ``fit``,
         ``evaluate`` and ``predict`` (the loss, backward and optimizer step stay eager; the
@@ -213,6 +238,7 @@ class Model(Portable):
         ):
             self.optimizer = LossScaleOptimizer(self.optimizer)  # as Keras's compile does
         self.loss = losses.get(loss) if loss is not None else None
+        self.output_name = _check_output_name(output)
         with self.distribute_strategy.scope():
             self._loss_tracker = _metrics_module.Mean(name="loss")
             self.compiled_metrics = [_metrics_module.get(m) for m in metrics or []]
@@ -225,10 +251,9 @@ class Model(Portable):
         self._example_input = None
 
     def _require_compiled(self, what: str) -> None:
+        # No loss is a choice: the model's own (``compute_loss``).
         if self.optimizer is None or self._loss_tracker is None:
             raise RuntimeError(f"call model.compile(optimizer, loss, metrics) before {what}")
-        if self.loss is None:
-            raise RuntimeError(f"{what} needs a loss: model.compile(loss=...) was given none")
 
     @property
     def metrics(self) -> list[metrics.Metric]:
@@ -242,8 +267,13 @@ class Model(Portable):
     # ------------------------------------------------------------------ steps
 
     def compute_loss(self, x: Any, y: Any, y_pred: Any, sample_weight: Any = None) -> torch.Tensor:
-        """This replica's share of the global mean loss; tracks the per-example losses."""
-        assert self.loss is not None and self._loss_tracker is not None
+        """This replica's share of the global mean loss; tracks the per-example losses.
+        ``y_pred`` is the module's output: the compiled loss reads its prediction (``.logits``,
+        ``compile(output=...)``); without a compiled loss, its ``.loss`` is the loss."""
+        if self.loss is None:
+            return self._own_loss(x, y_pred, sample_weight)
+        y_pred = module_calls.prediction(y_pred, self.output_name)
+        y = y if y is not None else module_calls.labels_in(x)
         if y is None:
             raise ValueError(
                 "the loss needs targets: give fit/evaluate y, or batches of (x, y) or (x, y, w)"
@@ -260,6 +290,37 @@ class Model(Portable):
             # Several losses per example (a label per token, per pixel): Keras's loss is their
             # mean over every element, so each example's loss is the mean of its own.
             per_example = per_example.flatten(1).mean(1)
+        return self._replica_loss(per_example)
+
+    def _own_loss(self, x: Any, output: Any, sample_weight: Any) -> torch.Tensor:
+        """The module's own loss (``output.loss``) as this replica's share of the global mean.
+
+        The module gives one number: the mean over this replica's part of the batch (for a
+        language model, over its tokens). Each example of the part is taken to carry that mean,
+        so the part weighs as many examples as it holds, as every loss here does
+        (``compute_average_loss``): the replicas' shares add up to the global batch's mean over
+        examples, and fit on N replicas equals one device on the global batch, an uneven last
+        batch included. A token-averaged loss is so exact when every example has as many
+        counted tokens (equal lengths, no padding); with padding, a part's token mean counts
+        once per example, not each token once. Counting tokens would need each model's loss
+        recomputed from its logits and a collective per step for the global count. (HF's Keras
+        models average the replicas' means, weighing the replicas equally.)"""
+        assert self._loss_tracker is not None
+        signature = module_calls.forward_signature(self.module)
+        if sample_weight is not None:
+            raise ValueError(
+                f"sample weights need a compiled loss: {signature.name}'s own loss is already "
+                "one number for its whole batch, which per-example weights cannot reach. "
+                "Compile a loss (model.compile(optimizer, loss=...)), or drop sample_weight"
+            )
+        loss = module_calls.own_loss(output, signature)
+        per_example = loss.expand(module_calls.examples_in(x))
+        return self._replica_loss(per_example)
+
+    def _replica_loss(self, per_example: torch.Tensor) -> torch.Tensor:
+        """What this replica's backward starts from, given its per-example losses, as the
+        strategy combines gradients; the logged loss tracks them."""
+        assert self._loss_tracker is not None
         penalty = self._added_loss()
         # The logged loss is the data loss plus the added ones, as Keras 3 logs it (each
         # example's loss carries the penalty, so their mean is the total).
@@ -283,33 +344,61 @@ class Model(Portable):
         """One step on one replica's part of the batch: forward, loss, backward, update."""
         assert self.optimizer is not None
         x, y, sample_weight = unpack(data)
-        # The loss and the metrics see float32 outputs, whatever the compute dtype (Keras).
-        y_pred = dtype_policies.as_float32(self._call_module(x))
+        y_pred = self._step_forward(x, y, training=True)
         loss = self.compute_loss(x, y, y_pred, sample_weight)
         self.optimizer.zero_grad()
         # Scaled under a LossScaleOptimizer; see gradient_accumulation_steps.
         self.optimizer.backward(self.optimizer.scale_loss(loss), self.distribute_strategy)
         self.optimizer.step()
-        self.update_metrics(y, y_pred.detach(), sample_weight)
+        self.update_metrics(self._targets(x, y), y_pred, sample_weight)
 
     def test_step(self, data: Any) -> None:
         """One evaluation step on one replica's part of the batch."""
         x, y, sample_weight = unpack(data)
         with torch.no_grad():
-            y_pred = dtype_policies.as_float32(self._call_module(x))
+            y_pred = self._step_forward(x, y, training=False)
             self.compute_loss(x, y, y_pred, sample_weight)
-            self.update_metrics(y, y_pred, sample_weight)
+            self.update_metrics(self._targets(x, y), y_pred, sample_weight)
 
     def predict_step(self, data: Any) -> torch.Tensor:
         x, _, _ = unpack(data)
         with torch.no_grad():
-            return dtype_policies.as_float32(self._call_module(x))
+            output = self._step_forward(x, None, training=False)
+            return module_calls.prediction(output, self.output_name)
 
-    def update_metrics(self, y: Any, y_pred: torch.Tensor, sample_weight: Any = None) -> None:
+    def _step_forward(self, x: Any, y: Any, *, training: bool) -> Any:
+        """The module's output on one replica's inputs in a step, in float32 whatever the
+        compute dtype (the loss and the metrics see float32, as in Keras). A dict ``x`` goes
+        as keyword arguments; without a compiled loss, ``y`` goes as ``labels=`` (HF's
+        ``train_step``: the model's own loss needs them); ``training`` where forward takes it."""
+        signature = module_calls.forward_signature(self.module)
+        extra: dict[str, Any] = {}
+        if self.loss is None and y is not None:
+            extra.update(module_calls.labels_arguments(signature, y))
+        if signature.takes("training"):
+            extra["training"] = training
+        args, kwargs = module_calls.call_arguments(signature, x, extra)
+        return dtype_policies.as_float32(self._call_module(*args, **kwargs))
+
+    @staticmethod
+    def _targets(x: Any, y: Any) -> Any:
+        """What the metrics compare with: ``y``, else the labels of an input dict."""
+        return y if y is not None else module_calls.labels_in(x)
+
+    def update_metrics(self, y: Any, y_pred: Any, sample_weight: Any = None) -> None:
         """Update the compiled metrics with one replica's batch (``train_step`` and
-        ``test_step`` call it; the loss tracker is ``compute_loss``'s)."""
+        ``test_step`` call it; the loss tracker is ``compute_loss``'s). ``y_pred`` is the
+        module's output, of which the metrics read the prediction (as the compiled loss)."""
+        if not self.compiled_metrics:
+            return
+        if y is None:
+            raise ValueError(
+                f"the metrics {[m.name for m in self.compiled_metrics]} need targets: give "
+                "fit/evaluate y, batches of (x, y), or an input dict holding 'labels'"
+            )
+        prediction = module_calls.prediction(y_pred, self.output_name).detach()
         for metric in self.compiled_metrics:
-            metric.update_state(y, y_pred, sample_weight)
+            metric.update_state(y, prediction, sample_weight)
 
     def _logs(self) -> Logs:
         # Cross-replica: every worker takes part (each result() is a small all-reduce).
@@ -755,10 +844,10 @@ def _strategy_of(module: torch.nn.Module, name: str) -> Strategy:
 
 
 def _check_validation_shape(x: Any, validation_data: Any) -> None:
-    if validation_data is None or not _is_array(x):
-        return
+    if validation_data is None or not _is_one_array(x):
+        return  # a dict of arrays is checked key by key when its batches are made
     x_val, _ = _split_xy(validation_data)
-    if _is_array(x_val) and tuple(x_val.shape[1:]) != tuple(x.shape[1:]):
+    if _is_one_array(x_val) and tuple(x_val.shape[1:]) != tuple(x.shape[1:]):
         raise ValueError(
             f"validation_data examples have shape {list(x_val.shape[1:])}, the training "
             f"examples {list(x.shape[1:])}"
@@ -788,7 +877,25 @@ def _split_xy(data: Any) -> tuple[Any, Any]:
 
 
 def _is_array(value: Any) -> bool:
+    """Arrays, tensors, or a dict of them (named inputs): examples fit batches itself."""
+    return is_array_data(value)
+
+
+def _is_one_array(value: Any) -> bool:
     return isinstance(value, torch.Tensor | np.ndarray)
+
+
+def _check_output_name(output: Any) -> module_calls.OutputName | None:
+    if (
+        output is None
+        or isinstance(output, str)
+        or (isinstance(output, int) and not isinstance(output, bool))
+    ):
+        return output
+    raise ValueError(
+        "model.compile(output=...) names the output the loss, metrics and predict read: a key "
+        f"or attribute (str, such as 'start_logits') or a position (int); got {output!r}"
+    )
 
 
 class _FirstBatches:

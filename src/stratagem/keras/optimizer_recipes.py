@@ -15,11 +15,13 @@ gradients are combined once per step, not once per batch.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from stratagem.errors import UnavailableOptimizerError
 from stratagem.shipping.portable import Portable
 
 
@@ -118,6 +120,141 @@ class Adagrad(Optimizer):
     ) -> None:
         super().__init__(
             learning_rate, eps=epsilon, gradient_accumulation_steps=gradient_accumulation_steps
+        )
+
+
+class AdamW(Optimizer):
+    """Adam with decoupled weight decay (Keras's ``AdamW``, torch's ``AdamW``): every step
+    multiplies each weight by ``1 - learning_rate * weight_decay``, as both do. Keras's
+    defaults, not torch's (``weight_decay`` 0.004, not 0.01; ``epsilon`` 1e-7, not 1e-8)."""
+
+    torch_class = torch.optim.AdamW
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        weight_decay: float = 0.004,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+        gradient_accumulation_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            learning_rate,
+            weight_decay=weight_decay,
+            betas=(beta_1, beta_2),
+            eps=epsilon,
+            amsgrad=amsgrad,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+
+class Nadam(Optimizer):
+    """Adam with Nesterov momentum (Keras's ``Nadam``, torch's ``NAdam``). Keras 3's momentum
+    schedule is ``beta_1 * (1 - 0.5 * 0.96**t)``; torch's is ``0.96**(t * momentum_decay)``,
+    so ``momentum_decay=1`` makes torch's update Keras's (torch's default, 0.004, is the
+    schedule of the original paper and of Keras 2's legacy Nadam)."""
+
+    torch_class = torch.optim.NAdam
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        gradient_accumulation_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            learning_rate,
+            betas=(beta_1, beta_2),
+            eps=epsilon,
+            momentum_decay=1.0,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+
+class Adamax(Optimizer):
+    """Adam with the infinity norm (Keras's ``Adamax``, torch's ``Adamax``): Keras's defaults.
+    torch adds ``epsilon`` inside the running maximum, Keras after it: the same update but for
+    gradients near ``epsilon``."""
+
+    torch_class = torch.optim.Adamax
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        gradient_accumulation_steps: int | None = None,
+    ) -> None:
+        super().__init__(
+            learning_rate,
+            betas=(beta_1, beta_2),
+            eps=epsilon,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+
+class Adafactor(Optimizer):
+    """Adafactor (Keras's ``Adafactor``, torch's ``Adafactor``), Keras's arguments and defaults.
+
+    The step size is ``min(learning_rate, 1/sqrt(t))`` times the weight's RMS (at least
+    ``epsilon_2``), the update clipped to an RMS of ``clip_threshold``: both libraries' rule.
+    Keras adds ``epsilon_1`` to the squared gradients; torch floors the second-moment estimate
+    at the square of its ``eps``, so ``epsilon_1`` goes to torch as its square root (the same
+    floor, 1e-30 by default). torch always takes the relative step: ``relative_step=False``
+    (Keras's plain ``learning_rate``) is refused."""
+
+    torch_class = torch.optim.Adafactor
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta_2_decay: float = -0.8,
+        epsilon_1: float = 1e-30,
+        epsilon_2: float = 1e-3,
+        clip_threshold: float = 1.0,
+        relative_step: bool = True,
+        gradient_accumulation_steps: int | None = None,
+    ) -> None:
+        if not relative_step:
+            raise ValueError(
+                "Adafactor(relative_step=False) is not available: torch.optim.Adafactor always "
+                "uses the relative step min(learning_rate, 1/sqrt(step)); keep "
+                "relative_step=True, or pass a torch optimizer object to compile"
+            )
+        if epsilon_1 < 0:
+            raise ValueError(f"Adafactor's epsilon_1 must be >= 0; got {epsilon_1!r}")
+        super().__init__(
+            learning_rate,
+            beta2_decay=beta_2_decay,
+            eps=(math.sqrt(epsilon_1), epsilon_2),
+            d=clip_threshold,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+
+class Lion(Optimizer):
+    """Keras's ``Lion`` (learning_rate 0.001, beta_1 0.9, beta_2 0.99), which torch 2.13's
+    ``torch.optim`` does not have: constructing it (or ``compile(optimizer="lion")``) raises
+    ``UnavailableOptimizerError`` saying what to pass instead. It is named here so that a
+    Keras script fails with that reason, not with a missing attribute."""
+
+    def __init__(
+        self,
+        learning_rate: float = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        gradient_accumulation_steps: int | None = None,
+    ) -> None:
+        raise UnavailableOptimizerError(
+            f"Lion(learning_rate={learning_rate!r}, beta_1={beta_1!r}, beta_2={beta_2!r}) is "
+            f"not available: torch {torch.__version__} has no Lion in torch.optim. Pass a torch "
+            "optimizer object to compile instead (one of a package's, such as lion-pytorch's "
+            "Lion(module.parameters(), lr=..., betas=(0.9, 0.99))), or use 'adamw'"
         )
 
 
@@ -233,6 +370,11 @@ def _check_steps(steps: int | None) -> int | None:
 _BY_NAME: dict[str, type[Optimizer]] = {
     "sgd": SGD,
     "adam": Adam,
+    "adamw": AdamW,
+    "nadam": Nadam,
+    "adamax": Adamax,
+    "adafactor": Adafactor,
+    "lion": Lion,  # refused with the reason: torch has none
     "rmsprop": RMSprop,
     "adagrad": Adagrad,
 }

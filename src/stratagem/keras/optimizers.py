@@ -9,9 +9,14 @@ from stratagem.keras import legacy_optimizers as legacy
 from stratagem.keras.mixed_precision.loss_scale_optimizer import LossScaleOptimizer
 from stratagem.keras.optimizer_recipes import (
     SGD,
+    Adafactor,
     Adagrad,
     Adam,
+    Adamax,
+    AdamW,
     BoundOptimizer,
+    Lion,
+    Nadam,
     Optimizer,
     RMSprop,
     get,
@@ -19,10 +24,15 @@ from stratagem.keras.optimizer_recipes import (
 
 __all__ = [
     "SGD",
+    "Adafactor",
     "Adagrad",
     "Adam",
+    "AdamW",
+    "Adamax",
     "BoundOptimizer",
+    "Lion",
     "LossScaleOptimizer",
+    "Nadam",
     "Optimizer",
     "RMSprop",
     "get",

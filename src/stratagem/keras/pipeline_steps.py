@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from stratagem.distribute.capabilities import PipelinedSteps
+from stratagem.errors import ModelOutputError
 from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
 from stratagem.pipeline.stages import PipelineModel
 
@@ -117,6 +118,12 @@ class KerasPipeline:
         if not isinstance(x, torch.Tensor):
             raise TypeError(
                 f"a pipeline's inputs must be tensors (the first stage's input); got {type(x)}"
+            )
+        if model.loss is None:
+            raise ModelOutputError(
+                f"model {model.name!r} was compiled with no loss (its own loss would be the "
+                "loss), but on a PipelineStrategy the last stage computes the loss from its "
+                "outputs: compile a loss (model.compile(optimizer, loss=...))"
             )
         loss = IndexedLoss(lambda y, y_pred: model.loss.call(torch.as_tensor(y), y_pred))
         sample = x[: max(1, x.shape[0] // extended.num_microbatches)]
