@@ -19,7 +19,13 @@ from stratagem.pipeline import (
     resolve_split_points,
     split_sequential,
 )
-from stratagem.pipeline.shared import check_schedule, find_shared_parameters
+from stratagem.pipeline.shared import (
+    check_schedule,
+    find_shared_parameters,
+    shared_between_stages,
+)
+from stratagem.pipeline.stage_pieces import run_chunks
+from stratagem.pipeline.trace import TracedPieces, UntraceableModelError, check_module_paths
 
 PipelineStrategy = sg.distribute.experimental.PipelineStrategy
 
@@ -256,3 +262,146 @@ def test_the_null_version_trains_a_tied_model_as_one_process_does():
         opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
         pipe.train_step(x, y, opt)
         assert model[0].weight is model[4].weight
+
+
+# ---------------------------------------------------------------------- traced splits
+
+
+class TinyLM(nn.Module):
+    """Not a Sequential: an embedding tied to the head, blocks in a ModuleList, and a skip from
+    the embedding to the head (a value a middle stage must hand on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = skip = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h + skip)
+
+
+class Gate(nn.Module):
+    """Control flow on a tensor's value: torch.export cannot capture it as one graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) if x.sum() > 0 else x
+
+
+def tokens(n: int) -> torch.Tensor:
+    return torch.randint(0, 11, (n, 5), generator=torch.Generator().manual_seed(n))
+
+
+def test_a_traced_split_keeps_the_whole_models_names_and_parameters():
+    model = TinyLM()
+    pieces = TracedPieces(model, ["blocks.1", "blocks.2"], tokens(2), num_chunks=3, mine=[0, 1, 2])
+    # Each stage is named by what its graph reads: the tie by its use there (embedding, head).
+    assert pieces.names == [
+        ["emb.weight", "blocks.0.0.weight", "blocks.0.0.bias"],
+        ["blocks.1.0.weight", "blocks.1.0.bias"],
+        ["blocks.2.0.weight", "blocks.2.0.bias", "head.weight"],
+    ]
+    assert set(pieces.module.state_dict()) == set(model.state_dict())
+    # The stages train the model's own parameters (the tracer's copies of the tie are gone).
+    whole = dict(model.named_parameters(remove_duplicate=False))
+    for name, p in pieces.module.named_parameters(remove_duplicate=False):
+        assert p is whole[name], name
+    # The skip is handed on through the middle stage; other batch sizes are traced again.
+    middle = pieces.chunks_for(2)[1][1]
+    assert len(middle.route.emits) == 2
+    for n in (2, 3):
+        torch.testing.assert_close(run_chunks(pieces.chunks_for(n), tokens(n)), model(tokens(n)))
+    [tie] = shared_between_stages(model, pieces.chunk_of_name(), PipelineLayout(num_stages=3))
+    assert tie.describe() == "'emb.weight' (also 'head.weight') on stages 0 and 2"
+    # Interleaved on 2 ranks: chunks 1 and 3 here; the tie is between chunks 0 and 3.
+    looped = PipelineLayout(num_stages=2, stages_per_rank=2)
+    pieces4 = TracedPieces(
+        model, ["blocks.0", "blocks.1", "blocks.2"], tokens(2), num_chunks=4, mine=[1, 3]
+    )
+    assert [c for c, _ in pieces4.chunks_for(2)] == [1, 3]
+    assert "emb.weight" not in pieces4.module.state_dict()
+    [tie4] = shared_between_stages(model, pieces4.chunk_of_name(), looped)
+    assert (tie4.stages, tie4.owner) == ((0, 1), 0)
+
+
+def test_tracing_leaves_the_model_as_it_was():
+    model = TinyLM()
+    TracedPieces(model, ["blocks.1"], tokens(2), num_chunks=2, mine=[0, 1])
+    assert "forward" not in model.blocks[1].__dict__  # the tracer's split marker is removed
+    assert model.head.weight is model.emb.weight
+
+
+def test_an_untraceable_module_is_named_with_the_tracers_reason():
+    model = TinyLM()
+    model.blocks[1] = Gate()
+    with pytest.raises(UntraceableModelError) as caught:
+        TracedPieces(model, ["blocks.2"], tokens(2), num_chunks=2, mine=[0])
+    message = str(caught.value)
+    assert "cannot split TinyLM at ['blocks.2']" in message
+    assert "could not trace module 'blocks.1' (Gate): GuardOnDataDependentSymNode:" in message
+    assert "nn.Sequential" in message  # the route that needs no tracing
+    assert "\n" not in message  # the tracer's reason in one line
+    assert "forward" not in model.blocks[2].__dict__  # left as it was, even after a failure
+    with pytest.raises(UntraceableModelError, match=r"a traced pipeline's input is one tensor"):
+        TracedPieces(TinyLM(), ["blocks.1"], {"ids": tokens(2)}, num_chunks=2, mine=[0])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("points", "message"),
+    [
+        (["blocks.9"], r"'blocks.9' names no module of TinyLM \(its modules under 'blocks' are "),
+        (["block"], r"its modules at the top are \['emb', 'blocks', 'head'\]"),
+        (["blocks.1", "blocks.2"], r"cut TinyLM into 3 stages, but the pipeline has 2"),
+        ("parameters", r"module paths, a list of strings .* needs an nn.Sequential"),
+        ([1], r"module paths"),
+    ],
+)
+def test_bad_module_paths_are_named(points, message):
+    with pytest.raises(ValueError, match=message):
+        check_module_paths(TinyLM(), points, 2)
+
+
+def test_the_null_version_runs_a_traced_model_as_one_process_does():
+    x, y = tokens(8), tokens(8)
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    reference = TinyLM()
+    ref_loss = loss_fn(reference(x), y)
+    ref_loss.backward()
+    # One stage; and two chunks of one process (interleaving), passed on from chunk to chunk.
+    for schedule, points in (("1F1B", None), ("Interleaved1F1B", ["blocks.1"])):
+        strategy = PipelineStrategy(schedule=schedule, num_microbatches=2, split_points=points)
+        pipe = strategy.pipeline(TinyLM(), loss_fn, sample_input=x[:4])
+        assert pipe.compute_gradients(x, y) == pytest.approx(float(ref_loss), abs=1e-6)
+        for (n, p), (_, q) in zip(pipe.named_parameters(), reference.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=n)
+        torch.testing.assert_close(pipe.predict(x[:3]), reference(x[:3]))
+
+
+def test_a_traced_pipeline_refuses_what_it_cannot_do_by_name():
+    model, x = TinyLM(), tokens(4)
+    with pytest.raises(ValueError, match=r"pass sample_input="):
+        PipelineStrategy().pipeline(model, F.cross_entropy)
+    with pytest.raises(ValueError, match=r"schedule='PipeDream' cannot run TinyLM"):
+        PipelineStrategy(schedule="PipeDream").pipeline(model, F.cross_entropy, sample_input=x)
+    interleaved = PipelineStrategy(schedule="Interleaved1F1B", num_microbatches=2)
+    with pytest.raises(ValueError, match=r"give split_points.*such as \['blocks.2'\]"):
+        interleaved.pipeline(model, F.cross_entropy, sample_input=x)
+    with pytest.raises(ValueError, match=r"cut TinyLM into 2 stages, but the pipeline has 1"):
+        PipelineStrategy().pipeline(
+            model, F.cross_entropy, sample_input=x, split_points=["blocks.1"]
+        )
+    pipe = PipelineStrategy(num_microbatches=2).pipeline(model, F.cross_entropy, sample_input=x)
+    with pytest.raises(ValueError, match=r"traced for inputs of shape \(batch, 5\), got \(4, 6\)"):
+        pipe.predict(torch.zeros(4, 6, dtype=torch.long))

@@ -5,8 +5,10 @@
    ``num_stages x num_replicas`` processes. Rank ``r`` runs stage ``r % num_stages`` of replica
    ``r // num_stages`` (``stratagem.pipeline.stage_layout``).
 2. ``strategy.pipeline(model, loss_fn)`` cuts an ``nn.Sequential`` at ``split_points`` (layer
-   indices or names) or balanced by parameter count or measured time, keeps this rank's stage,
-   and returns a ``PipelineModel`` whose ``train_step(x, y, optimizer)`` runs the schedule:
+   indices or names) or balanced by parameter count or measured time, or any other model that
+   ``torch.export`` can trace at ``split_points`` that are module paths (``["transformer.h.1"]``:
+   ``stratagem.pipeline.trace``), keeps this rank's stage, and returns a ``PipelineModel``
+   whose ``train_step(x, y, optimizer)`` runs the schedule:
    ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` (torch.distributed.pipelining), or
    ``"PipeDream"`` (asynchronous 1F1B with weight stashing, ``stratagem.pipeline.pipedream``).
 3. With ``num_replicas > 1`` each stage's gradients are averaged over its replicas.
@@ -51,10 +53,13 @@ from stratagem.pipeline.shared import (
     SharedParameter,
     check_schedule,
     find_shared_parameters,
+    shared_between_stages,
 )
 from stratagem.pipeline.split import SplitPoints, resolve_split_points, split_sequential
 from stratagem.pipeline.stage_layout import PipelineLayout
+from stratagem.pipeline.stage_pieces import SequentialPieces, StagePieces
 from stratagem.pipeline.stages import LossFn, PipelineModel
+from stratagem.pipeline.trace import TracedPieces, check_module_paths, suggest_split_points
 
 SCHEDULES = (*SYNCHRONOUS, "PipeDream")
 
@@ -65,7 +70,9 @@ class PipelineStrategy(Strategy):
     ``num_stages``: stages per pipeline (default: the job's processes / ``num_replicas``);
     ``num_microbatches``: micro-batches per global batch (it must divide it);
     ``schedule``: one of ``SCHEDULES``; ``split_points``: layer indices or names starting each
-    stage after the first, or ``"parameters"`` / ``"time"`` to balance (default parameters);
+    stage after the first, or ``"parameters"`` / ``"time"`` to balance (default parameters), for
+    an ``nn.Sequential``; for any other model, module paths whose call starts each stage after
+    the first (``["transformer.h.1"]``: the model is traced, see ``pipeline``);
     ``num_replicas``: data-parallel copies of the pipeline; ``stages_per_rank``: model chunks
     per process for ``"Interleaved1F1B"`` (default 2); ``weight_stashing``: PipeDream only;
     ``drain_each_step``: PipeDream only, False keeps the warm-up micro-batches in flight from
@@ -201,13 +208,16 @@ class PipelineStrategy(Strategy):
     # ------------------------------------------------------------------ the pipeline
 
     def split_points_for(
-        self, model: nn.Module, sample_input: torch.Tensor | None = None
+        self,
+        model: nn.Module,
+        sample_input: torch.Tensor | None = None,
+        split_points: SplitPoints = None,
     ) -> list[int]:
-        """The layer indices where the chunks after the first start, for this model."""
-        points = resolve_split_points(
-            model, self._layout.num_chunks, self._split_points, sample_input
-        )
-        if self._comm.world_size > 1 and self._split_points == "time":
+        """The layer indices where the chunks after the first start, for this ``nn.Sequential``
+        (``split_points``: instead of the strategy's)."""
+        spec = split_points if split_points is not None else self._split_points
+        points = resolve_split_points(model, self._layout.num_chunks, spec, sample_input)
+        if self._comm.world_size > 1 and spec == "time":
             # Timings differ between processes; every rank must cut the same way: rank 0's.
             points = self._comm.all_gather_object(points, what="the measured split points")[0]
         return points
@@ -219,22 +229,33 @@ class PipelineStrategy(Strategy):
         *,
         sample_input: torch.Tensor | None = None,
         recorder: Recorder | None = None,
+        split_points: SplitPoints = None,
     ) -> PipelineModel:
         """Split ``model`` and keep this process's stage(s); every process calls it alike.
 
         ``loss_fn(outputs, targets)`` is a mean over its micro-batch (``F.cross_entropy``);
-        ``sample_input`` (one micro-batch) is needed with ``split_points="time"``.
+        ``split_points`` replaces the strategy's for this model. An ``nn.Sequential`` is cut
+        between its layers; any other model is traced by ``torch.export`` and cut where the
+        modules named by ``split_points`` are called, which needs ``sample_input`` (one
+        micro-batch of inputs: the tracer runs the model on it). ``sample_input`` is needed
+        with ``split_points="time"`` too.
         """
         layout = self._layout
-        points = self.split_points_for(model, sample_input)
-        chunks = split_sequential(model, points)
-        # Found on the whole model, by identity: after the split each stage sees its own uses.
-        shared = find_shared_parameters(model, points, layout)
-        check_schedule(shared, self._settings.schedule)
-        stage = layout.stage_of(self.rank)
-        mine = [(c, chunks[c]) for c in layout.chunks_of(stage)]
+        pieces: StagePieces
+        points: list[int] | list[str]
+        if isinstance(model, nn.Sequential):
+            points = self.split_points_for(model, sample_input, split_points)
+            chunks = split_sequential(model, points)
+            # Found on the whole model, by identity: after the split each stage sees its own uses.
+            shared = find_shared_parameters(model, points, layout)
+            check_schedule(shared, self._settings.schedule)
+            stage = layout.stage_of(self.rank)
+            pieces = SequentialPieces([(c, chunks[c]) for c in layout.chunks_of(stage)])
+        else:
+            spec = split_points if split_points is not None else self._split_points
+            points, pieces, shared = self._traced(model, spec, sample_input)
         return PipelineModel(
-            mine,
+            pieces,
             self._settings,
             rank=self.rank,
             comm=self._comm,
@@ -244,6 +265,42 @@ class PipelineStrategy(Strategy):
             shared=shared,
             shared_groups=self._groups_sharing(shared),
         )
+
+    def _traced(
+        self, model: nn.Module, spec: SplitPoints, sample_input: torch.Tensor | None
+    ) -> tuple[list[str], TracedPieces, list[SharedParameter]]:
+        """A model that is not a Sequential: traced, cut at module paths; this rank's chunks,
+        and the parameters its stages share (tied embeddings), kept one as for a Sequential."""
+        layout, name = self._layout, type(model).__name__
+        if self._settings.schedule == "PipeDream":
+            raise ValueError(
+                f"schedule='PipeDream' cannot run {name}, which is not an nn.Sequential: "
+                "PipeDream's stages pass one tensor of any batch size, traced stages pass "
+                "several of the traced shapes; use 'GPipe', '1F1B' or 'Interleaved1F1B', or "
+                "write the model as an nn.Sequential of its stages"
+            )
+        if spec is None and layout.num_chunks > 1:
+            raise ValueError(
+                f"{name} is not an nn.Sequential: give split_points, the module paths whose "
+                f"call starts each of the {layout.num_chunks - 1} stage(s) after the first "
+                f"({suggest_split_points(model, layout.num_chunks)}); balancing by parameters "
+                "or time needs an nn.Sequential"
+            )
+        points = check_module_paths(model, [] if spec is None else spec, layout.num_chunks)
+        if sample_input is None:
+            raise ValueError(
+                f"{name} is not an nn.Sequential, so it is traced (torch.export) to be split "
+                "at module paths, which runs it: pass sample_input= (one micro-batch of inputs)"
+            )
+        stage = layout.stage_of(self.rank)
+        pieces = TracedPieces(
+            model,
+            points,
+            sample_input,
+            num_chunks=layout.num_chunks,
+            mine=layout.chunks_of(stage),
+        )
+        return points, pieces, shared_between_stages(model, pieces.chunk_of_name(), layout)
 
     def _groups_sharing(
         self, shared: Sequence[SharedParameter]

@@ -61,9 +61,17 @@ class IndexedLoss:
         assert self._y is not None, "IndexedLoss.set_batch was not called before the step"
         per_example = self._per_example(self._y[rows], outputs)
         if self._weights is not None:
-            per_example = per_example * self._weights[rows].to(per_example.dtype)
+            weights = self._weights[rows].to(per_example.dtype)
+            if weights.numel() == per_example.numel():  # (N,) weights for (N, 1) rows
+                weights = weights.reshape(per_example.shape)
+            elif weights.dim() == 1 and per_example.dim() > 1:  # one weight per example
+                weights = weights.reshape(-1, *[1] * (per_example.dim() - 1))
+            per_example = per_example * weights
+        if per_example.dim() > 1:
+            # Several losses per example (a label per token): Keras's loss is their mean over
+            # every element, so each example's loss is the mean of its own (as compute_loss).
+            per_example = per_example.flatten(1).mean(1)
         real = (rows < self._real).to(per_example.dtype)
-        real = real.reshape(-1, *([1] * (per_example.dim() - 1)))
         return (per_example * real).sum() * self._scale
 
 

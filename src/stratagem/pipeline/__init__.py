@@ -1,4 +1,5 @@
-"""Pipeline parallelism: splitting a model into stages, the schedules, PipeDream's weight stashing.
+"""Pipeline parallelism: splitting a model into stages (an nn.Sequential, or a traced model at
+module paths), the schedules, PipeDream's weight stashing.
 
 The strategy that uses these is ``sg.distribute.experimental.PipelineStrategy``.
 """
@@ -12,6 +13,7 @@ from stratagem.pipeline.split import (
 )
 from stratagem.pipeline.stage_layout import PipelineLayout
 from stratagem.pipeline.stages import PipelineModel, StepStats
+from stratagem.pipeline.trace import TracedPieces, UntraceableModelError
 
 __all__ = [
     "PipeDreamStage",
@@ -19,6 +21,8 @@ __all__ = [
     "PipelineModel",
     "Recorder",
     "StepStats",
+    "TracedPieces",
+    "UntraceableModelError",
     "balanced_split_points",
     "check_split_points",
     "one_f_one_b_order",

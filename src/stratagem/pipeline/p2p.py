@@ -16,7 +16,16 @@ import torch.distributed as dist
 from stratagem.errors import CollectiveTimeoutError, PeerLostError
 
 _MAX_DIMS = 8
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32]
+# Codes are positions: append only (bool: the attention masks traced stages hand on).
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+]
 
 
 def _wait(work: dist.Work, what: str, peer: int, timeout: float) -> None:
@@ -60,6 +69,32 @@ def recv(src: int, tag: int, *, what: str, timeout: float) -> torch.Tensor:
     out = torch.empty(shape, dtype=dtype)
     _wait(dist.irecv(out, src, tag=tag), what, src, timeout)
     return out
+
+
+def send_values(
+    values: torch.Tensor | tuple[torch.Tensor, ...], dst: int, tag: int
+) -> tuple[list[dist.Work], list[object]]:
+    """Start sending a tensor, or a tuple of them (what a traced stage hands on), to ``dst``:
+    a count first (-1: one tensor, not a tuple), then each tensor as ``send`` does."""
+    items = values if isinstance(values, tuple) else (values,)
+    count = torch.tensor([len(items) if isinstance(values, tuple) else -1], dtype=torch.int64)
+    works, buffers = [dist.isend(count, dst, tag=tag)], [count]
+    for t in items:
+        w, b = send(t, dst, tag)
+        works += w
+        buffers.append(b)
+    return works, buffers
+
+
+def recv_values(
+    src: int, tag: int, *, what: str, timeout: float
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Receive what ``send_values`` sent from ``src``: the tensor, or the tuple."""
+    count = torch.zeros(1, dtype=torch.int64)
+    _wait(dist.irecv(count, src, tag=tag), what, src, timeout)
+    n = int(count)
+    items = tuple(recv(src, tag, what=what, timeout=timeout) for _ in range(max(n, 1)))
+    return items[0] if n < 0 else items
 
 
 class Outbox:

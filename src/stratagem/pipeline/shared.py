@@ -33,9 +33,10 @@ Holders = tuple[int, ...]
 class SharedParameter:
     """One parameter of the whole model that layers on several stages use.
 
-    ``names``: every name it has in the whole model, in module order; ``stages``: the stages
-    holding a copy, ascending; ``owner``: the stage of ``names[0]``, whose copy starts the
-    others and whose stage file holds it in a checkpoint.
+    ``names``: every name it has in the whole model, in the order of the chunks using them
+    (module order for a Sequential); ``stages``: the stages holding a copy, ascending;
+    ``owner``: the stage of ``names[0]``, whose copy starts the others and whose stage file
+    holds it in a checkpoint.
     """
 
     names: tuple[str, ...]
@@ -56,20 +57,31 @@ def find_shared_parameters(
     """The parameters of ``model`` (the whole ``nn.Sequential``, before the split) that the cut
     at ``split_points`` puts on more than one stage, found by identity, in module order."""
     layers = list(model._modules)
+    chunk_of_name = {}
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        layer = name.split(".", 1)[0]
+        if layer in layers:  # (a parameter of the Sequential itself is on no stage)
+            chunk_of_name[name] = bisect.bisect_right(split_points, layers.index(layer))
+    return shared_between_stages(model, chunk_of_name, layout)
+
+
+def shared_between_stages(
+    model: nn.Module, chunk_of_name: Mapping[str, int], layout: PipelineLayout
+) -> list[SharedParameter]:
+    """The parameters of ``model`` whose names ``chunk_of_name`` puts on more than one stage,
+    found by identity, in module order. Each one's names are ordered by chunk (module order
+    within one), so its owner, the stage of ``names[0]``, holds its first use."""
     names_by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names_by_id.setdefault(id(p), []).append(name)
     shared = []
     for names in names_by_id.values():
-        stage_of_name = {}
-        for name in names:
-            layer = name.split(".", 1)[0]
-            if layer in layers:  # (a parameter of the Sequential itself is on no stage)
-                chunk = bisect.bisect_right(split_points, layers.index(layer))
-                stage_of_name[name] = layout.stage_of_chunk(chunk)
-        stages = tuple(sorted(set(stage_of_name.values())))
+        placed = sorted((n for n in names if n in chunk_of_name), key=chunk_of_name.__getitem__)
+        stages = tuple(sorted({layout.stage_of_chunk(chunk_of_name[n]) for n in placed}))
         if len(stages) > 1:
-            shared.append(SharedParameter(tuple(names), stages, stage_of_name[names[0]]))
+            ordered = (*placed, *(n for n in names if n not in chunk_of_name))
+            owner = layout.stage_of_chunk(chunk_of_name[placed[0]])
+            shared.append(SharedParameter(ordered, stages, owner))
     return shared
 
 

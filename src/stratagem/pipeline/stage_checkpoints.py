@@ -39,7 +39,7 @@ class StageCheckpoints:
         layout: PipelineLayout,
         stage: int,
         replica: int,
-        split_points: list[int],
+        split_points: Sequence[int | str],
         schedule_name: str,
         comm: Communicator,
         flush: Callable[[], None],
@@ -49,7 +49,7 @@ class StageCheckpoints:
         self.layout = layout
         self.stage = stage
         self.replica = replica
-        self.split_points = split_points
+        self.split_points = list(split_points)
         self.schedule_name = schedule_name
         self._comm = comm
         self._flush = flush

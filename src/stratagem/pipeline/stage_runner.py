@@ -1,7 +1,8 @@
 """Running batches through this rank's stages: a training step by the schedule, or forward only.
 
 A synchronous schedule (GPipe, 1F1B, interleaved 1F1B) runs through torch.distributed.pipelining,
-one ``TorchSchedule`` per batch size; PipeDream runs through this stage's ``PipeDreamStage``; a
+one ``TorchSchedule`` per batch size (traced stages: over the graphs traced for its micro-batch
+size); PipeDream runs through this stage's ``PipeDreamStage``; a
 pipeline whose stages all live in this process runs its micro-batches one after another. With
 several replicas each stage's gradients are averaged over them; then the gradients of parameters
 shared with other stages are summed over the stages holding them (``shared.SharedCopies``).
@@ -20,18 +21,18 @@ from stratagem.pipeline.pipedream import LossFn, PipeDreamStage, Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS, TorchSchedule
 from stratagem.pipeline.settings import PipelineSettings
 from stratagem.pipeline.shared import SharedCopies
+from stratagem.pipeline.stage_pieces import StagePieces, run_chunks
 
 TAG_PREDICT = 21
 TAG_PREDICTION = 22
 
 
 class StageRunner:
-    """Runs this rank's model ``chunks`` (together ``module``) by ``schedule``, or forward."""
+    """Runs this rank's model chunks (``pieces``) by ``schedule``, or forward."""
 
     def __init__(
         self,
-        chunks: list[tuple[int, nn.Sequential]],
-        module: nn.Sequential,
+        pieces: StagePieces,
         settings: PipelineSettings,
         *,
         stage: int,
@@ -47,8 +48,8 @@ class StageRunner:
         self.schedule_name = settings.schedule
         self.num_microbatches = settings.num_microbatches
         self.loss_fn = loss_fn
-        self.module = module
-        self._chunks = chunks
+        self.module: nn.Module = pieces.module
+        self._pieces = pieces
         self._timeout = settings.timeout
         self._pipeline_group = settings.pipeline_group
         self._replica_group = settings.replica_group
@@ -61,6 +62,9 @@ class StageRunner:
         self._pipelined = self._distributed and layout.num_stages > 1
         if self._pipelined and settings.schedule not in SYNCHRONOUS:
             s, r = stage, replica
+            # PipeDream sends one tensor per micro-batch, whatever its size: Sequential slices.
+            chunks = pieces.fixed_chunks
+            assert chunks is not None, "PipeDream needs stages that run any batch size"
             self.engine = PipeDreamStage(
                 chunks[0][1],
                 s,
@@ -145,7 +149,7 @@ class StageRunner:
         if engine is None:
             engine = TorchSchedule(
                 self.schedule_name,
-                self._chunks,
+                self._pieces.chunks_for(batch_size // self.num_microbatches),
                 self.layout.num_chunks,
                 self.num_microbatches,
                 self.loss_fn,
@@ -161,7 +165,7 @@ class StageRunner:
         assert x is not None and y is not None
         losses, outputs = [], []
         for xm, ym in zip(x.chunk(self.num_microbatches), y.chunk(self.num_microbatches)):
-            out = self.module(xm)
+            out = run_chunks(self._pieces.chunks_for(xm.shape[0]), xm)
             loss = self.loss_fn(out, ym)
             (loss / self.num_microbatches).backward()
             losses.append(float(loss.detach()))
@@ -181,7 +185,7 @@ class StageRunner:
         losses, outputs = [], []
         for xm, ym in zip(x.chunk(self.num_microbatches), y.chunk(self.num_microbatches)):
             optimizer.zero_grad(set_to_none=True)
-            out = self.module(xm)
+            out = run_chunks(self._pieces.chunks_for(xm.shape[0]), xm)
             loss = self.loss_fn(out, ym)
             loss.backward()
             if self.layout.num_replicas > 1:  # one stage, several replicas: data parallelism
@@ -207,20 +211,19 @@ class StageRunner:
 
     def forward(self, x: torch.Tensor | None, *, to_every_stage: bool) -> torch.Tensor | None:
         """The model's outputs for ``x`` through this replica's stages (call it without grad):
-        on the last stage, and on every stage with ``to_every_stage`` (else None there)."""
+        on the last stage, and on every stage with ``to_every_stage`` (else None there).
+
+        Between stages travels what a chunk returns: a tensor, or the tuple a traced stage
+        hands on (``p2p.send_values``)."""
         layout, r = self.layout, self.replica
         if not self._distributed or layout.num_stages == 1:
             assert x is not None
-            return self.module(x)
-        owned = dict(self._chunks)
-        h = x
-        for c in range(layout.num_chunks):
-            owner = layout.stage_of_chunk(c)
-            if owner != self.stage:
-                continue
+            return run_chunks(self._pieces.chunks_for(x.shape[0]), x)
+        h: torch.Tensor | tuple[torch.Tensor, ...] | None = x
+        for c in layout.chunks_of(self.stage):
             prev_owner = layout.stage_of_chunk(c - 1) if c > 0 else None
             if c > 0 and prev_owner != self.stage:
-                h = p2p.recv(
+                h = p2p.recv_values(
                     layout.rank_of(prev_owner, r),  # type: ignore[arg-type]
                     TAG_PREDICT,
                     what=f"predict activations for chunk {c}",
@@ -228,15 +231,17 @@ class StageRunner:
                 )
             if h is None:
                 raise ValueError("predict(x): the first stage needs x (pass it on every process)")
-            h = owned[c](h)
+            first = h[0] if isinstance(h, tuple) else h
+            chunk = dict(self._pieces.chunks_for(first.shape[0]))[c]
+            h = chunk(*h) if isinstance(h, tuple) else chunk(h)
             if c + 1 < layout.num_chunks and layout.stage_of_chunk(c + 1) != self.stage:
                 dst = layout.rank_of(layout.stage_of_chunk(c + 1), r)
-                works, _buffers = p2p.send(h, dst, TAG_PREDICT)
+                works, _buffers = p2p.send_values(h, dst, TAG_PREDICT)
                 for w in works:
                     w.wait()
         last = layout.stage_of_chunk(layout.num_chunks - 1)
         if self.stage == last:
-            assert h is not None
+            assert isinstance(h, torch.Tensor)
             for s in range(layout.num_stages) if to_every_stage else ():
                 if s != last:
                     works, _ = p2p.send(h, layout.rank_of(s, r), TAG_PREDICTION)

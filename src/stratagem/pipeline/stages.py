@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from stratagem.pipeline.schedules import SYNCHRONOUS
 from stratagem.pipeline.settings import PipelineSettings
 from stratagem.pipeline.shared import Holders, SharedCopies, SharedParameter
 from stratagem.pipeline.stage_checkpoints import StageCheckpoints
+from stratagem.pipeline.stage_pieces import StagePieces
 from stratagem.pipeline.stage_runner import StageRunner
 
 __all__ = ["LossFn", "PipelineModel", "StepStats"]
@@ -48,20 +48,23 @@ class PipelineModel:
 
     def __init__(
         self,
-        chunks: list[tuple[int, nn.Sequential]],
+        pieces: StagePieces,
         settings: PipelineSettings,
         *,
         rank: int,
         comm: Communicator,
         loss_fn: LossFn,
-        split_points: list[int],
+        split_points: Sequence[int | str],
         recorder: Recorder | None = None,
         shared: Sequence[SharedParameter] = (),
         shared_groups: Mapping[Holders, dist.ProcessGroup | None] | None = None,
     ) -> None:
-        """``shared``: the whole model's parameters that several stages hold (their copies are
-        kept one parameter), ``shared_groups`` the group of each set of holding stages' ranks
-        in this replica (``PipelineStrategy.pipeline`` makes both)."""
+        """``pieces``: this rank's chunks and its parameters under the whole model's names
+        (slices of a Sequential, or traced stages); ``split_points``: how the model was cut
+        (layer indices, or module paths), recorded in checkpoints; ``shared``: the whole
+        model's parameters that several stages hold (their copies are kept one parameter),
+        ``shared_groups`` the group of each set of holding stages' ranks in this replica
+        (``PipelineStrategy.pipeline`` makes them)."""
         layout = settings.layout
         self.layout = layout
         self.rank = rank
@@ -70,18 +73,15 @@ class PipelineModel:
         self.schedule_name = settings.schedule
         self.num_microbatches = settings.num_microbatches
         self.loss_fn = loss_fn
-        self.split_points = split_points
+        self.split_points = list(split_points)
         self.drain_each_step = settings.drain_each_step
         self.stats = StepStats()
         self._comm = comm
-        self._chunks = chunks
+        self._chunk_indices = settings.layout.chunks_of(self.stage)
         self._replica_group = settings.replica_group
-        # One module holding this rank's layers under the unsplit model's names ("2.weight"):
+        # This rank's parameters under the unsplit model's names ("2.weight", "lm_head.weight"):
         # the optimizer's parameters and the checkpoint's keys.
-        layers: OrderedDict[str, nn.Module] = OrderedDict()
-        for _, chunk in chunks:
-            layers.update(chunk._modules)  # type: ignore[arg-type]
-        self.module = nn.Sequential(layers)
+        self.module = pieces.module
         if layout.num_replicas > 1:
             self._broadcast_from_first_replica()
         shared_copies = SharedCopies(
@@ -98,8 +98,7 @@ class PipelineModel:
         ):
             shared_copies.broadcast_from_owners()
         self._runner = StageRunner(
-            chunks,
-            self.module,
+            pieces,
             settings,
             stage=self.stage,
             replica=self.replica,
@@ -112,7 +111,7 @@ class PipelineModel:
             layout=layout,
             stage=self.stage,
             replica=self.replica,
-            split_points=split_points,
+            split_points=self.split_points,
             schedule_name=settings.schedule,
             comm=comm,
             flush=self._runner.flush,
@@ -144,7 +143,7 @@ class PipelineModel:
         return self._runner.is_last_stage
 
     def __repr__(self) -> str:
-        chunks = ", ".join(str(i) for i, _ in self._chunks)
+        chunks = ", ".join(str(i) for i in self._chunk_indices)
         return (
             f"PipelineModel(stage={self.stage}/{self.layout.num_stages}, replica={self.replica}/"
             f"{self.layout.num_replicas}, chunks=[{chunks}], schedule={self.schedule_name!r}, "
