@@ -24,19 +24,19 @@ def gpt2(seed: int = 0, **overrides: object) -> torch.nn.Module:
     """A 2-layer GPT-2 language model: tied ``wte``/``lm_head``, a ``CausalLMOutput`` whose
     ``.loss`` it computes itself from ``labels``, position ids made inside ``forward``."""
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=64,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        **overrides,
-    )
+    settings: dict[str, object] = {
+        "vocab_size": VOCAB,
+        "n_positions": 64,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 2,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+    }
+    config = transformers.GPT2Config(**{**settings, **overrides})
     return transformers.GPT2LMHeadModel(config).eval()
 
 
