@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from stratagem.comm import Communicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
@@ -106,6 +107,8 @@ class StrategyExtended(ABC):
         self._cross_device_ops = cross_device_ops or ReductionToOneDevice()
         self._aggregation = aggregation
         self._captured: list[tuple[torch.Tensor, bool]] = []
+        # A parameter moved to ``placement_device`` -> the parameter that replaced it.
+        self._placed: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # Parameters created in scope on their own (``keep_variable``), held weakly until
         # adopted: one that dies first (a temporary) is nobody's variable.
         self._created: list[weakref.ref[torch.Tensor]] = []
@@ -214,9 +217,14 @@ class StrategyExtended(ABC):
     ) -> torch.nn.Parameter | None:
         """A parameter registered in scope: claim it, place it, and keep it for ``adopt`` at
         the scope's exit. Returns the parameter to register instead, or None to keep it."""
-        placed = self.place(param)
-        if placed is not param:
-            placed = torch.nn.Parameter(placed, requires_grad=param.requires_grad)
+        placed = self._placed.get(param)
+        if placed is None:
+            placed = self.place(param)
+            if placed is not param:
+                placed = torch.nn.Parameter(placed, requires_grad=param.requires_grad)
+                # One replacement however many names register it: a tied parameter (the
+                # same tensor under two names, as distribute_module meets it) stays one.
+                self._placed[param] = placed
         scope_hooks.claim(placed, self._container)
         self._captured.append((placed, True))
         return placed if placed is not param else None

@@ -10,7 +10,11 @@
    is sharded with ``torch.distributed.fsdp.fully_shard``: first the chief's initial values are
    broadcast (workers seeded differently start identical, as under MWMS), then every top-level
    child that holds parameters (or each module ``wrap`` names) becomes one FSDP unit, then the
-   root. Each unit's parameters are gathered in one collective before its forward and freed
+   root. A parameter shared by two modules (tied embeddings) stays one parameter: the default
+   units keep each tied parameter in one unit (a child that holds only one of its names gives
+   way to its own children, and the root shards the tied parameter); an explicit ``wrap`` that
+   splits one is a ``SharedParameterError`` naming it and the two units.
+   Each unit's parameters are gathered in one collective before its forward and freed
    after it (``reshard_after_forward=True``, ZeRO-3) or kept until backward ends (``False``,
    ZeRO-2); FSDP2 prefetches the next unit's gather while this one computes.
 3. The parameters become DTensors sharded along dim 0, so their gradients, and the optimizer
@@ -71,6 +75,7 @@ from stratagem.distribute.machinery.worker_setup import (
 from stratagem.distribute.strategy import Strategy
 from stratagem.distribute.whole_modules import WholeModulesExtended
 from stratagem.dtensor import Mesh
+from stratagem.errors import SharedParameterError
 
 # Which modules become FSDP units: regexes over module paths (LayoutMap-style, full match),
 # or a predicate over (path, module).
@@ -90,7 +95,7 @@ class FullyShardedStrategy(Strategy):
     ``cpu_offload``: keep the sharded parameters, gradients and optimizer state in CPU memory
     (FSDP2's ``CPUOffloadPolicy``; for CUDA jobs). ``wrap``: which modules become FSDP units
     (regexes over module paths, or a ``(path, module) -> bool`` predicate); by default every
-    top-level child that holds parameters.
+    top-level child that holds parameters, with tied parameters kept in one unit (the root).
     """
 
     def __init__(
@@ -249,13 +254,9 @@ class FullyShardedExtended(WholeModulesExtended, DefersGradients):
 
     def _units(self, module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         """The modules that become FSDP units below the root (which is always one)."""
-        # A module sharded before (a model inside a new one) is a unit already.
+        ties = tied_parameters(module)
         if self._wrap is None:
-            return [
-                (path, child)
-                for path, child in module.named_children()
-                if any(True for _ in child.parameters()) and not isinstance(child, FSDPModule)
-            ]
+            return _default_units(module, ties)
         matched = [
             (path, sub)
             for path, sub in module.named_modules()
@@ -268,6 +269,7 @@ class FullyShardedExtended(WholeModulesExtended, DefersGradients):
                 f"{type(module).__name__}; its module paths are {paths[:20]}"
                 f"{' ...' if len(paths) > 20 else ''} (regexes must match a whole path)"
             )
+        _check_ties(ties, [path for path, _ in matched], self._wrap)
         return matched
 
     def _broadcast_initial_values(self, module: torch.nn.Module) -> None:
@@ -427,6 +429,96 @@ def _wrap_matches(wrap: WrapPolicy, path: str, module: torch.nn.Module) -> bool:
 
 def _describe_wrap(wrap: WrapPolicy) -> str:
     return repr(list(wrap)) if isinstance(wrap, tuple) else repr(wrap)
+
+
+# ---------------------------------------------------------------------- tied parameters
+#
+# FSDP2 shards a parameter in exactly one unit: the unit that holds it replaces it by a sharded
+# DTensor under every name it has below that unit. A parameter registered under two names
+# (tied embeddings: GPT-2's ``lm_head.weight is transformer.wte.weight``) that two units hold
+# would be sharded twice, two tensors where the model had one (torch refuses it at the first
+# forward), so the units are chosen, or checked, so that each tied parameter has one unit.
+
+
+def tied_parameters(module: torch.nn.Module) -> list[tuple[str, ...]]:
+    """The parameters of ``module`` registered under several names, each as its names in
+    module order; found by identity, since only the tensor says that two names are one."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [tuple(found) for found in names.values() if len(found) > 1]
+
+
+def _inside(name: str, path: str) -> bool:
+    """Whether the parameter or module ``name`` lies in the module at ``path`` ('' is the root)."""
+    return not path or name == path or name.startswith(path + ".")
+
+
+def _unit_of(name: str, unit_paths: list[str]) -> str:
+    """The unit that shards parameter ``name``: the deepest unit around it, else the root ('')."""
+    return max((u for u in unit_paths if _inside(name, u)), key=len, default="")
+
+
+def _splits_a_tie(path: str, ties: list[tuple[str, ...]]) -> bool:
+    """Whether the module at ``path`` holds some, but not all, of a tied parameter's names."""
+    return any(0 < sum(_inside(n, path) for n in names) < len(names) for names in ties)
+
+
+def _default_units(
+    module: torch.nn.Module, ties: list[tuple[str, ...]]
+) -> list[tuple[str, torch.nn.Module]]:
+    """Every top-level child that holds parameters, but a child that would split a tie (GPT-2's
+    ``transformer``, whose ``wte`` shares its weight with ``lm_head``) gives way to its own
+    children, recursively, so that the modules holding the tied parameter (``wte``,
+    ``lm_head``) are no unit and the root, which holds every name, shards it. So does a
+    container without a forward (``ModuleList``): FSDP gathers a unit in its forward's hook."""
+    units: list[tuple[str, torch.nn.Module]] = []
+
+    def visit(parent: torch.nn.Module, prefix: str) -> None:
+        for name, child in parent.named_children():
+            path = prefix + name
+            # A module sharded before (a model inside a new one) is a unit already.
+            if isinstance(child, FSDPModule) or not any(True for _ in child.parameters()):
+                continue
+            if _splits_a_tie(path, ties) or type(child).forward is torch.nn.Module.forward:
+                visit(child, path + ".")
+            else:
+                units.append((path, child))
+
+    visit(module, "")
+    return units
+
+
+def _check_ties(ties: list[tuple[str, ...]], unit_paths: list[str], wrap: WrapPolicy) -> None:
+    """Refuse units (an explicit ``wrap=``) that put a tied parameter's names in two units."""
+    for names in ties:
+        owners = {name: _unit_of(name, unit_paths) for name in names}
+        first = names[0]
+        other = next((n for n in names if owners[n] != owners[first]), None)
+        if other is None:
+            continue
+        holders = sorted({owners[n] for n in names} - {""})
+        ancestor = _common_ancestor(first, other)
+        around = f" (or make their common ancestor {ancestor!r} the unit)" if ancestor else ""
+        raise SharedParameterError(
+            f"FullyShardedStrategy(wrap={_describe_wrap(wrap)}) splits the tied parameter "
+            f"{first!r}: it is one tensor with {other!r}, but {first!r} falls in the FSDP unit "
+            f"{owners[first] or '(the root)'!r} and {other!r} in "
+            f"{owners[other] or '(the root)'!r}, and FSDP shards a parameter in one unit only. "
+            f"Keep every name of it in one unit: leave {holders} out of wrap= so that the "
+            f"root holds it{around}, or leave wrap= out: the default keeps each tied "
+            "parameter in one unit"
+        )
+
+
+def _common_ancestor(a: str, b: str) -> str:
+    """The deepest module around both parameters ``a`` and ``b`` ('' for the root)."""
+    common: list[str] = []
+    for x, y in zip(a.split(".")[:-1], b.split(".")[:-1]):
+        if x != y:
+            break
+        common.append(x)
+    return ".".join(common)
 
 
 def _check_dtypes(module: torch.nn.Module, units: list[tuple[str, torch.nn.Module]]) -> None:

@@ -31,10 +31,12 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
 from stratagem.cluster import (
@@ -183,6 +185,8 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
             timeout=timeouts.operation,
         )
         self.world = world
+        # Parameter -> the (module, name) places it was registered at in scope, until adopted.
+        self._registrations: WeakIdKeyDictionary = WeakIdKeyDictionary()
         spec = resolver.cluster_spec()
         self._coordinating = resolver.task_type == "chief" and is_coordinated(spec)
         if not serving:
@@ -231,6 +235,8 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
         self, module: torch.nn.Module, name: str, param: torch.nn.Parameter
     ) -> torch.nn.Parameter | None:
         placed = super().capture_parameter(module, name, param)
+        registered = param if placed is None else placed
+        self._registrations.setdefault(registered, []).append((weakref.ref(module), name))
         if self.coordinating:
             # The workers train the ps's values: the chief's module reads them (chief_reads).
             chief_reads.watch(module, self.refresh_chief_copies)
@@ -245,9 +251,22 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
 
     @override
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
-        params = [t for t, is_param in tensors if is_param]
+        params = [t for t, is_param in tensors if is_param and self._still_registered(t)]
         if params:
             self.client.create(params)
+
+    def _still_registered(self, param: torch.Tensor) -> bool:
+        """Whether a module still holds ``param`` where it was registered. Tying replaces a
+        parameter made in scope (GPT-2's own ``lm_head.weight``, before ``tie_weights`` makes
+        it ``wte.weight``): a variable on the ps for it would be held, and pulled, for nothing.
+        (A worker's scope captures the same parameters as every other's: they agree on it.)"""
+        places = self._registrations.pop(param, None)
+        if places is None:
+            return True  # captured without a module registration: kept
+        return any(
+            (module := ref()) is not None and module._parameters.get(name) is param
+            for ref, name in places
+        )
 
     def bind_variable(
         self, shards: list[Shard], shape: tuple[int, ...], dtype: torch.dtype, trainable: bool

@@ -1,6 +1,9 @@
 """``model.save(path)`` and ``sg.keras.models.load_model(path)``: a self-describing directory.
 
-    <path>/model.safetensors   the module's state_dict (loads in plain PyTorch, see the README)
+    <path>/model.safetensors   the module's state_dict (loads in plain PyTorch, see the README);
+                               a tied tensor (two names, one parameter) once, under its first
+                               name, its other names in the metadata (``stratagem.tied``), and
+                               ``load_model`` ties them again
     <path>/config.json         what the model is, how it was compiled and trained, where
     <path>/manifest.json       the size and SHA-256 of each other file, checked before loading
     <path>/program.pt2         a ``torch.export`` program of the module (batch dimension dynamic),
@@ -54,6 +57,7 @@ from stratagem.train.manifest import (
     write_manifest,
 )
 from stratagem.train.sharded import whole_module
+from stratagem.train.tied import tie, tied_names, with_aliases, without_aliases
 
 if TYPE_CHECKING:
     from stratagem.distribute import Strategy, StrategyExtended
@@ -66,6 +70,8 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 PROGRAM_FILE = "program.pt2"
+# The safetensors metadata entry (JSON) of a tied tensor's other names: {alias: name written}.
+TIED_METADATA = "stratagem.tied"
 
 
 class SavedModel(Protocol):
@@ -235,9 +241,9 @@ def _write(
     tmp = hidden_sibling(path, "tmp")
     os.mkdir(tmp)
     try:
-        state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+        state, tied = _weights(module)
         with open(os.path.join(tmp, WEIGHTS_FILE), "wb") as f:
-            f.write(save_safetensors(state))
+            f.write(save_safetensors(state, metadata={TIED_METADATA: json.dumps(tied)}))
         exported, why = _export(example_input, module, os.path.join(tmp, PROGRAM_FILE))
         if not exported:
             warnings.warn(
@@ -256,6 +262,7 @@ def _write(
                 "repr": repr(module),
                 "parameters": sum(p.numel() for p in module.parameters()),
             },
+            "tied": tied,
             "program": PROGRAM_FILE if exported else None,
             "program_missing_because": why,
             "compile": keras.get("compile"),
@@ -272,6 +279,19 @@ def _write(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _weights(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors ``model.safetensors`` holds, and the tied names left out of them.
+
+    A tied tensor (two names, one parameter) is written once, under its first name, with its
+    other names in the file's metadata, as Hugging Face writes tied embeddings: safetensors
+    refuses two names for one memory ("Some tensors share memory"), and a copy under each
+    name would load as two parameters."""
+    full = module.state_dict()
+    tied = {a: n for a, n in tied_names(module).items() if a in full and n in full}
+    state = {k: v.detach().cpu().contiguous() for k, v in without_aliases(full, tied).items()}
+    return state, tied
 
 
 def _check_replaceable(path: str) -> None:
@@ -367,8 +387,9 @@ def read_saved(
             if module is None and program is not None:
                 module = load_program(program, os.path.join(path, PROGRAM_FILE))
             weights = os.path.join(path, WEIGHTS_FILE)
+            data = files[WEIGHTS_FILE].read()
             try:
-                state = load_safetensors(files[WEIGHTS_FILE].read())
+                state = load_safetensors(data)
             except Exception as e:  # safetensors raises its own error type for damaged files
                 raise ValueError(
                     f"cannot read the weights {weights!r} (truncated or damaged?): {e}"
@@ -383,9 +404,36 @@ def read_saved(
             f"{path!r} is not a saved model: it has no {CONFIG_FILE} and {WEIGHTS_FILE} "
             f"({e.strerror or e})"
         ) from None
+    tied = _tied_in(data, weights)
+    state = with_aliases(state, tied, f"the weights {weights!r}")
     if module is not None:
         module.load_state_dict(state)
+        # A program's module holds a copy under each name: one tensor again, as saved.
+        tie(module, tied, f"the weights {weights!r}")
     return Saved(config, state, module)
+
+
+def _tied_in(data: bytes, weights: str) -> dict[str, str]:
+    """The tied names that a weights file records in its metadata (``{alias: name}``); none
+    in a file written before ties were recorded, or by another tool."""
+    # The header (a little-endian u64 length, then JSON) was checked by safetensors' load.
+    size = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    text = metadata.get(TIED_METADATA)
+    if text is None:
+        return {}
+    try:
+        tied = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{weights!r}: its {TIED_METADATA!r} metadata is not JSON ({e})") from e
+    if not isinstance(tied, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in tied.items()
+    ):
+        raise ValueError(
+            f"{weights!r}: its {TIED_METADATA!r} metadata is {text[:200]!r}; expected a JSON "
+            "object of names ({alias: the name written})"
+        )
+    return tied
 
 
 def _parse_config(path: str, text: bytes) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from stratagem.train.storage import (
     record_in_index,
     write_atomically,
 )
+from stratagem.train.tied import tied_names
 
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointMatchError", "LoadStatus"]
 
@@ -267,6 +268,8 @@ class Checkpoint:
                 info["trackables"] = obj._describe_shards()
             elif isinstance(obj, torch.Tensor):
                 info["shape"] = list(obj.shape)
+            elif isinstance(obj, torch.nn.Module) and (tied := tied_names(obj)):
+                info["tied"] = tied  # written once, under the first name (sharded.py)
             described[name] = info
         return described
 
@@ -293,6 +296,9 @@ class Checkpoint:
                         info["value"] = value
             else:
                 state[name] = obj.state_dict()
+                if isinstance(obj, torch.nn.Module) and (tied := tied_names(obj)):
+                    # torch.save writes the tensor these names share once.
+                    info["tied"] = tied
             described[name] = info
         state["save_counter"] = self._save_counter.clone()
         return state, described

@@ -7,7 +7,9 @@ tensor's global shape, so ``restore`` on another mesh — another number of proc
 layouts — reads exactly the slices each new shard needs. Modules and optimizers go through
 DCP's ``get_/set_model_state_dict`` and ``get_/set_optimizer_state_dict`` (optimizer state keyed
 by parameter path, so it follows its parameter to any layout); an optimizer is therefore saved
-with a module of the same checkpoint that owns its parameters.
+with a module of the same checkpoint that owns its parameters. A tied tensor (two names, one
+parameter: tied embeddings) is written once, under its first name (``tied.py``), and restored
+into every name of it.
 
 On disk a sharded checkpoint is the same kind of directory as any other: ``meta.json``
 (``"sharded": true``) beside DCP's ``.metadata`` and ``__<rank>_0.distcp`` files instead of
@@ -36,6 +38,7 @@ from stratagem.train.dcp_reader import SafeLoadPlanner, SafeReader, read_dcp_met
 from stratagem.train.manifest import MANIFEST_FILE, write_manifest
 from stratagem.train.restore import LoadStatus, copy_into
 from stratagem.train.storage import hidden_sibling, is_checkpoint, write_file
+from stratagem.train.tied import tied_names, with_aliases, without_aliases
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,9 @@ def _state(tracked: Tracked, root: Tracked) -> dict[str, Any]:
         if isinstance(obj, Tracked):
             state[name] = _state(obj, root)
         elif isinstance(obj, torch.nn.Module):
-            state[name] = get_model_state_dict(obj)
+            # A tied tensor once, under its first name (DCP would write it under each).
+            whole = get_model_state_dict(obj)
+            state[name] = without_aliases(whole, _ties(obj, whole))
         elif isinstance(obj, torch.optim.Optimizer):
             state[name] = get_optimizer_state_dict(_owner(obj, root, name), obj)
         elif isinstance(obj, torch.Tensor):
@@ -97,6 +102,11 @@ def _state(tracked: Tracked, root: Tracked) -> dict[str, Any]:
             state[name] = obj.state_dict()
     state["save_counter"] = tracked.save_counter
     return state
+
+
+def _ties(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, str]:
+    """The tied names of ``module`` (``{alias: first name}``) whose first name ``state`` has."""
+    return {alias: name for alias, name in tied_names(module).items() if name in state}
 
 
 def _load(tracked: Tracked, root: Tracked, state: dict[str, Any], saved: dict[str, Any]) -> None:
@@ -113,7 +123,8 @@ def _load(tracked: Tracked, root: Tracked, state: dict[str, Any], saved: dict[st
         if isinstance(obj, Tracked):
             _load(obj, root, value, saved[name].get("trackables", {}))
         elif isinstance(obj, torch.nn.Module):
-            set_model_state_dict(obj, value)
+            # Each tied name gets the value read once for the tensor they share.
+            set_model_state_dict(obj, with_aliases(value, _ties(obj, value), f"module {name!r}"))
         elif isinstance(obj, torch.optim.Optimizer):
             set_optimizer_state_dict(_owner(obj, root, name), obj, value)
         elif isinstance(obj, torch.Tensor):
@@ -278,11 +289,17 @@ def whole_module(module: torch.nn.Module) -> torch.nn.Module:
     if not any(is_dtensor(t) for t in [*module.parameters(), *module.buffers()]):
         return module
     plain = _without_fsdp(module, {}) if fsdp else copy.deepcopy(module)
+    # One whole parameter per sharded one, by identity: a tied parameter (two names, one
+    # tensor) is gathered once and stays one parameter under both names.
+    # (The shard is kept beside its whole copy so that its id is not reused meanwhile.)
+    gathered: dict[int, tuple[torch.Tensor, torch.nn.Parameter]] = {}
     for submodule in plain.modules():  # the same order on every process: one gather each
         for name, p in list(submodule._parameters.items()):
             if is_dtensor(p):
-                full = p.detach().full_tensor()
-                submodule._parameters[name] = torch.nn.Parameter(full, p.requires_grad)
+                if id(p) not in gathered:
+                    whole = torch.nn.Parameter(p.detach().full_tensor(), p.requires_grad)
+                    gathered[id(p)] = (p, whole)
+                submodule._parameters[name] = gathered[id(p)][1]
         for name, b in list(submodule._buffers.items()):
             if is_dtensor(b):
                 submodule._buffers[name] = b.full_tensor()

@@ -127,6 +127,13 @@ class ShardStore:
         with self._lock:
             return self._creation(first)
 
+    @property
+    def num_shards(self) -> int:
+        """How many shards this ps holds (a variable of the workers' is one per ps it is cut
+        over, however many names it has in their model)."""
+        with self._lock:
+            return len(self._shards)
+
     def read(self, keys: Sequence[ShardKey]) -> list[torch.Tensor]:
         self._check_keys(keys)
         return [self._wire(self._shards[k].detach().clone()) for k in keys]
@@ -547,7 +554,13 @@ def methods(store: ShardStore, worker_names: list[str]) -> dict[str, Callable[..
 
     def stats() -> dict[str, int]:
         s = store.stats
-        return {"applied": s.applied, "dropped": s.dropped, "steps": s.steps, "waits": s.waits}
+        return {
+            "applied": s.applied,
+            "dropped": s.dropped,
+            "steps": s.steps,
+            "waits": s.waits,
+            "shards": store.num_shards,
+        }
 
     return {
         "create": create,
