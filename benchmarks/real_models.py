@@ -92,19 +92,23 @@ def _tf_config(rank: int, world: int, port: int) -> None:
     )
 
 
-def way_ddp(rank: int, world: int, port: int, batches: list, warmup: int) -> float:
-    from torch.nn.parallel import DistributedDataParallel
-
-    _raw_group(rank, world, port)
-    model = DistributedDataParallel(_model())
-    optimizer = _optimizer(model)
+def _plain_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """torch's own loop: the model's loss, backward, step (the wrappers reduce gradients)."""
 
     def step(ids: torch.Tensor) -> None:
         optimizer.zero_grad()
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
 
-    return _timed(step, batches, warmup)
+    return step
+
+
+def way_ddp(rank: int, world: int, port: int, batches: list, warmup: int) -> float:
+    from torch.nn.parallel import DistributedDataParallel
+
+    _raw_group(rank, world, port)
+    model = DistributedDataParallel(_model())
+    return _timed(_plain_step(model, _optimizer(model)), batches, warmup)
 
 
 def way_mwms(rank: int, world: int, port: int, batches: list, warmup: int) -> float:
@@ -133,14 +137,7 @@ def way_fully_shard(rank: int, world: int, port: int, batches: list, warmup: int
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)
-    optimizer = _optimizer(model)
-
-    def step(ids: torch.Tensor) -> None:
-        optimizer.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-
-    return _timed(step, batches, warmup)
+    return _timed(_plain_step(model, _optimizer(model)), batches, warmup)
 
 
 def way_fsdp(rank: int, world: int, port: int, batches: list, warmup: int) -> float:

@@ -79,6 +79,23 @@ class SparseCategoricalCrossentropy(Loss):
         return F.cross_entropy(flat, labels.reshape(-1), reduction="none").reshape(labels.shape)
 
 
+def example_losses(per_example: torch.Tensor, sample_weight: torch.Tensor | None) -> torch.Tensor:
+    """One loss per example from a loss's unreduced values, weighted as Keras weights them:
+    ``(N,)`` weights for ``(N, 1)`` values, one weight per example for a loss per token; several
+    values per example (a label per token, per pixel) become their mean, as Keras's loss is the
+    mean over every element. What ``Model.compute_loss`` and the pipelined steps both reduce."""
+    if sample_weight is not None:
+        weights = sample_weight.to(per_example.device, per_example.dtype)
+        if weights.numel() == per_example.numel():  # (N,) weights for (N, 1) rows
+            weights = weights.reshape(per_example.shape)
+        elif weights.dim() == 1 and per_example.dim() > 1:  # one weight per example
+            weights = weights.reshape(-1, *[1] * (per_example.dim() - 1))
+        per_example = per_example * weights
+    if per_example.dim() > 1:
+        per_example = per_example.flatten(1).mean(1)
+    return per_example
+
+
 def _check_labels(y_true: torch.Tensor, y_pred: torch.Tensor) -> None:
     """Integer class labels, one per prediction row, each a valid class."""
     rows, classes = y_pred.shape[:-1], y_pred.shape[-1]

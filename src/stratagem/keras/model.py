@@ -279,18 +279,8 @@ class Model(Portable):
                 "the loss needs targets: give fit/evaluate y, or batches of (x, y) or (x, y, w)"
             )
         per_example = self.loss.call(torch.as_tensor(y, device=y_pred.device), y_pred)
-        if sample_weight is not None:
-            weights = torch.as_tensor(sample_weight, device=per_example.device)
-            if weights.numel() == per_example.numel():  # (N,) weights for (N, 1) rows
-                weights = weights.reshape(per_example.shape)
-            elif weights.dim() == 1 and per_example.dim() > 1:  # one weight per example
-                weights = weights.reshape(-1, *[1] * (per_example.dim() - 1))
-            per_example = per_example * weights
-        if per_example.dim() > 1:
-            # Several losses per example (a label per token, per pixel): Keras's loss is their
-            # mean over every element, so each example's loss is the mean of its own.
-            per_example = per_example.flatten(1).mean(1)
-        return self._replica_loss(per_example)
+        weights = None if sample_weight is None else torch.as_tensor(sample_weight)
+        return self._replica_loss(losses.example_losses(per_example, weights))
 
     def _own_loss(self, x: Any, output: Any, sample_weight: Any) -> torch.Tensor:
         """The module's own loss (``output.loss``) as this replica's share of the global mean.

@@ -32,6 +32,7 @@ import torch
 from stratagem.distribute.capabilities import PipelinedSteps
 from stratagem.errors import ModelOutputError
 from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
+from stratagem.keras.losses import example_losses
 from stratagem.pipeline.stages import PipelineModel
 
 _STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss")
@@ -59,18 +60,9 @@ class IndexedLoss:
 
     def __call__(self, outputs: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         assert self._y is not None, "IndexedLoss.set_batch was not called before the step"
-        per_example = self._per_example(self._y[rows], outputs)
-        if self._weights is not None:
-            weights = self._weights[rows].to(per_example.dtype)
-            if weights.numel() == per_example.numel():  # (N,) weights for (N, 1) rows
-                weights = weights.reshape(per_example.shape)
-            elif weights.dim() == 1 and per_example.dim() > 1:  # one weight per example
-                weights = weights.reshape(-1, *[1] * (per_example.dim() - 1))
-            per_example = per_example * weights
-        if per_example.dim() > 1:
-            # Several losses per example (a label per token): Keras's loss is their mean over
-            # every element, so each example's loss is the mean of its own (as compute_loss).
-            per_example = per_example.flatten(1).mean(1)
+        weights = None if self._weights is None else self._weights[rows]
+        # Each example's loss as compute_loss reduces it (a loss per token: their mean).
+        per_example = example_losses(self._per_example(self._y[rows], outputs), weights)
         real = (rows < self._real).to(per_example.dtype)
         return (per_example * real).sum() * self._scale
 
