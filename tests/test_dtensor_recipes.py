@@ -1,7 +1,10 @@
-"""Ready layouts in one process: Megatron's layout map for Linear and Conv1D projections, and
-tied weights laid out once. (Real models on a real 2-process mesh: real_models/test_mesh.py.)"""
+"""The ready layouts and the mesh step in one process: Megatron's layout map for Linear and
+Conv1D projections, tied weights laid out once, plain tensors replicated, unshardable
+operators named. (Real models on a real 2-process mesh: real_models/test_mesh.py.)"""
 
 from __future__ import annotations
+
+import collections
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from stratagem import dtensor
-from stratagem.dtensor import UNSHARDED, Layout, LayoutError, LayoutMap
+from stratagem.dtensor import UNSHARDED, Layout, LayoutError, LayoutMap, mesh_step
 
 U = UNSHARDED
 
@@ -145,3 +148,53 @@ def test_tied_paths_with_different_layouts_are_an_error_naming_both(mesh):
     with pytest.raises(LayoutError, match=r"reached by the paths \['wte.weight', 'lm_head.weight'"):
         layout_map.apply(model)
     assert not isinstance(model.wte.weight, DTensor)  # unchanged
+
+
+def test_plain_tensors_made_in_a_step_are_replicated_and_the_setting_restored(mesh):
+    x = dtensor.copy_to_mesh(torch.ones(2, 3), Layout.batch_sharded(mesh, "batch", 2))
+    with pytest.raises(RuntimeError, match=r"got mixed torch\.Tensor and DTensor"):
+        x + torch.arange(3.0)
+    with mesh_step.replicated_plain_tensors():
+        with mesh_step.replicated_plain_tensors():
+            pass  # an inner block must not end the outer one
+        total = x + torch.arange(3.0)
+        # A key/value cache's first keys: torch.cat skips the 1-D empty placeholder.
+        cached = torch.cat([torch.tensor([]), x], dim=-2)
+    assert total.full_tensor().tolist() == [[1.0, 2.0, 3.0]] * 2
+    assert cached.shape == (2, 3)
+    with pytest.raises(RuntimeError, match=r"got mixed torch\.Tensor and DTensor"):
+        x + torch.arange(3.0)
+
+
+def test_an_operator_without_a_sharding_rule_is_named_with_its_remedy(mesh):
+    error = NotImplementedError(
+        "Operator aten._scaled_dot_product_flash_attention_for_cpu_backward.default does not "
+        "have a sharding strategy registered."
+    )
+    named = mesh_step.sharding_rule_error(error, None)
+    assert isinstance(named, dtensor.ShardingRuleError)
+    assert "aten._scaled_dot_product_flash_attention_for_cpu_backward.default (during " in str(
+        named
+    )
+    assert 'attn_implementation="eager"' in str(named)
+    other = mesh_step.sharding_rule_error(
+        RuntimeError("Operator aten.cummax.default does not have a sharding strategy registered."),
+        None,
+    )
+    assert other is not None and "aten.cummax.default" in str(other)
+    assert "replicated" in str(other)
+    assert mesh_step.sharding_rule_error(RuntimeError("a shape error"), None) is None
+
+
+class NoRule(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError(
+            "Operator aten.cummax.default does not have a sharding strategy registered."
+        )
+
+
+def test_the_named_error_says_which_module_ran_the_operator(mesh):
+    model = torch.nn.Sequential(collections.OrderedDict(inner=NoRule()))
+    expected = pytest.raises(dtensor.ShardingRuleError, match=r"aten.cummax.default in NoRule")
+    with expected, mesh_step.named_operator_errors():
+        model(torch.ones(1))

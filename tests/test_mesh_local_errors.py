@@ -18,6 +18,7 @@ import torch
 
 from cluster_utils import WORKERS, Process, child_env
 from stratagem.comm.process_group import is_communication_failure
+from stratagem.dtensor import ShardingRuleError
 from stratagem.errors import PeerLostError
 
 SHAPE_ERROR = "a and b must have same reduction dim, but got [4, 4] X [5, 2]"
@@ -75,6 +76,7 @@ LOCAL_ERRORS = [
         "aten.embedding.default: got mixed torch.Tensor and DTensor, need to convert all "
         "torch.Tensor to DTensor before calling distributed operators!"
     ),
+    ShardingRuleError("DTensor has no sharding rule for operator aten.x.default"),
     NotImplementedError("a user's unfinished layer"),
 ]
 

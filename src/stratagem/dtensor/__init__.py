@@ -19,7 +19,7 @@ process per device: launch with ``stratagem run -n N``, TF_CONFIG, torchrun or S
 """
 
 from stratagem.dtensor import metrics
-from stratagem.dtensor.errors import LayoutError, MeshError
+from stratagem.dtensor.errors import LayoutError, MeshError, ShardingRuleError
 from stratagem.dtensor.layout import UNSHARDED, Layout
 from stratagem.dtensor.layout_map import LayoutMap, apply_layout_map, layout_weights
 from stratagem.dtensor.megatron import MEGATRON_PLAN, megatron_layout_map
@@ -44,6 +44,7 @@ __all__ = [
     "LayoutMap",
     "Mesh",
     "MeshError",
+    "ShardingRuleError",
     "apply_layout_map",
     "copy_to_mesh",
     "create_mesh",
