@@ -4,7 +4,8 @@ Start-up: a TCPStore hosted by rank 0 (or by torchrun's agent), a roll call that
 peers, ``init_process_group`` on that store (gloo on CPU; NCCL for CUDA tensors), and one barrier,
 after which no process needs the store again (so its host may leave first). Every collective runs
 inside ``_operation``, which turns gloo's anonymous "connection reset" or "timed out" into an error
-that names the peer and the operation, by asking each peer's liveness server (``liveness.py``). At
+that names the peer and the operation, by asking each peer's liveness server (``liveness.py``);
+an error that is not the transport's (``is_communication_failure``) passes through as itself. At
 exit the group is destroyed, so a job ends with exit code 0 and without abort messages.
 """
 
@@ -35,7 +36,12 @@ from stratagem.comm.liveness import SILENT, LivenessServer, advertised_host, pro
 from stratagem.comm.peer_check import check_peers
 from stratagem.comm.reduce_op import ReduceOp
 from stratagem.comm.rendezvous import Member, open_store, roll_call
-from stratagem.errors import CollectiveTimeoutError, PeerLostError, RendezvousError
+from stratagem.errors import (
+    CollectiveTimeoutError,
+    PeerLostError,
+    RendezvousError,
+    StratagemError,
+)
 
 
 class Resolver(Protocol):
@@ -225,6 +231,12 @@ class ProcessGroupCommunicator(Communicator):
         try:
             yield
         except (RuntimeError, dist.DistError) as e:
+            # Only a failure of the transport is about the peers. Anything else is this
+            # process's own error (an operator DTensor refused, a shape, the user's exception)
+            # and stays itself, whatever the peers did meanwhile: a peer that stopped on the
+            # same error first must not turn it into "peer lost".
+            if not is_communication_failure(e):
+                raise
             raise self._diagnose(name, what, e) from e
 
     def _diagnose(self, name: str, what: str, error: BaseException) -> BaseException:
@@ -500,6 +512,34 @@ class GroupCommunicator(Communicator):
 
     def named_faults(self, operation: str, *, what: str) -> contextlib.AbstractContextManager[None]:
         return self._job.named_faults(operation, what=what)
+
+
+# What the transports say when a peer is gone, stuck or unreachable. gloo raises plain
+# RuntimeErrors that carry its source file ("[.../gloo/transport/tcp/pair.cc:553] Connection
+# closed by peer [127.0.0.1]:25754", "... Timed out waiting 60000ms for recv operation");
+# NCCL, the store and torch's own network code raise DistError's subclasses.
+_TRANSPORT_WORDS = (
+    "gloo",
+    "nccl",
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "socket",
+    "timed out",
+    "timeout",
+)
+
+
+def is_communication_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective's transport failing (so the peers may be why), as
+    opposed to an error of this process's own computation, which is reported as itself."""
+    if isinstance(error, (PeerLostError, CollectiveTimeoutError, dist.DistError)):
+        return True  # a lost peer an inner layer saw (a pipeline's transfer), named here
+    if isinstance(error, StratagemError):
+        return False  # ours, about this process (an operator DTensor cannot shard, say)
+    text = str(error).lower()
+    return any(word in text for word in _TRANSPORT_WORDS)
 
 
 def _first_line(error: BaseException) -> str:

@@ -20,6 +20,10 @@
    loss convention work unchanged.
 4. ``reduce``/``gather``/metrics communicate among the replicas only (one process per
    coordinate along ``batch``): the processes of one replica hold the same values already.
+5. A step runs under ``dtensor.mesh_step``: tensors the model makes inside ``forward``
+   (position ids, masks, caches) are replicated, attention runs a kernel DTensor can shard,
+   and an operator it cannot shard is a named ``ShardingRuleError``. An error of the step that
+   is not a failed collective is reported as itself, never as a lost peer.
 
 Keras 3's ``keras.distribution.ModelParallel(layout_map=..., batch_dim_name="batch")`` with
 ``set_distribution`` is the nearest seed-side equivalent; TF's DTensor tutorials wrote custom
@@ -52,7 +56,15 @@ from stratagem.distribute.machinery.input import (
 )
 from stratagem.distribute.strategy import Strategy
 from stratagem.distribute.whole_modules import WholeModulesExtended
-from stratagem.dtensor import Layout, LayoutMap, Mesh, MeshError, apply_layout_map, translate
+from stratagem.dtensor import (
+    Layout,
+    LayoutMap,
+    Mesh,
+    MeshError,
+    apply_layout_map,
+    mesh_step,
+    translate,
+)
 
 
 class MeshStrategy(Strategy):
@@ -176,8 +188,15 @@ class MeshExtended(WholeModulesExtended, DefersGradients):
 
     @override
     def run_guard(self) -> contextlib.AbstractContextManager[None]:
-        # DTensor runs its collectives itself: a lost or stuck peer is named all the same.
-        return self._job.named_faults("DTensor's collectives", what="the step")
+        stack = contextlib.ExitStack()
+        # DTensor runs its collectives itself: a lost or stuck peer is named all the same
+        # (and an error of this process's own, such as the next one, stays itself).
+        stack.enter_context(self._job.named_faults("DTensor's collectives", what="the step"))
+        stack.enter_context(mesh_step.named_operator_errors())
+        stack.enter_context(mesh_step.shardable_attention(self.mesh.device_type))
+        # Tensors the model makes in forward (position ids, masks) are the same everywhere.
+        stack.enter_context(mesh_step.replicated_plain_tensors())
+        return stack
 
     @override
     def leave_run(self) -> None:

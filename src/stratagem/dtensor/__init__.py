@@ -11,14 +11,18 @@ Port of TensorFlow's DTensor (``tf.experimental.dtensor``) onto ``torch.distribu
     with layout_map.scope():
         model = build_model()      # its weights are DTensors, each with .layout
 
+For a transformer, ``sg.dtensor.megatron_layout_map(mesh, model)`` writes the map of
+Megatron's tensor parallelism (attention and MLP projections split column- then row-wise).
+
 Then train with a plain ``torch.optim`` optimizer: DTensor decides every collective. One
 process per device: launch with ``stratagem run -n N``, TF_CONFIG, torchrun or SLURM.
 """
 
 from stratagem.dtensor import metrics
-from stratagem.dtensor.errors import LayoutError, MeshError
+from stratagem.dtensor.errors import LayoutError, MeshError, ShardingRuleError
 from stratagem.dtensor.layout import UNSHARDED, Layout
 from stratagem.dtensor.layout_map import LayoutMap, apply_layout_map, layout_weights
+from stratagem.dtensor.megatron import MEGATRON_PLAN, megatron_layout_map
 from stratagem.dtensor.mesh import Mesh, create_mesh
 from stratagem.dtensor.translate import (
     DTensor,
@@ -31,6 +35,7 @@ from stratagem.dtensor.translate import (
 )
 
 __all__ = [
+    "MEGATRON_PLAN",
     "UNSHARDED",
     "DTensor",
     "LaidOutParameter",
@@ -39,11 +44,13 @@ __all__ = [
     "LayoutMap",
     "Mesh",
     "MeshError",
+    "ShardingRuleError",
     "apply_layout_map",
     "copy_to_mesh",
     "create_mesh",
     "fetch_layout",
     "layout_weights",
+    "megatron_layout_map",
     "metrics",
     "pack",
     "relayout",

@@ -11,3 +11,8 @@ class MeshError(StratagemError, ValueError):
 
 class LayoutError(StratagemError, ValueError):
     """A layout that names no mesh dimension, or does not fit a tensor's rank or shape."""
+
+
+class ShardingRuleError(StratagemError, NotImplementedError):
+    """An operator DTensor has no sharding rule for ran on a mesh: it names the operator, the
+    module it ran in when known, and what to do instead."""

@@ -166,35 +166,70 @@ def apply_layout_map(module: torch.nn.Module, layout_map: LayoutMap) -> torch.nn
 
     Each weight becomes a DTensor on the map's mesh carrying ``.layout``; every layout is
     checked (rank, even split) before any weight changes, so an error leaves the module as it
-    was. Returns ``module``.
+    was. A weight reachable by several paths (tied embeddings: GPT-2's ``lm_head.weight`` is
+    ``transformer.wte.weight``) stays one weight: it is laid out once, by the layout a key gives
+    any of its paths, and every path gets the same DTensor. Returns ``module``.
     """
     from stratagem.dtensor import translate
 
     if not isinstance(layout_map, LayoutMap):
         raise LayoutError(f"apply_layout_map needs a LayoutMap, got {type(layout_map).__name__}")
-    plan = []
+    plan: list[_Placement] = []
     for kind, named in (
-        ("parameter", module.named_parameters()),
-        ("buffer", module.named_buffers()),
+        ("parameter", module.named_parameters(remove_duplicate=False)),
+        ("buffer", module.named_buffers(remove_duplicate=False)),
     ):
+        by_tensor: dict[int, _Placement] = {}
         for path, tensor in named:
-            layout = layout_map.layout_for(path, tensor.dim())
-            layout.check_shape(tensor.shape, f"{kind} {path!r}")
-            plan.append((kind, path, layout))
-    for kind, path, layout in plan:
-        owner_path, _, name = path.rpartition(".")
-        owner = module.get_submodule(owner_path)
-        current = getattr(owner, name)
+            placement = by_tensor.get(id(tensor))
+            if placement is None:
+                placement = by_tensor[id(tensor)] = _Placement(kind, tensor)
+                plan.append(placement)
+            placement.add(path, layout_map[path])
+    for placement in plan:
+        placement.check(layout_map.mesh)
+    for placement in plan:
+        current, layout = placement.tensor, placement.layout
         if translate.assigned_layout(current) == layout:
             continue
-        what = f"{kind} {path!r}"
-        if kind == "parameter":
-            owner._parameters[name] = translate.layout_parameter(current, layout, what)
-        else:
-            owner._buffers[name] = translate.layout_parameter(
-                current, layout, what, parameter=False
-            )
+        what = f"{placement.kind} {placement.paths[0]!r}"
+        replacement = translate.layout_parameter(
+            current, layout, what, parameter=placement.kind == "parameter"
+        )
+        for path in placement.paths:
+            owner_path, _, name = path.rpartition(".")
+            owner = module.get_submodule(owner_path)
+            store = owner._parameters if placement.kind == "parameter" else owner._buffers
+            store[name] = replacement
     return module
+
+
+class _Placement:
+    """One tensor of a module, the paths that reach it, and the layout keys give them."""
+
+    def __init__(self, kind: str, tensor: torch.Tensor) -> None:
+        self.kind = kind
+        self.tensor = tensor
+        self.paths: list[str] = []
+        self._keyed: dict[str, Layout] = {}  # path -> the layout a key gives it
+
+    def add(self, path: str, layout: Layout | None) -> None:
+        self.paths.append(path)
+        if layout is not None:
+            self._keyed[path] = layout
+
+    def check(self, mesh: Mesh) -> None:
+        """One layout for the tensor, fitting its shape; ``LayoutError`` naming the paths."""
+        distinct = set(self._keyed.values())
+        if len(distinct) > 1:
+            given = ", ".join(f"{p!r}: {lay.sharding_specs}" for p, lay in self._keyed.items())
+            raise LayoutError(
+                f"{self.kind} {self.paths[0]!r} is one tensor reached by the paths {self.paths} "
+                f"(tied weights), but the LayoutMap gives them different layouts ({given}); "
+                "expected one layout for all of them (a key for one path, or the same layout)"
+            )
+        self.layout = distinct.pop() if distinct else Layout.replicated(mesh, self.tensor.dim())
+        self.layout.check_shape(self.tensor.shape, f"{self.kind} {self.paths[0]!r}")
 
 
 def layout_weights(

@@ -1,0 +1,161 @@
+"""What a step on a mesh runs under: plain tensors replicated, unshardable operators named.
+
+Real models make tensors inside ``forward``: Hugging Face's GPT-2 builds its position ids with
+``torch.arange``, Llama its rotary tables, BERT its extended attention mask. They are plain
+tensors, computed the same way from the same sizes on every process, and DTensor refuses to mix
+them with the DTensors of the step ("got mixed torch.Tensor and DTensor"). Inside
+``replicated_plain_tensors()`` DTensor treats every plain tensor as replicated on the mesh of
+the DTensors it meets (torch's ``implicit_replication``), which is what those tensors are.
+One of them needs more: a key/value cache starts as ``torch.tensor([])``, which ``torch.cat``
+skips (its legacy rule for 1-D empty tensors) but DTensor would try to split like the keys.
+
+``shardable_attention(device_type)`` picks the kernel of ``scaled_dot_product_attention`` (the
+default attention of Hugging Face's models) that DTensor can shard: on CPU, its fused kernel has
+no sharding rule, forward or backward, so a CPU mesh step computes attention with the math
+kernel, which is made of matmuls and a softmax (what ``attn_implementation="eager"`` computes).
+CUDA's fused kernels have sharding rules and are left to SDPA's own choice.
+
+``named_operator_errors()`` turns DTensor's refusal of an operator it has no sharding rule for
+into a ``ShardingRuleError`` that names the operator, the module it ran in when known, and what
+to do: most often a model's fused attention kernel, which its eager implementation avoids.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from stratagem.dtensor.errors import ShardingRuleError
+
+__all__ = [
+    "named_operator_errors",
+    "replicated_plain_tensors",
+    "shardable_attention",
+    "sharding_rule_error",
+]
+
+
+@contextlib.contextmanager
+def replicated_plain_tensors() -> Iterator[None]:
+    """Plain tensors meeting DTensors are taken as replicated, and ``torch.cat`` skips a 1-D
+    empty one among DTensors as it does among plain tensors. The previous setting is restored
+    on exit (torch's own context manager always resets it to off, which would end an enclosing
+    one early). The setting is per thread, like autograd's on CPU, which runs backward on the
+    thread that calls it."""
+    previous = torch._C._get_dtensor_allow_implicit_replication()
+    torch._C._set_dtensor_allow_implicit_replication(True)
+    try:
+        with _SkipEmptyInCat():
+            yield
+    finally:
+        torch._C._set_dtensor_allow_implicit_replication(previous)
+
+
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+
+
+class _SkipEmptyInCat(TorchFunctionMode):
+    """``torch.cat([torch.tensor([]), keys])`` on a mesh: drop the empty placeholder, as
+    torch.cat itself ignores 1-D empty tensors, before DTensor sees it."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _CATS and args:
+            tensors = list(args[0])
+            if any(isinstance(t, DTensor) for t in tensors):
+                kept = [t for t in tensors if not _legacy_empty(t)]
+                args = (kept, *args[1:])
+        return func(*args, **kwargs)
+
+
+def _legacy_empty(tensor: object) -> bool:
+    return (
+        isinstance(tensor, torch.Tensor)
+        and not isinstance(tensor, DTensor)
+        and tensor.dim() == 1
+        and tensor.numel() == 0
+    )
+
+
+@contextlib.contextmanager
+def shardable_attention(device_type: str) -> Iterator[None]:
+    """On a CPU mesh, SDPA's math kernel for the block (see the module); else SDPA's choice."""
+    if device_type != "cpu":
+        yield
+        return
+    with sdpa_kernel([SDPBackend.MATH]):
+        yield
+
+
+# DTensor's words for an operator it cannot shard ("Operator aten.x.default does not have a
+# sharding strategy registered."): the operator's name is what we need from it.
+_NO_RULE = re.compile(r"Operator (\S+) does not have a sharding strategy registered")
+
+# Fused attention kernels with no sharding rule on some device, and the remedy that avoids
+# them: every model of Hugging Face's transformers takes attn_implementation="eager".
+_ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
+
+
+@contextlib.contextmanager
+def named_operator_errors() -> Iterator[None]:
+    """Raise ``ShardingRuleError`` for an operator DTensor cannot shard (see the module)."""
+    try:
+        yield
+    except (NotImplementedError, RuntimeError) as error:
+        named = sharding_rule_error(error, sys.exc_info()[2])
+        if named is None:
+            raise
+        raise named from error
+
+
+def sharding_rule_error(error: BaseException, tb: TracebackType | None) -> ShardingRuleError | None:
+    """The named error for DTensor's "no sharding strategy" ``error``; None for any other."""
+    found = _NO_RULE.search(str(error))
+    if found is None:
+        return None
+    op = found.group(1).rstrip(".")
+    where = _module_of(tb)
+    place = f" in {where}" if where else ""
+    if op.endswith("_backward.default") or "_backward." in op:
+        place += " (during backward)"
+    if any(kind in op for kind in _ATTENTION_OPS):
+        remedy = (
+            "This is a fused attention kernel (a CPU mesh step runs scaled_dot_product_attention "
+            "with its math kernel; this one was called or forced some other way). Build the "
+            "model with its eager attention "
+            '(Hugging Face: from_config(config, attn_implementation="eager"), or '
+            'config._attn_implementation = "eager"), which computes attention from matmul and '
+            "softmax, operators DTensor can shard"
+        )
+    else:
+        remedy = (
+            "Lay the weights this operator reads out as replicated (remove their LayoutMap "
+            "keys), or compute it on plain tensors (DTensor.full_tensor(), then copy_to_mesh)"
+        )
+    return ShardingRuleError(
+        f"DTensor has no sharding rule for operator {op}{place}, so a model using it cannot "
+        f"run on a mesh with these layouts. {remedy}."
+    )
+
+
+def _module_of(tb: TracebackType | None) -> str | None:
+    """The innermost ``torch.nn.Module`` whose ``forward`` the error came through: its class
+    (the frames know the module, not its path in the model)."""
+    found = None
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and tb.tb_frame.f_code.co_name == "forward":
+            found = owner
+        tb = tb.tb_next
+    return None if found is None else type(found).__name__
