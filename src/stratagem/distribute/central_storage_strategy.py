@@ -74,7 +74,7 @@ class CentralStorageExtended(MirroredExtended):
 
     @property
     @override
-    def placement_device(self) -> torch.device:
+    def _placement_device(self) -> torch.device:
         return self._parameter_device.torch_device
 
     # The update, once, on the parameter device --------------------------------------------

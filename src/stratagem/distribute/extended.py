@@ -9,17 +9,22 @@ class is the **core** every strategy has:
   ``before_optimizer_step`` (how the replicas' gradients become one update);
 - **public methods that validate, then call hooks**: ``call_for_each_replica`` (``run``),
   ``merge_call``, ``reduce``, ``gather``, ``accumulate_gradients``, the input methods; their
-  hooks (``run_arguments``, ``run_guard``, ``enter_replica``, ``run_replica_calls``,
-  ``replica_view``, ``before_run``/``leave_run``/``after_run``, ``replica_values``,
+  hooks (``_run_arguments``, ``_run_guard``, ``_enter_replica``, ``run_replica_calls``,
+  ``_replica_view``, ``_before_run``/``_leave_run``/``_after_run``, ``replica_values``,
   ``split_sizes``) have defaults a strategy overrides where it differs;
 - **placement** (``capture_parameter``, ``capture_buffer``, ``capture_variable``,
-  ``placement_device``, ``place``, ``adopt_model``, ``distribute_module``, ``in_scope``):
+  ``_placement_device``, ``_place``, ``adopt_model``, ``distribute_module``, ``in_scope``):
   what happens to what ``strategy.scope()`` captures (``machinery/scope_hooks.py`` calls the
   capture hooks from PyTorch's global registration hooks) or is handed over explicitly;
 - **process facts** (``communicator``, ``num_replicas_in_sync``, ``replica_devices``,
   ``worker_devices``, ``parameter_devices``, ``should_checkpoint``, ``should_save_summary``,
   ``barrier``, ``describe``) and **checkpoint state** (``before_checkpoint_write``,
   ``after_checkpoint_restore``).
+
+Public names are what other code calls (the Strategy face, the scope and optimizer hooks,
+checkpoints, the input pipeline, Keras) or a strategy overrides for them; hooks only the
+strategy itself calls are protected (``_run_arguments``, ``_before_run``, ``_place``...): TF's
+``_x`` convention, so the public face stays what library code may use.
 
 What only some strategies do is a capability they opt into (``capabilities.py``: merge calls
 between replica threads, deferred gradients, pipelined steps, chief coordination); library
@@ -107,16 +112,16 @@ class StrategyExtended(ABC):
         self._cross_device_ops = cross_device_ops or ReductionToOneDevice()
         self._aggregation = aggregation
         self._captured: list[tuple[torch.Tensor, bool]] = []
-        # A parameter moved to ``placement_device`` -> the parameter that replaced it.
+        # A parameter moved to ``_placement_device`` -> the parameter that replaced it.
         self._placed: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        # Parameters created in scope on their own (``keep_variable``), held weakly until
+        # Parameters created in scope on their own (``_keep_variable``), held weakly until
         # adopted: one that dies first (a temporary) is nobody's variable.
         self._created: list[weakref.ref[torch.Tensor]] = []
         self._sync_timeout = sync_timeout
         self._merge_values: list[Any] = [None] * len(devices)
         self._merge_result: Any = None
         # accumulate_gradients(): how many blocks are open (replica threads each open one),
-        # and whether one was opened since the last run began (``deferred_in_run``).
+        # and whether one was opened since the last run began (``_deferred_in_run``).
         self._accumulation_lock = threading.Lock()
         self._accumulating = 0
         self._accumulated_in_run = False
@@ -200,13 +205,13 @@ class StrategyExtended(ABC):
         return contextlib.nullcontext()
 
     @property
-    def placement_device(self) -> torch.device:
+    def _placement_device(self) -> torch.device:
         """Where tensors created in scope live: the first local device by default."""
         return self._devices[0].torch_device
 
-    def place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor created in scope, moved to ``placement_device`` if it is elsewhere."""
-        device = self.placement_device
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor created in scope, moved to ``_placement_device`` if it is elsewhere."""
+        device = self._placement_device
         if tensor.device == device:
             return tensor
         with torch.no_grad():
@@ -219,7 +224,7 @@ class StrategyExtended(ABC):
         the scope's exit. Returns the parameter to register instead, or None to keep it."""
         placed = self._placed.get(param)
         if placed is None:
-            placed = self.place(param)
+            placed = self._place(param)
             if placed is not param:
                 placed = torch.nn.Parameter(placed, requires_grad=param.requires_grad)
                 # One replacement however many names register it: a tied parameter (the
@@ -233,7 +238,7 @@ class StrategyExtended(ABC):
         self, module: torch.nn.Module, name: str, buffer: torch.Tensor
     ) -> torch.Tensor | None:
         """A buffer registered in scope; as ``capture_parameter``."""
-        placed = self.place(buffer)
+        placed = self._place(buffer)
         scope_hooks.claim(placed, self._container)
         self._captured.append((placed, False))
         return placed if placed is not buffer else None
@@ -243,18 +248,18 @@ class StrategyExtended(ABC):
         whether it stays on its own or a module registers it next (``capture_parameter`` then
         sees it again). By default it is left alone: a strategy that distributes modules (lays
         them out, shards them, splits them into stages) sees only what modules register. A
-        strategy that distributes every variable whole calls ``keep_variable`` here."""
+        strategy that distributes every variable whole calls ``_keep_variable`` here."""
 
-    def keep_variable(self, param: torch.nn.Parameter) -> None:
+    def _keep_variable(self, param: torch.nn.Parameter) -> None:
         """Claim a parameter created in scope and adopt it with the next ``adopt_captured``
-        (placed on ``placement_device`` then, in place), if it is still alive by then."""
+        (placed on ``_placement_device`` then, in place), if it is still alive by then."""
         scope_hooks.claim(param, self._container)
         self._created.append(weakref.ref(param))
 
     def _created_variables(self) -> list[tuple[torch.Tensor, bool]]:
         created, self._created = self._created, []
         alive = [p for ref in created if (p := ref()) is not None]
-        device = self.placement_device
+        device = self._placement_device
         with torch.no_grad():
             for p in alive:
                 if p.device != device:
@@ -326,17 +331,17 @@ class StrategyExtended(ABC):
             raise RuntimeError("strategy.run cannot be called inside strategy.run")
         self._check_replica_steps("run")
         self.adopt_pending()
-        args, kwargs = self.run_arguments(tuple(args), dict(kwargs or {}))
+        args, kwargs = self._run_arguments(tuple(args), dict(kwargs or {}))
         global_batch = recorded_global_batch_size((args, kwargs))
         self._accumulated_in_run = False
-        self.before_run()
+        self._before_run()
         try:
-            with self.run_guard():
+            with self._run_guard():
                 # Before leave_run: a mesh's replica values need the run's batch size.
                 result = self.replica_values(self._run_replicas(fn, args, kwargs, global_batch))
         finally:
-            self.leave_run()
-        self.after_run()
+            self._leave_run()
+        self._after_run()
         return result
 
     def _run_replicas(
@@ -347,7 +352,7 @@ class StrategyExtended(ABC):
         if n == 1:
             ctx = ReplicaContext(self._container, first_id, 0, global_batch)
             previous = context.set_replica(ctx)
-            view = self.replica_view(0)  # empty unless it computes on copies
+            view = self._replica_view(0)  # empty unless it computes on copies
             try:
                 with ReplicaView(view) if view else contextlib.nullcontext():
                     return fn(*select_replica(args, 0, 1), **select_replica(kwargs, 0, 1))
@@ -397,8 +402,8 @@ class StrategyExtended(ABC):
                             stack.enter_context(torch.autocast(kind, dtype, enabled=enabled))
                         if device.type == "cuda":
                             stack.enter_context(torch.cuda.device(device))
-                        self.enter_replica(i, stack)
-                        view = self.replica_view(i)
+                        self._enter_replica(i, stack)
+                        view = self._replica_view(i)
                         if view:  # replica 0 of most strategies computes on the primaries
                             stack.enter_context(ReplicaView(view))
                         if generators[i] is not None:
@@ -411,32 +416,32 @@ class StrategyExtended(ABC):
 
         return [on_replica(i) for i in range(n)]
 
-    def replica_view(self, replica: int) -> dict[int, torch.Tensor]:
+    def _replica_view(self, replica: int) -> dict[int, torch.Tensor]:
         """id(primary) → this replica's copy; empty where it computes on the primaries."""
         return {}
 
-    def enter_replica(self, replica: int, stack: contextlib.ExitStack) -> None:
+    def _enter_replica(self, replica: int, stack: contextlib.ExitStack) -> None:
         """Called in each replica's call of a run of several, before ``fn``: enter (on
         ``stack``) what that replica runs under besides its context, device, view and random
         stream (nothing by default)."""
 
-    def run_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _run_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """``run``'s arguments as the replicas get them (a mesh makes global DTensors of the
         batch); as they are by default."""
         return args, kwargs
 
-    def run_guard(self) -> contextlib.AbstractContextManager[None]:
+    def _run_guard(self) -> contextlib.AbstractContextManager[None]:
         """Entered around the replicas' calls of a ``run`` (a mesh names a peer lost in
         DTensor's own collectives); nothing by default."""
         return contextlib.nullcontext()
 
-    def before_run(self) -> None:
+    def _before_run(self) -> None:
         """Called before each ``run``, in the cross-replica context."""
 
-    def leave_run(self) -> None:
-        """Called when ``run`` ends, also when it raises (undo what ``before_run`` set)."""
+    def _leave_run(self) -> None:
+        """Called when ``run`` ends, also when it raises (undo what ``_before_run`` set)."""
 
-    def after_run(self) -> None:
+    def _after_run(self) -> None:
         """Called after each ``run`` that succeeded, in the cross-replica context."""
 
     def merge_call(self, what: str, action: Callable[[], None]) -> None:
@@ -448,7 +453,7 @@ class StrategyExtended(ABC):
             action()
             return
         if len(self._devices) == 1:
-            if self.replica_view(0):
+            if self._replica_view(0):
                 # The one replica computes on copies (CentralStorageStrategy on one device):
                 # the action, an update of the primaries, must see them, not the copies.
                 with torch._C.DisableTorchFunction():
@@ -504,7 +509,7 @@ class StrategyExtended(ABC):
         if isinstance(self, DefersGradients):
             self.defer_gradient_reduction(defer)
 
-    def deferred_in_run(self) -> bool:
+    def _deferred_in_run(self) -> bool:
         """Whether gradients are held back now, or a block of ``accumulate_gradients`` was
         opened during the current ``run`` (for strategies that combine gradients after run)."""
         return self._accumulating > 0 or self._accumulated_in_run
@@ -622,10 +627,10 @@ class StrategyExtended(ABC):
         self, dataset: Iterable[Any], options: InputOptions | None = None
     ) -> Iterable[Any]:
         """``experimental_distribute_dataset``: each global batch split across all replicas
-        (or, where ``splits_global_batches`` says not, every process gets it whole)."""
-        return DistributedDataset(self, dataset, options, split=self.splits_global_batches())
+        (or, where ``_splits_global_batches`` says not, every process gets it whole)."""
+        return DistributedDataset(self, dataset, options, split=self._splits_global_batches())
 
-    def splits_global_batches(self) -> bool:
+    def _splits_global_batches(self) -> bool:
         """Whether a distributed dataset cuts each global batch into the replicas' parts
         (a pipeline's processes each get it whole); True by default."""
         return True
@@ -637,9 +642,9 @@ class StrategyExtended(ABC):
     ) -> Iterable[Any]:
         """One input pipeline per process from ``dataset_fn(input_context)``."""
         self._check_replica_steps("distribute_datasets_from_function")
-        return DistributedDatasetFromFunction(self, dataset_fn, self.input_context(), options)
+        return DistributedDatasetFromFunction(self, dataset_fn, self._input_context(), options)
 
-    def input_context(self) -> InputContext:
+    def _input_context(self) -> InputContext:
         """This process's input pipeline among the job's: one per process by default."""
         comm = self._comm
         return InputContext(

@@ -183,11 +183,11 @@ class MeshExtended(WholeModulesExtended, DefersGradients):
     # ``fn`` runs on global DTensors split along ``batch``; results per replica (see above).
 
     @override
-    def run_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _run_arguments(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return self._to_mesh((args, kwargs))
 
     @override
-    def run_guard(self) -> contextlib.AbstractContextManager[None]:
+    def _run_guard(self) -> contextlib.AbstractContextManager[None]:
         stack = contextlib.ExitStack()
         # DTensor runs its collectives itself: a lost or stuck peer is named all the same
         # (and an error of this process's own, such as the next one, stays itself).
@@ -199,7 +199,7 @@ class MeshExtended(WholeModulesExtended, DefersGradients):
         return stack
 
     @override
-    def leave_run(self) -> None:
+    def _leave_run(self) -> None:
         self._batch_rows = None
 
     def _to_mesh(self, structure: Any) -> Any:

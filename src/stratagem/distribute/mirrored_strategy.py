@@ -100,7 +100,7 @@ class MirroredExtended(ThreadedReplicas):
         # TF mirrors every variable created in the scope, not only a layer's: a parameter on
         # its own is a mirrored variable too, or the replica threads would share it, racing
         # on its ``.grad`` and each stepping it.
-        self.keep_variable(param)
+        self._keep_variable(param)
 
     @override
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
@@ -108,25 +108,25 @@ class MirroredExtended(ThreadedReplicas):
             self._mirrors.add(tensor, is_parameter=is_parameter)
 
     @override
-    def replica_view(self, replica: int) -> dict[int, torch.Tensor]:
+    def _replica_view(self, replica: int) -> dict[int, torch.Tensor]:
         return self._mirrors.view(replica)
 
     # Around run ----------------------------------------------------------------------------
 
     @override
-    def before_run(self) -> None:
+    def _before_run(self) -> None:
         self._mirrors.refresh()
         self._mirrors.scaling = True
 
     @override
-    def leave_run(self) -> None:
+    def _leave_run(self) -> None:
         self._mirrors.scaling = False
 
     @override
-    def after_run(self) -> None:
+    def _after_run(self) -> None:
         # Not after a run that accumulated (``accumulate_gradients``): the next run or step
         # sums everything the replicas hold, once.
-        if self._mirrors.pending_gradients() and not self.deferred_in_run():
+        if self._mirrors.pending_gradients() and not self._deferred_in_run():
             self._reduce_gradients()
 
     def _reduce_gradients(self) -> None:

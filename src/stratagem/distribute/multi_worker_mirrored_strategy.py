@@ -156,7 +156,7 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
         self._reducer.add_parameters([t for t, is_param in tensors if is_param])
 
     @override
-    def before_run(self) -> None:
+    def _before_run(self) -> None:
         # torch's own ``replicate`` (composable DDP) sets the same class attribute in its
         # forward: dynamo reads it when it compiles a frame, and splits the graph at buckets
         # of this size (``torch._dynamo.backends.distributed.DDPOptimizer``).
@@ -165,13 +165,13 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
             DistributedDataParallel._active_ddp_module = self._bucket_plan
 
     @override
-    def leave_run(self) -> None:
+    def _leave_run(self) -> None:
         if self._comm.world_size > 1:
             DistributedDataParallel._active_ddp_module = self._previous_ddp_module
             self._previous_ddp_module = None
 
     @override
-    def after_run(self) -> None:
+    def _after_run(self) -> None:
         self._reducer.flush(deferred=False)
 
     @override

@@ -314,7 +314,7 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
     # Input: each worker its own pipeline --------------------------------------------------
 
     @override
-    def input_context(self) -> InputContext:
+    def _input_context(self) -> InputContext:
         # Each worker its own pipeline, of one replica: its index among the W workers.
         return InputContext(
             num_input_pipelines=self.num_workers,

@@ -402,7 +402,7 @@ class PipelineExtended(StrategyExtended, PipelinedSteps, DefersGradients):
     # ------------------------------------------------------------------ the Strategy interface
 
     @override
-    def splits_global_batches(self) -> bool:
+    def _splits_global_batches(self) -> bool:
         # Every process gets each whole global batch: the first stage uses the inputs, the
         # last the targets, each replica its part (cut by the pipeline).
         return False

@@ -56,7 +56,7 @@ class ThreadedReplicas(StrategyExtended, MergesReplicas):
         return self._replicas
 
     @override
-    def enter_replica(self, replica: int, stack: contextlib.ExitStack) -> None:
+    def _enter_replica(self, replica: int, stack: contextlib.ExitStack) -> None:
         if self._intra_op_threads is not None:
             stack.callback(torch.set_num_threads, torch.get_num_threads())
             torch.set_num_threads(self._intra_op_threads)
