@@ -123,7 +123,7 @@ class MovingExtended(InTurnExtended):
         self._moved: set[int] = set()
 
     @override
-    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.data_ptr() in self._moved:
             return tensor
         moved = tensor.detach().clone()
