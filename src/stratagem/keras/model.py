@@ -31,7 +31,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -52,12 +52,14 @@ from stratagem.keras.data_adapter import DataPosition, FitData, global_batches, 
 from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
 from stratagem.keras.mixed_precision import LossScaleOptimizer
 from stratagem.keras.mixed_precision import policy as dtype_policies
-from stratagem.keras.pipeline_steps import KerasPipeline
 from stratagem.keras.saving import example_for, save_model
 from stratagem.recompute import recompute_grad
 from stratagem.shipping.portable import Portable
 from stratagem.train import Checkpoint, latest_checkpoint
 from stratagem.train.storage import is_checkpoint
+
+if TYPE_CHECKING:
+    from stratagem.keras.pipeline_steps import KerasPipeline
 
 Logs = dict[str, float]
 
@@ -426,6 +428,10 @@ class Model(Portable):
                     f"{self.optimizer.gradient_accumulation_steps} is not supported; a pipeline "
                     "accumulates its num_microbatches micro-batches within each step already"
                 )
+            # Imported on a pipeline only: it pulls in torch.distributed.pipelining and
+            # torch._dynamo (about 1 s of CPU), which no other strategy's job needs.
+            from stratagem.keras.pipeline_steps import KerasPipeline
+
             self._pipeline = KerasPipeline.build(self, extended, unpack(batch)[0])
         return self._pipeline
 

@@ -34,7 +34,6 @@ from stratagem.comm.dtensor_check import is_dtensor
 from stratagem.distribute import tensors_of
 from stratagem.errors import CheckpointError
 from stratagem.train.atomic_dir import publish
-from stratagem.train.dcp_reader import SafeLoadPlanner, SafeReader, read_dcp_metadata
 from stratagem.train.manifest import MANIFEST_FILE, write_manifest
 from stratagem.train.restore import LoadStatus, copy_into
 from stratagem.train.storage import hidden_sibling, is_checkpoint, write_file
@@ -207,7 +206,11 @@ def write(tracked: Tracked, path: str, meta: dict[str, Any], described: dict[str
 
 def restore(tracked: Tracked, path: str, meta: dict[str, Any]) -> LoadStatus:
     """Load every trackable the checkpoint holds, resharded to the live layouts."""
+    # Imported here, not at the top: DCP pulls in FSDP and DTensor (about 1 s of CPU per
+    # process), which a job that never reads a sharded checkpoint should not pay at its start.
     import torch.distributed.checkpoint as dcp
+
+    from stratagem.train.dcp_reader import SafeLoadPlanner, SafeReader, read_dcp_metadata
 
     saved = meta.get("trackables", {})
     metadata = read_dcp_metadata(path)  # refuses what would run code, naming it

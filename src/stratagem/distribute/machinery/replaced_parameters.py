@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from stratagem.comm.dtensor_check import is_dtensor
 
 
 def repoint_optimizer(
@@ -25,7 +26,7 @@ def repoint_optimizer(
     for group in optimizer.param_groups:
         params = group["params"]
         for i, p in enumerate(params):
-            if isinstance(p, DTensor):
+            if is_dtensor(p):
                 continue
             new = replaced.get(p)
             if new is None or optimizer.state.get(p):
