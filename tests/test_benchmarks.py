@@ -41,6 +41,15 @@ def test_allreduce_benchmark_smoke_run_reports_every_row(tmp_path):
     assert len(table) == 2 + len(rows), output  # header, rule, rows
 
 
+def test_startup_benchmark_smoke_run_reports_both_jobs(tmp_path):
+    output = _smoke_run(tmp_path, "startup.py")
+    ((row,),) = [re.findall(r"^(\{\"n\": 2, .*\})$", output, re.MULTILINE)]
+    row = json.loads(row)
+    assert row["ours_s"] > 0 and row["torchrun_s"] > 0 and row["ratio"] > 0, row
+    # The strategy's start is part of the job it is measured in.
+    assert 0 < row["strategy_start_s"] < row["ours_s"], row
+
+
 def test_fit_overhead_benchmark_smoke_run_reports_both_figures(tmp_path):
     out = tmp_path / "results.json"
     output = _smoke_run(tmp_path, "fit_overhead.py", "--json", str(out))
