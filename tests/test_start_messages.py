@@ -208,3 +208,47 @@ def test_run_quiet_sets_the_tasks_log_level(tmp_path, monkeypatch, quiet, level)
     assert code == 0, err.getvalue()
     lines = sorted(out.getvalue().splitlines())
     assert lines == [f"[worker 0] level {level}", f"[worker 1] level {level}"]
+
+
+class _CountingStore(dist.Store):
+    """A HashStore that counts the requests a client would send (one round trip each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._base = dist.HashStore()
+        self.requests = 0
+
+    def set(self, key, value):
+        self.requests += 1
+        self._base.set(key, value)
+
+    def get(self, key):
+        self.requests += 1
+        return self._base.get(key)
+
+    def multi_get(self, keys):
+        self.requests += 1
+        return self._base.multi_get(keys)
+
+    def check(self, keys):
+        self.requests += 1
+        return self._base.check(keys)
+
+    def add(self, key, amount):
+        self.requests += 1
+        return self._base.add(key, amount)
+
+
+def test_the_roll_call_of_a_complete_job_costs_the_same_round_trips_at_any_size():
+    """Each process's sign-in and read of the others are a fixed number of round trips to the
+    store, whatever the job's size: asking after each peer in turn made the start O(N) round
+    trips per process and O(N²) at the store."""
+    costs = {}
+    for world in (2, 32):
+        store = _CountingStore()
+        for rank in range(1, world):
+            store._base.set(f"member/{rank}", rendezvous._encode(_member(rank, world=world)))
+        members = roll_call(store, _member(0, world=world), timeout_s=60, peer_name=_names)
+        assert [m.rank for m in members] == list(range(world))
+        costs[world] = store.requests
+    assert costs[32] == costs[2] <= 6, costs

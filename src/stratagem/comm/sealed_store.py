@@ -136,7 +136,10 @@ class SealedStore(dist.Store):
         self._update(key, lambda old: (old or b"") + _bytes(value))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        return [self.get(key) for key in keys]
+        sealed = [self._key(key) for key in keys]  # one round trip, as the base store's
+        return [
+            self._open(k, s, raw) for k, s, raw in zip(keys, sealed, self._base.multi_get(sealed))
+        ]
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         for key, value in zip(keys, values):
