@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import warnings
 
 import pytest
 import torch
@@ -160,6 +161,27 @@ def test_layout_map_keys_are_regexes_and_two_matches_are_an_error(mesh):
         layout_map["(unclosed"] = Layout.replicated(mesh, 1)
 
 
+def test_layout_map_keys_that_match_no_weight_are_said_once_and_shard_nothing(mesh):
+    layout_map = LayoutMap(mesh)
+    layout_map["dense.kernel"] = Layout([UNSHARDED, "batch"], mesh)  # Keras's name for weight
+    layout_map["0.bias"] = Layout(["batch"], mesh)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with pytest.warns(UserWarning) as said:
+        layout_map.apply(model)
+    (warning,) = [w for w in said if "LayoutMap" in str(w.message)]
+    assert str(warning.message).startswith(
+        "LayoutMap keys ['dense.kernel'] match none of the 2 weights of Sequential (paths such "
+        "as '0.weight', '0.bias'): those layouts shard nothing"
+    ), warning.message
+    assert model[0].bias.layout == Layout(["batch"], mesh)  # the key that matched still applies
+    again = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layout_map.apply(again)  # each key is said once
+        LayoutMap(mesh).apply(torch.nn.Sequential(torch.nn.Linear(4, 4)))  # an empty map: none
+        layout_map.apply(torch.nn.CrossEntropyLoss())  # no weights: not the model it was for
+
+
 def test_layout_map_scope_lays_out_subclassed_and_sequential_models(mesh):
     layout_map = seed_layout_map(mesh)
     with layout_map.scope():
@@ -275,7 +297,9 @@ def test_checkpoint_of_laid_out_weights_is_sharded_and_restores_in_place(mesh, t
 
     import stratagem as sg
 
-    model = dtensor.apply_layout_map(torch.nn.Linear(4, 2), seed_layout_map(mesh))
+    # The seed's keys name its model's layers: a bare Linear is replicated, and told so.
+    with pytest.warns(UserWarning, match=r"match none of the 2 weights of Linear"):
+        model = dtensor.apply_layout_map(torch.nn.Linear(4, 2), seed_layout_map(mesh))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     model(dtensor.copy_to_mesh(torch.ones(3, 4), Layout.replicated(mesh, 2))).sum().backward()
     optimizer.step()

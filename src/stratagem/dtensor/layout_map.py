@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from collections.abc import Iterator, MutableMapping
 
 import torch
@@ -35,6 +36,7 @@ class LayoutMap(MutableMapping[str, Layout]):
             raise LayoutError(f"LayoutMap needs a sg.dtensor.Mesh, got {type(mesh).__name__}")
         self._mesh = mesh
         self._layouts: dict[str, Layout] = {}
+        self._said_unmatched: set[str] = set()  # keys already warned of (once each)
 
     def get_default_mesh(self) -> Mesh:
         """The mesh of the replicated layout given to weights that match no key."""
@@ -188,6 +190,7 @@ def apply_layout_map(module: torch.nn.Module, layout_map: LayoutMap) -> torch.nn
             placement.add(path, layout_map[path])
     for placement in plan:
         placement.check(layout_map.mesh)
+    _warn_of_unmatched_keys(module, layout_map, [p for pl in plan for p in pl.paths])
     for placement in plan:
         current, layout = placement.tensor, placement.layout
         if translate.assigned_layout(current) == layout:
@@ -202,6 +205,34 @@ def apply_layout_map(module: torch.nn.Module, layout_map: LayoutMap) -> torch.nn
             store = owner._parameters if placement.kind == "parameter" else owner._buffers
             store[name] = replacement
     return module
+
+
+def _warn_of_unmatched_keys(
+    module: torch.nn.Module, layout_map: LayoutMap, paths: list[str]
+) -> None:
+    """Warn of keys that match none of a model's weights: a misspelt path (or the Keras
+    name, ``dense.kernel``, for PyTorch's ``dense.weight``) would otherwise shard nothing and
+    train replicated without a word. A module without parameters (a loss) is not a model the
+    map was meant for; each key is said once."""
+    if not any(True for _ in module.parameters()):
+        return
+    unmatched = [
+        key
+        for key in layout_map
+        if key not in layout_map._said_unmatched
+        and not any(key == path or re.search(key, path) for path in paths)
+    ]
+    if not unmatched:
+        return
+    layout_map._said_unmatched.update(unmatched)
+    shown = ", ".join(repr(p) for p in paths[:6]) + (", ..." if len(paths) > 6 else "")
+    warnings.warn(
+        f"LayoutMap keys {unmatched} match none of the {len(paths)} weights of "
+        f"{type(module).__name__} (paths such as {shown}): those layouts shard nothing, and "
+        "the weights they were meant for are replicated. Keys are regexes searched in the "
+        "weights' full paths (PyTorch's names: 'weight' and 'bias', not 'kernel')",
+        stacklevel=3,
+    )
 
 
 class _Placement:
