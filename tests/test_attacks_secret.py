@@ -162,6 +162,25 @@ def test_a_task_of_a_multi_machine_job_without_a_secret_stops_before_listening(
         sg.distribute.MultiWorkerMirroredStrategy()
 
 
+def test_a_host_name_that_does_not_resolve_is_named_not_taken_for_another_machine(
+    clean_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stratagem as sg
+
+    port = free_ports(1)[0]
+    # .invalid never resolves (RFC 2606): a typo in the task's own address, not a second machine.
+    config = {
+        "cluster": {"worker": [f"no-such-host.invalid:{port}", f"localhost:{port + 1}"]},
+        "task": {"type": "worker", "index": 0},
+    }
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    with pytest.raises(ClusterConfigError) as raised:
+        sg.distribute.MultiWorkerMirroredStrategy()
+    message = str(raised.value)
+    assert "host names do not resolve on this machine: 'no-such-host.invalid' (" in message
+    assert "secret" not in message.lower(), message
+
+
 def test_the_launcher_gives_each_job_a_fresh_secret_and_keeps_the_users() -> None:
     tasks = make_tasks({"worker": 2}, base_env={})
     secrets = {t.env[js.SECRET_VARIABLE] for t in tasks}

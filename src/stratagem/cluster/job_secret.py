@@ -64,6 +64,15 @@ def _on_this_machine(host: str) -> bool:
     return False
 
 
+def _does_not_resolve(host: str) -> str | None:
+    """Why ``host`` does not resolve here, or None when it does."""
+    try:
+        socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return str(e.strerror or e)
+    return None
+
+
 def insecure_requested(environ: Mapping[str, str] | None = None) -> bool:
     raw = (os.environ if environ is None else environ).get(INSECURE_VARIABLE, "").strip().lower()
     if raw in ("", "0", "false", "no"):
@@ -154,6 +163,16 @@ def job_secret(hosts: Iterable[str], *, me: str) -> bytes | None:
     if insecure_requested():
         return None
     remote = sorted({h for h in hosts if not _on_this_machine(h)})
+    unresolved = {h: why for h in remote if (why := _does_not_resolve(h)) is not None}
+    if unresolved:
+        # Not another machine: a name nobody can reach, so asking for a secret would send the
+        # user after the wrong fix.
+        names = "; ".join(f"{h!r} ({why})" for h, why in sorted(unresolved.items()))
+        raise ClusterConfigError(
+            f"{me}: the cluster's host names do not resolve on this machine: {names}. Use "
+            "names this machine's resolver knows (or IP addresses) in the cluster (TF_CONFIG, "
+            "--host), or add them to its name service (/etc/hosts)"
+        )
     if remote:
         raise ClusterConfigError(
             f"{me} is part of a job on several machines ({', '.join(remote)}) but has no job "
