@@ -10,6 +10,8 @@ import json
 import pickle
 import re
 import sys
+import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +120,95 @@ def test_what_may_not_be_made_on_a_worker_is_refused():
         TypeError, match=r"defined inside a function and reads its locals \['offset'\]"
     ):
         shipping.Describer(root=HERE).value(local_class(), owner="f", name="m")
+
+
+class Plain:
+    """A plain class of the program: it opts in (``Portable``) or does not travel."""
+
+    def __init__(self) -> None:
+        self.size = 3
+
+
+def test_a_librarys_plain_object_travels_by_its_attributes():
+    # textwrap.TextWrapper stands for a Hugging Face config: a library's class (it cannot derive
+    # from Portable) whose objects are their __dict__ of plain data.
+    wrapper = textwrap.TextWrapper(width=12, placeholder=" ~", max_lines=2)
+    holder = torch.nn.Module()
+    holder.wrapper = holder.same = wrapper
+    sent, describer, _ = _send(holder)
+    data = [d for d in describer.functions.values() if d.get("kind") == "data"]
+    assert len(data) == 1 and data[0]["class"] == {
+        "k": "named",
+        "module": "textwrap",
+        "qualname": "TextWrapper",
+    }
+    assert type(sent.wrapper) is textwrap.TextWrapper and sent.wrapper is not wrapper
+    assert sent.same is sent.wrapper  # one object there as here
+    assert vars(sent.wrapper) == vars(wrapper)
+    text = "one two three four five six"
+    assert sent.wrapper.wrap(text) == wrapper.wrap(text) == ["one two", "three four ~"]
+
+
+def test_a_plain_object_holding_what_cannot_travel_is_a_named_error():
+    event = threading.Event()
+
+    def waits() -> bool:
+        return event.is_set()
+
+    # Its attributes travel, recursively: the lock deep inside is named by its path and type.
+    with pytest.raises(
+        TypeError,
+        match=r"waits is a function that cannot be sent: it captures 'event\._cond\._lock', a "
+        r"_thread\.lock\. .*_thread\.lock is not a class of Python source",
+    ):
+        shipping.Describer(root=HERE).function(waits, what="waits")
+    hooked = textwrap.TextWrapper()
+    hooked.on_wrap = hooked.fill  # a bound method: no data
+    with pytest.raises(TypeError, match=r"captures 'w\.on_wrap', a builtins\.method\."):
+        shipping.Describer(root=HERE).value(hooked, owner="f", name="w")
+    patched = textwrap.TextWrapper()
+    patched.wrap = str.split  # an attribute named as a method would replace it there
+    with pytest.raises(
+        TypeError,
+        match=r"captures 'w', a textwrap\.TextWrapper whose attributes travel, but not this "
+        r"one: 'wrap' would hide TextWrapper\.wrap \(a function\)",
+    ):
+        shipping.Describer(root=HERE).value(patched, owner="f", name="w")
+    # The program's and stratagem's classes opt in (Portable) or stay here.
+    for obj, why in (
+        (Plain(), "its class is the program's own"),
+        (sg.distribute.InputContext(), "it is stratagem's, which travel only if they derive"),
+    ):
+        with pytest.raises(TypeError, match=f"does not travel by its attributes: {why}"):
+            shipping.Describer(root=HERE).value(obj, owner="f", name="x")
+
+
+def test_a_worker_checks_an_object_described_by_its_attributes_itself():
+    def make(module: str, qualname: str, state: dict) -> object:
+        cls = {"k": "named", "module": module, "qualname": qualname}
+        table = {"o0": {"kind": "data", "class": cls, "state": state}}
+        return shipping.Rebuilder(table, root=HERE).value({"k": "object", "ref": "o0"})
+
+    # A class of a module this worker has not imported: refused, and still not imported.
+    assert "tabnanny" not in sys.modules
+    with pytest.raises(ImportError, match="'tabnanny', which this worker has not imported"):
+        make("tabnanny", "NannyNag", {})
+    assert "tabnanny" not in sys.modules
+    # A class outside the rule, whatever the chief says: nothing is made.
+    with pytest.raises(ValueError, match=r"described <class 'pathlib\.Path'> by its attributes"):
+        make("pathlib", "Path", {})
+    with pytest.raises(ValueError, match="by its attributes: not made here, it defines __del__"):
+        make("subprocess", "Popen", {})
+    table = {"o0": {"kind": "data", "class": {"k": "value", "v": [1]}, "state": {}}}
+    with pytest.raises(ValueError, match=r"described \[1\] by its attributes: .* not a class"):
+        shipping.Rebuilder(table, root=HERE).value({"k": "object", "ref": "o0"})
+    # An attribute that would replace a method, or a dunder.
+    value = {"k": "value", "v": 1}
+    with pytest.raises(ValueError, match=r"'wrap' would hide TextWrapper\.wrap"):
+        make("textwrap", "TextWrapper", {"wrap": value})
+    with pytest.raises(ValueError, match="'__class__' is a dunder name"):
+        make("textwrap", "TextWrapper", {"__class__": value})
+    assert make("textwrap", "TextWrapper", {"width": value}).width == 1
 
 
 def test_the_chiefs_read_hook_refreshes_stays_on_the_chief_and_survives_copies():

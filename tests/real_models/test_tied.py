@@ -285,34 +285,27 @@ def test_sync_parameter_servers_hold_one_variable_and_train_the_tie_as_one_proce
     assert_same(weights(plain), trained, "ps checkpoint", rtol=0, atol=0)
 
 
-class TiedLM(torch.nn.Module):
-    """tied_checks.TiedLM, the model the coordinator trains: the same layers, for the
-    reference."""
-
-    def __init__(self, vocab: int = hf_models.VOCAB, width: int = 16) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, width)
-        self.body = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-        self.head = torch.nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(self.embed(ids)))
-
-
 @pytest.mark.multiprocess
-def test_the_coordinators_worker_keeps_the_tie_and_trains_as_one_process(tmp_path):
+def test_the_coordinators_worker_keeps_the_tie_and_trains_as_one_process(tmp_path, reference):
+    # GPT-2 itself: its worker rebuilds the model each call, config and generation_config
+    # included (a library's plain objects travel by their attributes).
     _launch(tmp_path, "coordinator", "--chief", "-n", "1", "--ps", "1")
     facts = _facts(tmp_path, "coordinator")
     assert facts["worker_tied"] == [True] * STEPS  # the worker's copies, in every function
     assert facts["chief_tied"]
-    assert facts["ps_variables"] == 3  # embed (= head), body's weight and bias
-    model = TiedLM()
-    model.load_state_dict(_tensors(tmp_path, "coordinator_initial"))
+    assert facts["ps_variables"] == len(reference) - 1  # 28 tensors for GPT-2's 29 names
+    assert_same(_tensors(tmp_path, "coordinator"), reference, "coordinator")
+    # Model.fit through the coordinator on GPT-2's own loss: the same steps, and its logged
+    # loss the epoch's mean of the steps' losses.
+    assert facts["fit_tied"]
+    assert_same(_tensors(tmp_path, "coordinator_fit"), reference, "coordinator fit")
+    model = hf_models.gpt2(seed=CHIEF_SEED)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for ids in batches():  # one worker: the functions run in order
+    losses = []
+    for ids in batches():
         optimizer.zero_grad()
-        logits = model(ids[:, :-1])
-        torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
         optimizer.step()
-    assert_same(_tensors(tmp_path, "coordinator"), weights(model), "coordinator")
+        losses.append(loss.item())
+    assert facts["fit_loss"] == pytest.approx([sum(losses) / STEPS], rel=1e-5)

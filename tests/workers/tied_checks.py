@@ -8,9 +8,9 @@ argv: MODE OUT.
   sharded checkpoint of the FSDP model restored into a fresh one; ``sg.saved_model.save`` of it.
 - ``ps`` (``stratagem run -n 2 --ps 1``): GPT-2 under sync ParameterServerStrategy, each worker
   on its half of every global batch; a checkpoint the chief writes.
-- ``coordinator`` (``stratagem run --chief -n 1 --ps 1``): a tied model of this program's own
-  (a coordinator's worker rebuilds a model from its class in the program) trained by scheduled
-  functions.
+- ``coordinator`` (``stratagem run --chief -n 1 --ps 1``): GPT-2 trained by scheduled
+  functions (its worker rebuilds the model, its ``config`` and ``generation_config`` included,
+  each call), then by ``Model.fit`` on its own loss.
 
 Workers are seeded differently: the chief's initial values must win. The chief writes tensors
 (``torch.save``, read back with ``weights_only=True``) and a JSON of facts under OUT.
@@ -27,6 +27,11 @@ import torch
 
 import stratagem as sg
 from real_models import hf_models
+
+# Every task imports the model's module, as a program using GPT-2 does: a coordinator's worker
+# rebuilds the chief's model from classes of modules it has imported (transformers imports its
+# models lazily, on first use, which a worker serving the chief never reaches).
+GPT2LMHeadModel = hf_models.transformers.GPT2LMHeadModel
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 STEPS, GLOBAL_BATCH, LR = 3, 8, 0.5
@@ -150,25 +155,6 @@ def _ps_variables(strategy) -> int:
     return sum(s["shards"] for s in strategy.ps_stats())
 
 
-class TiedLM(torch.nn.Module):
-    """A tiny language model of this program's own, its output layer tied to its embedding."""
-
-    def __init__(self, vocab: int = hf_models.VOCAB, width: int = 16) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, width)
-        self.body = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-        self.head = torch.nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(self.embed(ids)))
-
-
-def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = model(ids[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-
-
 def coordinator() -> None:
     resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
     if resolver.task_type in ("worker", "ps"):
@@ -176,26 +162,35 @@ def coordinator() -> None:
         return
     strategy = sg.distribute.experimental.ParameterServerStrategy(resolver)
     coordinator = sg.distribute.coordinator.ClusterCoordinator(strategy)
-    torch.manual_seed(0)
     with strategy.scope():
-        model = TiedLM()
+        model = hf_models.gpt2(seed=100)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    torch.save(weights(model), OUT / "coordinator_initial.pt")
 
     def step(ids: torch.Tensor) -> bool:
         optimizer.zero_grad()
-        lm_loss(model, ids).backward()
+        model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
-        return model.head.weight is model.embed.weight  # on the worker: its copies
+        return tied(model)  # on the worker: its copies
 
     values = [coordinator.schedule(step, args=(ids,)) for ids in batches()]
     coordinator.join()
     facts = {
         "worker_tied": [v.fetch() for v in values],
-        "chief_tied": model.head.weight is model.embed.weight,
+        "chief_tied": tied(model),
         "ps_variables": _ps_variables(strategy),
     }
-    write(True, facts, {"coordinator": weights(model)})
+    # Model.fit through the coordinator on GPT-2's own loss (no compiled loss): the same
+    # global batches, in order (one worker), as steps of one function each.
+    with strategy.scope():
+        fitted = sg.keras.Model(hf_models.gpt2(seed=100))
+        fitted.compile(optimizer=sg.keras.optimizers.SGD(LR))
+    ids = torch.cat(batches())
+    history = fitted.fit(
+        ids, ids, batch_size=GLOBAL_BATCH, epochs=1, steps_per_epoch=STEPS, shuffle=False
+    )
+    facts["fit_loss"] = history.history["loss"]
+    facts["fit_tied"] = tied(fitted.module)
+    write(True, facts, {"coordinator": weights(model), "coordinator_fit": weights(fitted.module)})
 
 
 def write(chief: bool, facts: dict, tensors: dict) -> None:

@@ -4,9 +4,11 @@ has, never by value (nothing is pickled, no code travels).
 Every task of a job runs the same program. The chief describes a function as *where its code
 is* and a hash of its code object (``program``); what it captures travels as a table of plain
 data (``describe``): modules and functions by name or reference, tensors and plain data by
-value, modules, optimizers and ``Portable`` objects by state (``portable``). A worker rebuilds
-the function from its own copy of the program (``rebuild``). TF2's ``ClusterCoordinator``
-schedules functions this way; the classes that travel by state import only ``portable``.
+value, modules, optimizers and ``Portable`` objects by state (``portable``), objects of a
+library's plain class by their attributes (``by_attributes``: a Hugging Face model's config). A
+worker rebuilds the function from its own copy of the program (``rebuild``). TF2's
+``ClusterCoordinator`` schedules functions this way; the classes that travel by state import
+only ``portable``.
 """
 
 from stratagem.shipping.describe import Describer, Special

@@ -10,7 +10,9 @@ Each global name the function's code loads, each closure cell and each default i
   ``module.qualname``;
 - a tensor or plain data (``comm.plain_data``), by value; lists, tuples and dicts of these;
 - an object *by state* (``portable``): a ``torch.nn.Module``, a ``torch.optim.Optimizer`` or a
-  ``Portable`` object; the same object described twice is one object there;
+  ``Portable`` object; an object of a library's plain class by its attributes
+  (``by_attributes``: a Hugging Face model's config); the same object described twice is one
+  object there;
 - a class of the program's main file, by its class body; other classes, enum members, dtypes and
   devices by name;
 - whatever the caller's ``special`` hook names (the coordinator's per-worker iterators, its
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from stratagem.comm import plain_data
+from stratagem.shipping import by_attributes
 from stratagem.shipping.portable import (
     MODULE_DEFAULTS,
     StaysHere,
@@ -189,18 +192,23 @@ class Describer:
             if is_named(value) and not self._in_program(value):
                 return {"k": "named", "module": value.__module__, "qualname": value.__qualname__}
             return self._class(value, owner=owner, name=name)
-        if portable_kind(value) is not None:
-            return self._object(value, owner=owner, name=name)
+        kind = portable_kind(value)
+        if kind is not None:
+            return self._object(value, kind, owner=owner, name=name)
         if is_named(value):
             return {"k": "named", "module": value.__module__, "qualname": value.__qualname__}
-        kind = type(value)
+        cls = type(value)
+        refusal = by_attributes.refusal(cls, self.root)
+        if refusal is None:
+            return self._object(value, "data", owner=owner, name=name)
         raise TypeError(
             f"{owner} is a function that cannot be sent: it captures {name!r}, a "
-            f"{kind.__module__}.{kind.__qualname__}. A scheduled function may capture modules, "
+            f"{cls.__module__}.{cls.__qualname__}. A scheduled function may capture modules, "
             "functions, classes, tensors, plain data (None, bool, int, float, str, lists, tuples, "
             "dicts, sets, argparse namespaces), torch modules and optimizers, Keras losses, "
-            "metrics and optimizers (by state), per-worker iterators and the coordinator's "
-            "strategy"
+            "metrics and optimizers (by state), objects of a library's plain classes by their "
+            "attributes (a Hugging Face config), per-worker iterators and the coordinator's "
+            f"strategy; a {cls.__qualname__} does not travel by its attributes: {refusal}"
         )
 
     # -------------------------------------------------------------- objects and classes
@@ -217,13 +225,13 @@ class Describer:
         _in_program_cache[(cls, self.root)] = inside
         return inside
 
-    def _object(self, value: Any, *, owner: str, name: str) -> dict[str, Any]:
-        """An object by state: a table entry made once per object (shared and cyclic
-        references stay one object on the worker)."""
+    def _object(self, value: Any, kind: str, *, owner: str, name: str) -> dict[str, Any]:
+        """An object by state (``kind``: a module, an optimizer, a portable object or data
+        by its attributes): a table entry made once per object (shared and cyclic references
+        stay one object on the worker)."""
         key = self._keys.get(id(value))
         if key is not None:
             return {"k": "object", "ref": key}
-        kind = portable_kind(value)
         key = f"o{len(self.functions)}"
         self._keys[id(value)] = key
         self._keep.append(value)
@@ -242,6 +250,17 @@ class Describer:
             }
         elif kind == "optimizer":
             state = {k: v for k, v in vars(value).items() if k != "state"}  # state: on the ps
+        elif kind == "data":
+            state = dict(vars(value))
+            for k in state:
+                refusal = by_attributes.attribute_refusal(type(value), k)
+                if refusal is not None:
+                    cls = type(value)
+                    raise TypeError(
+                        f"{owner} is a function that cannot be sent: it captures {name!r}, a "
+                        f"{cls.__module__}.{cls.__qualname__} whose attributes travel, but "
+                        f"not this one: {refusal}"
+                    )
         else:
             state = state_of(value)
         desc["state"] = {

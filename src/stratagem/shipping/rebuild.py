@@ -5,8 +5,9 @@ The worker compiles **its own copy** of each file a function names (nothing is e
 the code object by qualname and line, checks the hash and builds the function with
 ``types.FunctionType``; so it runs only code on its own disk, and the chief merely picks which.
 Objects are ``cls.__new__(cls)`` of a module, optimizer or ``Portable`` class with the described
-state set (only these kinds are ever made); the program's classes are built from their class
-bodies (``__build_class__``), once per worker.
+state set, or ``object.__new__(cls)`` of a library's plain class with its ``__dict__`` filled
+(``by_attributes``, which this worker checks itself): only these kinds are ever made; the
+program's classes are built from their class bodies (``__build_class__``), once per worker.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from stratagem.shipping import by_attributes
 from stratagem.shipping.portable import MODULE_DEFAULTS, Portable, accumulates, set_state
 from stratagem.shipping.program import (
     class_body,
@@ -110,13 +112,16 @@ class Rebuilder:
 
     def object(self, key: str) -> Any:
         """The object ``key`` of the table: ``cls.__new__(cls)`` of a module, optimizer or
-        portable class, with the described state (only these kinds are ever made)."""
+        portable class, or ``object.__new__(cls)`` of a library's plain class (``data``), with
+        the described state (only these kinds are ever made)."""
         built = self._built.get(key)
         if built is not None:
             return built
         desc = self.table[key]
         cls = self.value(desc["class"])
         kind = desc["kind"]
+        if kind == "data":
+            return self._data(key, cls, desc["state"])
         allowed = {
             "module": isinstance(cls, type) and issubclass(cls, torch.nn.Module),
             "optimizer": isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer),
@@ -137,6 +142,23 @@ class Rebuilder:
             set_state(obj, state)
         if accumulates(obj):
             self.accumulators[key] = obj
+        return obj
+
+    def _data(self, key: str, cls: Any, described: dict[str, Any]) -> Any:
+        """An object of a library's plain class by its attributes (``by_attributes``): the
+        class and every attribute name checked here before anything is made."""
+        refusal = by_attributes.refusal(cls, self.root)
+        if refusal is not None:
+            raise ValueError(
+                f"the chief described {cls!r} by its attributes: not made here, {refusal}"
+            )
+        for name in described:
+            refusal = by_attributes.attribute_refusal(cls, name)
+            if refusal is not None:
+                raise ValueError(f"the chief described a {cls.__qualname__} attribute: {refusal}")
+        obj = object.__new__(cls)
+        self._built[key] = obj  # first: the state may refer back to it
+        vars(obj).update({name: self.value(v) for name, v in described.items()})
         return obj
 
     def cls(self, key: str) -> type:
@@ -230,7 +252,9 @@ class Rebuilder:
             raise ImportError(
                 f"the chief's function uses module {name!r}, which this worker has not imported "
                 "and which is neither one of the program's own nor stratagem's or torch's: a "
-                "worker imports nothing else"
+                "worker imports nothing else (import what the chief's objects need at the top "
+                "of the program, which a worker runs before it serves: `from transformers "
+                "import GPT2LMHeadModel` imports GPT-2's modules)"
             )
         return importlib.import_module(name)
 
