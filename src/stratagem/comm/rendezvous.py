@@ -33,6 +33,8 @@ from stratagem.errors import RendezvousError
 
 # Poll interval while waiting for peers; short enough to feel instant, long enough not to spin.
 _POLL_S = 0.05
+# While some peers are missing, who has arrived is read rank by rank at most this often.
+_SCAN_S = 0.5
 # A task waiting for its peers says so after FIRST_REPORT_S (a quick start says nothing), then at
 # most every REPORT_EVERY_S, so a hand-started worker is never silent for long.
 FIRST_REPORT_S = 1.0
@@ -49,9 +51,12 @@ class _Reporter:
         self._next = self._start + first_s
         self._every = every_s
 
+    def due(self, now: float) -> bool:
+        return now >= self._next
+
     def maybe(self, line: Callable[[float], str]) -> None:
         now = time.monotonic()
-        if now >= self._next:
+        if self.due(now):
             self._report(line(now - self._start))
             self._next = now + self._every
 
@@ -239,19 +244,30 @@ def roll_call(
     deadline = time.monotonic() + timeout_s
     reporter = _Reporter(report, first_report_s, report_every_s)
     seen: dict[int, Member] = {me.rank: me}
+    keys = [f"member/{rank}" for rank in range(me.world_size)]
+    # Asking after each rank is N round trips per poll, N² over a job's processes: a poll asks
+    # once whether everyone has signed in; rank by rank only every _SCAN_S while some are
+    # missing (for the progress line, and to catch a mismatch whose world never completes).
+    next_scan = time.monotonic() + _SCAN_S
     while True:
-        for rank in range(me.world_size):
-            if rank in seen or not store.check([f"member/{rank}"]):
-                continue
-            other = _decode(store.get(f"member/{rank}"), key=f"member/{rank}", me=me.name)
-            _check_agreement(me, other)
-            seen[rank] = other
-        # A member with a bigger world than ours signs in under a rank we never poll.
-        if store.check([f"member/{me.world_size}"]):
-            key = f"member/{me.world_size}"
-            _check_agreement(me, _decode(store.get(key), key=key, me=me.name))
-        if len(seen) == me.world_size:
+        if store.check(keys):
+            unseen = [r for r in range(me.world_size) if r not in seen]
+            for rank, raw in zip(unseen, store.multi_get([keys[r] for r in unseen])):
+                other = _decode(raw, key=keys[rank], me=me.name)
+                _check_agreement(me, other)
+                seen[rank] = other
+            _check_bigger_world(store, me)
             return [seen[r] for r in range(me.world_size)]
+        now = time.monotonic()
+        if now >= next_scan or reporter.due(now):
+            next_scan = now + _SCAN_S
+            for rank in range(me.world_size):
+                if rank in seen or not store.check([keys[rank]]):
+                    continue
+                other = _decode(store.get(keys[rank]), key=keys[rank], me=me.name)
+                _check_agreement(me, other)
+                seen[rank] = other
+            _check_bigger_world(store, me)
         if time.monotonic() >= deadline:
             missing = [peer_name(r) for r in range(me.world_size) if r not in seen]
             raise RendezvousError(
@@ -261,6 +277,13 @@ def roll_call(
             )
         reporter.maybe(lambda waited: _progress_line(me, seen, waited, timeout_s, peer_name))
         time.sleep(_POLL_S)
+
+
+def _check_bigger_world(store: dist.Store, me: Member) -> None:
+    """A member with a bigger world than ours signs in under a rank we never poll."""
+    key = f"member/{me.world_size}"
+    if store.check([key]):
+        _check_agreement(me, _decode(store.get(key), key=key, me=me.name))
 
 
 def reclaim(store: dist.Store, me: Member, *, ended: Callable[[str], bool] = refuses) -> Member:
