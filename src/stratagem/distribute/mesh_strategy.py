@@ -192,7 +192,9 @@ class MeshExtended(WholeModulesExtended, DefersGradients):
         # DTensor runs its collectives itself: a lost or stuck peer is named all the same
         # (and an error of this process's own, such as the next one, stays itself).
         stack.enter_context(self._job.named_faults("DTensor's collectives", what="the step"))
-        stack.enter_context(mesh_step.named_operator_errors())
+        stack.enter_context(
+            mesh_step.named_operator_errors(self.mesh.dim_names, self.batch_dim_name)
+        )
         stack.enter_context(mesh_step.shardable_attention(self.mesh.device_type))
         # Tensors the model makes in forward (position ids, masks) are the same everywhere.
         stack.enter_context(mesh_step.replicated_plain_tensors())

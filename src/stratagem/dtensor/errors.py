@@ -14,5 +14,6 @@ class LayoutError(StratagemError, ValueError):
 
 
 class ShardingRuleError(StratagemError, NotImplementedError):
-    """An operator DTensor has no sharding rule for ran on a mesh: it names the operator, the
-    module it ran in when known, and what to do instead."""
+    """An operator DTensor has no sharding rule for ran on a mesh, or one it cannot run on a
+    dimension the mesh cuts unevenly: it names the operator, the module it ran in when known,
+    and what to do instead."""

@@ -17,7 +17,11 @@ CUDA's fused kernels have sharding rules and are left to SDPA's own choice.
 
 ``named_operator_errors()`` turns DTensor's refusal of an operator it has no sharding rule for
 into a ``ShardingRuleError`` that names the operator, the module it ran in when known, and what
-to do: most often a model's fused attention kernel, which its eager implementation avoids.
+to do: most often a model's fused attention kernel, which its eager implementation avoids. So
+too its refusal to reshape across a dimension the mesh cuts unevenly: a mesh step cuts a global
+batch that does not divide by the replicas as ``torch.chunk`` does (11 over 2: 6 + 5), and a
+model that flattens the batch into another dimension (GPT-2's ``Conv1D``:
+``x.view(-1, width)``) cannot run on it; the error says to give batches that divide.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -107,20 +111,43 @@ _NO_RULE = re.compile(r"Operator (\S+) does not have a sharding strategy registe
 _ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention")
 
 
+# DTensor's refusal to reshape a dimension its mesh cuts unevenly ("Cannot flatten unevenly
+# sharded tensor: dimension 0 (size 3) is not evenly divisible by mesh dimension 0 (size 2).").
+_UNEVEN = re.compile(
+    r"Cannot (?:un)?flatten unevenly sharded tensor: (?:output )?dimension (\d+) \(size (\d+)\) "
+    r"is not evenly divisible by mesh dimension (\d+) \(size (\d+)\)"
+)
+# The operator, where DTensor names it ("Sharding propagation failed for aten.view.default(").
+_PROPAGATING = re.compile(r"Sharding propagation failed for ([\w.]+)\(")
+
+
 @contextlib.contextmanager
-def named_operator_errors() -> Iterator[None]:
-    """Raise ``ShardingRuleError`` for an operator DTensor cannot shard (see the module)."""
+def named_operator_errors(
+    dim_names: Sequence[str] = (), batch_dim_name: str | None = None
+) -> Iterator[None]:
+    """Raise ``ShardingRuleError`` for an operator DTensor cannot shard, or cannot run on a
+    tensor the mesh cuts unevenly (see the module). ``dim_names``: the mesh's dimensions, in
+    order, to name the one at fault; ``batch_dim_name``: the one global batches are cut along."""
     try:
         yield
     except (NotImplementedError, RuntimeError) as error:
-        named = sharding_rule_error(error, sys.exc_info()[2])
+        named = sharding_rule_error(error, sys.exc_info()[2], dim_names, batch_dim_name)
         if named is None:
             raise
         raise named from error
 
 
-def sharding_rule_error(error: BaseException, tb: TracebackType | None) -> ShardingRuleError | None:
-    """The named error for DTensor's "no sharding strategy" ``error``; None for any other."""
+def sharding_rule_error(
+    error: BaseException,
+    tb: TracebackType | None,
+    dim_names: Sequence[str] = (),
+    batch_dim_name: str | None = None,
+) -> ShardingRuleError | None:
+    """The named error for DTensor's "no sharding strategy" ``error``, or for its refusal to
+    reshape an unevenly cut dimension; None for any other."""
+    uneven = _UNEVEN.search(str(error))
+    if uneven is not None:
+        return _uneven_error(error, uneven, tb, dim_names, batch_dim_name)
     found = _NO_RULE.search(str(error))
     if found is None:
         return None
@@ -147,6 +174,41 @@ def sharding_rule_error(error: BaseException, tb: TracebackType | None) -> Shard
         f"DTensor has no sharding rule for operator {op}{place}, so a model using it cannot "
         f"run on a mesh with these layouts. {remedy}."
     )
+
+
+def _uneven_error(
+    error: BaseException,
+    found: re.Match[str],
+    tb: TracebackType | None,
+    dim_names: Sequence[str],
+    batch_dim_name: str | None,
+) -> ShardingRuleError:
+    dim, size, mesh_dim, parts = (int(g) for g in found.groups())
+    named_op = _PROPAGATING.search(str(error))
+    op = named_op.group(1) if named_op else "a reshape"
+    where = _module_of(tb)
+    place = f" in {where}" if where else ""
+    axis = dim_names[mesh_dim] if mesh_dim < len(dim_names) else f"dimension {mesh_dim}"
+    shares = [len(c) for c in torch.arange(size).chunk(parts)]
+    head = (
+        f"DTensor cannot run {op}{place} on a tensor whose dimension {dim} (size {size}) the "
+        f"mesh cuts unevenly along {axis!r} ({parts} parts: {' + '.join(map(str, shares))}): "
+        "it flattens that dimension into another"
+    )
+    if batch_dim_name is not None and axis == batch_dim_name:
+        remedy = (
+            f"The step's global batch of {size} does not divide by the {parts} replicas along "
+            f"{axis!r}, and this model reshapes across the batch (GPT-2's Conv1D: "
+            f"x.view(-1, width)). Give global batches that divide by {parts}: in fit, a "
+            f"batch_size and a number of examples that are multiples of {parts} (the last "
+            f"batch is what is left over), or a Dataset batched with drop_remainder=True"
+        )
+    else:
+        remedy = (
+            f"Lay the tensor out so that its dimension {dim} divides by {parts}, or "
+            "redistribute it (DTensor.redistribute) before the operation"
+        )
+    return ShardingRuleError(f"{head}. {remedy}.")
 
 
 def _module_of(tb: TracebackType | None) -> str | None:
