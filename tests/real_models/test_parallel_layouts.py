@@ -158,17 +158,41 @@ def test_resnet_on_two_mirrored_replicas_equals_one_process_of_per_replica_slice
     assert_same(state(model), expected, "Mirrored ResNet")
 
 
-def test_resnet_fit_on_its_own_loss_on_two_mirrored_replicas(per_replica):
+@pytest.mark.parametrize("loss", ["own", "compiled"])
+def test_resnet_fit_on_two_mirrored_replicas_then_evaluate_with_the_kept_statistics(
+    per_replica, loss
+):
+    """fit on the model's own loss (labels reach forward as labels=), or on a compiled Keras
+    loss reading the output's .logits; then evaluate, in eval mode: BatchNorm normalises with
+    the running statistics the model kept."""
     strategy = sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
     with strategy.scope():
         model = sg.keras.Model(hf_models.resnet(seed=CHIEF_SEED))
-        model.compile(sg.keras.optimizers.SGD(RESNET_LR))  # no loss: the model's own
+        if loss == "own":
+            model.compile(sg.keras.optimizers.SGD(RESNET_LR))
+        else:
+            model.compile(
+                sg.keras.optimizers.SGD(RESNET_LR),
+                sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
     x = torch.cat([b[0] for b in resnet_batches()])
     y = torch.cat([b[1] for b in resnet_batches()])
     history = model.fit(x, y, batch_size=RESNET_BATCH, epochs=1, shuffle=False, verbose=0)
     expected, losses = per_replica[0]
     assert history.history["loss"] == pytest.approx([sum(losses) / len(losses)], abs=1e-5)
     assert_same(state(model.module), expected, "Mirrored ResNet fit")
+    reference = hf_models.resnet(seed=7)
+    reference.load_state_dict(expected)
+    with torch.no_grad():
+        logits = reference.eval()(pixel_values=x).logits
+    evaluated = model.evaluate(x, y, batch_size=RESNET_BATCH, verbose=0)
+    want = torch.nn.functional.cross_entropy(logits, y).item()
+    if loss == "compiled":
+        accuracy = (logits.argmax(-1) == y).float().mean().item()
+        assert evaluated[1] == pytest.approx(accuracy)
+        evaluated = evaluated[0]
+    assert evaluated == pytest.approx(want, rel=1e-5)
 
 
 # ---------------------------------------------------------------- two processes
