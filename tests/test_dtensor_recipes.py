@@ -186,6 +186,36 @@ def test_an_operator_without_a_sharding_rule_is_named_with_its_remedy(mesh):
     assert mesh_step.sharding_rule_error(RuntimeError("a shape error"), None) is None
 
 
+# DTensor's words when a view flattens a batch its mesh cut 2 + 1 (torch 2.10).
+UNEVEN_VIEW = (
+    "Cannot flatten unevenly sharded tensor: dimension 0 (size 3) is not evenly divisible by "
+    "mesh dimension 0 (size 2). Please redistribute the tensor before this operation.\n\n"
+    "Sharding propagation failed for aten.view.default(Spec(f32[3, 16, 32](S(0))), [-1, 32]) "
+    "on DeviceMesh((batch=2), 'cpu', stride=(1,)))"
+)
+
+
+def test_a_reshape_across_an_unevenly_cut_batch_is_named_with_its_remedy():
+    named = mesh_step.sharding_rule_error(RuntimeError(UNEVEN_VIEW), None, ("batch",), "batch")
+    assert isinstance(named, dtensor.ShardingRuleError)
+    message = str(named)
+    assert message.startswith(
+        "DTensor cannot run aten.view.default on a tensor whose dimension 0 (size 3) the mesh "
+        "cuts unevenly along 'batch' (2 parts: 2 + 1)"
+    ), message
+    assert "global batch of 3 does not divide by the 2 replicas" in message, message
+    assert "drop_remainder=True" in message, message
+    # Cut along another dimension than the batch's: the layout is what to change.
+    other = mesh_step.sharding_rule_error(
+        RuntimeError(UNEVEN_VIEW.replace("mesh dimension 0", "mesh dimension 1")),
+        None,
+        ("batch", "model"),
+        "batch",
+    )
+    assert other is not None and "along 'model'" in str(other), other
+    assert "redistribute" in str(other) and "global batch" not in str(other), other
+
+
 class NoRule(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError(

@@ -1,0 +1,251 @@
+"""Hugging Face models under the data-parallel strategies and the mixed layouts; see
+tests/real_models/test_parallel_layouts.py, which starts the jobs and checks what they write.
+
+argv: MODE OUT.
+
+- ``two`` (2 processes): HF's ResNet (BatchNorm) a few SGD steps under
+  MultiWorkerMirroredStrategy, each worker on its half of every global batch, and through
+  ``sg.keras.Model.fit`` on its own loss; GPT-2's ``fit`` on its own loss (no compiled loss,
+  ``y`` reaching ``forward`` as ``labels=``) under FullyShardedStrategy and under a
+  data-parallel MeshStrategy, and the named error of a last batch that mesh cuts unevenly.
+- ``four`` (4 processes): GPT-2 traced and cut at a module path on a pipeline of 2 stages x 2
+  data-parallel replicas (``train_step`` and ``fit``); GPT-2 on a ``(batch=2, model=2)``
+  mesh, data- and tensor-parallel at once.
+
+Workers are seeded differently where the strategy must make them start alike. Each rank writes
+``OUT/<check>-rank<r>.pt`` (tensors and numbers, read back with ``weights_only=True``); the
+test computes the one-process references.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import stratagem as sg
+from real_models import hf_models
+from real_models.lm_pipeline import lm_batches, lm_loss, make_optimizer
+
+MODE, OUT = sys.argv[1], Path(sys.argv[2])
+
+# ResNet: as tests/real_models/test_parallel_layouts.py.
+RESNET_STEPS, RESNET_BATCH, RESNET_LR = 3, 8, 0.1
+# GPT-2's fit: sequences in global batches of 4; under FSDP 11 of them, so that the last batch
+# (3) splits 2 + 1; a mesh cannot run GPT-2 on such a batch (the test says why): 12 there.
+GPT2_BATCH, GPT2_EPOCHS, GPT2_LR = 4, 2, 0.5
+
+
+def resnet_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [
+        (
+            hf_models.images(RESNET_BATCH, seed=20 + i),
+            hf_models.labels(RESNET_BATCH, 4, seed=30 + i),
+        )
+        for i in range(RESNET_STEPS)
+    ]
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole value of a tensor (gathered from its shards: every process calls it)."""
+    t = t.detach()
+    return t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t.clone()
+
+
+def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: whole(t) for name, t in model.state_dict().items()}
+
+
+def save(check: str, rank: int, value: dict) -> None:
+    torch.save(value, OUT / f"{check}-rank{rank}.pt")
+
+
+# ---------------------------------------------------------------- two processes
+
+
+def resnet_loop(mwms, rank: int) -> None:
+    """A custom loop: each worker's loss is its mean over its half, over the replicas."""
+    with mwms.scope():
+        model = hf_models.resnet(seed=100 + rank).train()  # the chief's (100) must win
+        optimizer = torch.optim.SGD(model.parameters(), lr=RESNET_LR)
+
+    def my_half(ctx: sg.distribute.InputContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        size = ctx.get_per_replica_batch_size(RESNET_BATCH)
+        lo = ctx.input_pipeline_id * size
+        return [(x[lo : lo + size], y[lo : lo + size]) for x, y in resnet_batches()]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        loss = model(pixel_values=x, labels=y).loss / mwms.num_replicas_in_sync
+        loss.backward()
+        optimizer.step()
+
+    for x, y in mwms.distribute_datasets_from_function(my_half):
+        mwms.run(step, args=(x, y))
+    save("resnet-mwms", rank, state(model))
+
+
+def resnet_fit(mwms, rank: int) -> None:
+    """fit on ResNet's own loss: the labels reach forward as labels=."""
+    with mwms.scope():
+        model = sg.keras.Model(hf_models.resnet(seed=100 + rank))
+        model.compile(sg.keras.optimizers.SGD(RESNET_LR))
+    x = torch.cat([b[0] for b in resnet_batches()])
+    y = torch.cat([b[1] for b in resnet_batches()])
+    history = model.fit(x, y, batch_size=RESNET_BATCH, epochs=1, shuffle=False, verbose=0)
+    save("resnet-fit-mwms", rank, {"state": state(model.module), "loss": history.history["loss"]})
+
+
+def gpt2_fit(strategy, check: str, rank: int, examples: int) -> None:
+    """GPT-2's fit with no compiled loss: its own, from the labels fit passes it."""
+    tokens = hf_models.tokens(examples)
+    with strategy.scope():
+        model = sg.keras.Model(hf_models.gpt2(seed=100 + rank))
+        model.compile(optimizer=sg.keras.optimizers.SGD(GPT2_LR))
+    history = model.fit(
+        tokens, tokens, batch_size=GPT2_BATCH, epochs=GPT2_EPOCHS, shuffle=False, verbose=0
+    )
+    module = model.module
+    save(
+        check,
+        rank,
+        {
+            "state": state(module),
+            "loss": history.history["loss"],
+            "tied": module.lm_head.weight is module.transformer.wte.weight,
+        },
+    )
+
+
+def two() -> None:
+    mwms = sg.distribute.MultiWorkerMirroredStrategy()
+    rank = mwms.cluster_resolver.task_id
+    resnet_loop(mwms, rank)
+    resnet_fit(mwms, rank)
+    gpt2_fit(sg.distribute.experimental.FullyShardedStrategy(), "gpt2-fit-fsdp", rank, 11)
+    mesh = sg.dtensor.create_mesh([("batch", 2)])
+    gpt2_fit(sg.distribute.experimental.MeshStrategy(mesh), "gpt2-fit-mesh", rank, 12)
+    try:  # 11: the last batch (3) cut 2 + 1, which GPT-2's Conv1D cannot flatten on a mesh
+        gpt2_fit(sg.distribute.experimental.MeshStrategy(mesh), "unused", rank, 11)
+        error = "no error"
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    save("gpt2-fit-mesh-uneven", rank, {"error": error})
+
+
+# ---------------------------------------------------------------- four processes
+
+
+PIPELINE = {"num_microbatches": 2, "num_replicas": 2, "split_points": ["transformer.h.1"]}
+
+
+def pipeline_train_step() -> None:
+    """2 stages x 2 replicas: each replica runs its half of every global batch of 8 in 2
+    micro-batches of 2; the tie (embedding on stage 0, head on stage 1) stays one parameter."""
+    strategy = sg.distribute.experimental.PipelineStrategy(**PIPELINE)
+    batches = lm_batches()
+    pipe = strategy.pipeline(hf_models.gpt2(), lm_loss, sample_input=batches[0][0][:2])
+    optimizer = make_optimizer(pipe.parameters())
+    losses = [pipe.train_step(x, y, optimizer) for x, y in batches]
+    save(
+        "pipeline-dp",
+        strategy.rank,
+        {
+            "losses": losses,
+            "weights": {
+                n: whole(p) for n, p in pipe.module.named_parameters(remove_duplicate=False)
+            },
+            "stage": pipe.stage,
+            "replica": pipe.replica,
+        },
+    )
+
+
+def pipeline_fit() -> None:
+    strategy = sg.distribute.experimental.PipelineStrategy(**PIPELINE)
+    batches = lm_batches(2)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    with strategy.scope():
+        model = sg.keras.Model(hf_models.gpt2())
+        model.compile(
+            sg.keras.optimizers.SGD(0.5),
+            sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    pipe = strategy.extended.pipeline_of(model.module)
+    save(
+        "pipeline-dp-fit",
+        strategy.rank,
+        {
+            "loss": history.history["loss"],
+            "weights": {
+                n: whole(p) for n, p in pipe.module.named_parameters(remove_duplicate=False)
+            },
+        },
+    )
+
+
+MESH_STEPS, MESH_BATCH, MESH_LR = 3, 4, 0.1
+
+
+def mesh_batches() -> list[dict[str, torch.Tensor]]:
+    """Causal LM batches: GPT-2 shifts ``labels`` itself."""
+    return [
+        {"input_ids": ids, "labels": ids}
+        for ids in (hf_models.tokens(MESH_BATCH, seed=40 + i) for i in range(MESH_STEPS))
+    ]
+
+
+def mesh_2x2(rank: int) -> None:
+    """GPT-2 on a (batch=2, model=2) mesh: Megatron's split of its projections along
+    ``model``, each half of every global batch on one ``batch`` row."""
+    mesh = sg.dtensor.create_mesh([("batch", 2), ("model", 2)])
+    layout_map = sg.dtensor.megatron_layout_map(mesh, hf_models.gpt2())
+    strategy = sg.distribute.experimental.MeshStrategy(mesh, layout_map)
+    with strategy.scope():
+        model = hf_models.gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=MESH_LR)
+
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    losses = []
+    for batch in strategy.experimental_distribute_dataset(mesh_batches()):
+        share = strategy.run(step, args=(batch,))
+        losses.append(float(strategy.reduce("MEAN", share, axis=None)))
+    weights = dict(model.named_parameters(remove_duplicate=False))
+    save(
+        "mesh-2x2",
+        rank,
+        {
+            "losses": losses,
+            "weights": {n: whole(p) for n, p in weights.items()},
+            "local_shapes": {
+                n: list(p.to_local().shape)
+                for n, p in weights.items()
+                if isinstance(p, sg.dtensor.DTensor)
+            },
+            "placements": {
+                n: str(p.placements)
+                for n, p in weights.items()
+                if isinstance(p, sg.dtensor.DTensor)
+            },
+            "plain": sorted(n for n, p in weights.items() if not isinstance(p, sg.dtensor.DTensor)),
+            "tied": model.lm_head.weight is model.transformer.wte.weight,
+        },
+    )
+
+
+def four() -> None:
+    pipeline_train_step()
+    pipeline_fit()
+    mesh_2x2(torch.distributed.get_rank())
+
+
+{"two": two, "four": four}[MODE]()
+print(f"hf parallel checks {MODE} done", flush=True)
