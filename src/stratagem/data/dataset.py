@@ -99,7 +99,9 @@ class Dataset:
     def from_tensors(tensors: Any, name: str | None = None) -> Dataset:
         """One element: ``tensors`` itself (a tensor, array, number, string, or a structure of
         them), as ``tf.data.Dataset.from_tensors``; ``from_tensors(x).repeat(n)`` gives it n
-        times.
+        times. A ``None`` in the structure is kept as it is, through ``map`` and ``batch`` too,
+        as TF keeps it (``from_tensors((42, None))``); its spec is ``None`` (TF's
+        ``NoneTensorSpec``, which holds no tensor).
         """
         template = _structure.map_structure(_structure.to_tensor, tensors)
         leaves = _structure.flatten_with_paths(template)
