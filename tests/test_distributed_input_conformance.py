@@ -85,6 +85,58 @@ def test_policy_off_rebatches_the_stream(two_cpus):
     ]
 
 
+class _WorkerOfTwo:
+    """What distributed input reads of ``strategy.extended`` on worker ``rank`` of 2 workers
+    with 2 CPU replicas each, its agreement all-reduce answered as a peer with the same
+    batches would answer it (the real thing runs in test_auto_shard_policies_across_workers)."""
+
+    def __init__(self, rank):
+        self.communicator = self
+        self.world_size, self.rank = 2, rank
+        self.num_replicas_in_sync = 4
+        self.replica_devices = (torch.device("cpu"), torch.device("cpu"))
+
+    def split_sizes(self, total, parts, full=None):
+        from stratagem.distribute.machinery.input import split_sizes
+
+        return split_sizes(total, parts, full)
+
+    def broadcast(self, tensor, src, what=""):
+        tensor.fill_(7)  # the shared shuffle seed
+
+    def all_reduce_async(self, tensor, what=""):
+        tensor.mul_(2)  # the other worker counts the same
+
+        class Done:
+            def wait(self):
+                return None
+
+        return Done()
+
+
+@pytest.mark.parametrize("policy", ["AUTO", "DATA"])
+def test_data_shard_gives_each_worker_every_num_workers_th_part(policy):
+    """TF's auto_shard rewrite (ShardByData): the legacy rebatch cuts each global batch into
+    num_replicas_in_sync parts, then ``shard(num_workers, w)`` keeps every num_workers-th part,
+    so worker w's local replica j gets part j * num_workers + w, not a contiguous block."""
+    from stratagem.distribute.machinery.input import DistributedDataset
+
+    options = sg.data.Options()
+    options.experimental_distribute.auto_shard_policy = getattr(
+        sg.data.experimental.AutoShardPolicy, policy
+    )
+    dataset = sg.data.Dataset.range(16).batch(8).with_options(options)  # parts of 2
+    got = [
+        [
+            [part.tolist() for part in step.values]
+            for step in DistributedDataset(_WorkerOfTwo(w), dataset)
+        ]
+        for w in range(2)
+    ]
+    assert got[0] == [[[0, 1], [4, 5]], [[8, 9], [12, 13]]]
+    assert got[1] == [[[2, 3], [6, 7]], [[10, 11], [14, 15]]]
+
+
 def test_batch_sizes_for_worker():
     """distribute.batch_sizes_for_worker's docstring: G=7 on 2 workers of 2 replicas gives
     worker 0 [2, 2, 2, 1] and worker 1 [2, 1, 2, 2]."""

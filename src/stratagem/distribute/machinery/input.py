@@ -15,11 +15,11 @@ Which cut depends on the dataset's ``options().experimental_distribute.auto_shar
   RandomSampler get a seed broadcast from the chief.
 * OFF, HINT (after ``shard(SHARD_HINT, SHARD_HINT)`` became ``shard(num_workers, index)``), and
   FILE on one worker: each worker reads its own stream, rebatched as TF's ``rebatch`` does.
-  Where the dataset's full batch size ``G`` is known (``Dataset.static_batch_size()``, a
-  DataLoader's ``batch_size``), the stream's examples are re-cut, across the input's batch
-  boundaries, into batches of ``batch_sizes_for_worker(G, ...)`` in turn (shares of ``G`` as
-  even as possible, the larger first, each worker's list rotated by its first replica, so every
-  step adds up to ``G``), the last one smaller; otherwise each batch is cut as DATA cuts it.
+  Where the dataset's full batch size ``G`` is known (``Dataset.static_batch_size()``), the
+  stream's examples are re-cut, across the input's batch boundaries, into batches of
+  ``batch_sizes_for_worker(G, ...)`` in turn (shares of ``G`` as even as possible, the larger
+  first, each worker's list rotated by its first replica, so every step adds up to ``G``), the
+  last one smaller; otherwise each batch is cut as DATA cuts it.
   The worker's local replicas take consecutive batches, so a global batch lasts
   ``num_workers`` steps. FILE raises on several workers: no ``sg.data`` source reads files.
 
@@ -470,11 +470,10 @@ def _per_replica_spec(spec: Any, local: int) -> Any:
 
 def _full_batch_size(dataset: Any) -> int | None:
     """The dataset's full batch size where it is known (TF's ``compute_batch_size``): an
-    ``sg.data.Dataset``'s last ``batch``, a DataLoader's ``batch_size``; else None."""
+    ``sg.data.Dataset``'s last ``batch``; else None. (Only an ``sg.data.Dataset`` has a
+    policy other than AUTO, so only it reads its own stream.)"""
     if isinstance(dataset, sg_data.Dataset):
         return dataset.static_batch_size()
-    if isinstance(dataset, DataLoader) and isinstance(dataset.batch_size, int):
-        return dataset.batch_size
     return None
 
 
