@@ -32,15 +32,119 @@ def _local(strategy, dataset):
 # -- how a global batch is cut ---------------------------------------------------------------
 
 
-def test_indivisible_global_batch_splits_larger_share_first(two_cpus):
-    """TF's batch_sizes_for_worker: shares differ by at most one, the larger first; and
-    rebatch_test.testPartialBatch / the guide's "Partial batches": a last, smaller batch fills
-    the shares in order and a replica left without data gets an empty batch."""
+def test_global_batches_are_cut_as_the_guide_shows():
+    """The distributed input guide's "Partial batches" examples (experimental_distribute_dataset
+    with the default AUTO policy, which is DATA for datasets that read no files, so TF's
+    legacy rebatch): each batch in parts of ceil(n / replicas), its own size counting, the last
+    parts smaller or empty; a last [4, 5] on 2 replicas is [4] and [5]."""
+    dataset = sg.data.Dataset.range(6).batch(4, drop_remainder=False)
+    assert _local(sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"]), dataset) == [
+        [[0, 1], [2, 3]],
+        [[4], [5]],
+    ]
+    three = sg.distribute.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+    assert _local(three, sg.data.Dataset.range(8).batch(4)) == [
+        [[0, 1], [2, 3], []],
+        [[4, 5], [6, 7], []],
+    ]
+
+
+def test_indivisible_global_batch_last_batch_cut_by_its_own_size(two_cpus):
+    """input_lib_test.testMWMSWithDataSharding's cut on one worker: range(8).batch(3) gives
+    [0, 1], [2] per batch and the last batch [6, 7] one example per replica (TF's
+    _LegacyRebatchDataset docstring: each batch cut into num_replicas parts)."""
     assert _local(two_cpus, sg.data.Dataset.range(8).batch(3)) == [
+        [[0, 1], [2]],
+        [[3, 4], [5]],
+        [[6], [7]],
+    ]
+
+
+def _off(dataset):
+    options = sg.data.Options()
+    options.experimental_distribute.auto_shard_policy = sg.data.experimental.AutoShardPolicy.OFF
+    return dataset.with_options(options)
+
+
+def test_policy_off_rebatches_the_stream(two_cpus):
+    """Under OFF TF rebatches with batch_sizes_for_worker (rebatch_test.testPartialBatch's
+    semantics): shares of the full batch, the larger first, and the examples re-cut in turn
+    across the input's batch boundaries, so a last [6, 7] fills the first share and the second
+    replica gets an empty batch; a repeat's partial batch in the middle is filled from the next
+    one."""
+    assert _local(two_cpus, _off(sg.data.Dataset.range(8).batch(3))) == [
         [[0, 1], [2]],
         [[3, 4], [5]],
         [[6, 7], []],
     ]
+    assert _local(two_cpus, _off(sg.data.Dataset.range(5).batch(3).repeat(2))) == [
+        [[0, 1], [2]],
+        [[3, 4], [0]],
+        [[1, 2], [3]],
+        [[4], []],
+    ]
+
+
+class _WorkerOfTwo:
+    """What distributed input reads of ``strategy.extended`` on worker ``rank`` of 2 workers
+    with 2 CPU replicas each, its agreement all-reduce answered as a peer with the same
+    batches would answer it (the real thing runs in test_auto_shard_policies_across_workers)."""
+
+    def __init__(self, rank):
+        self.communicator = self
+        self.world_size, self.rank = 2, rank
+        self.num_replicas_in_sync = 4
+        self.replica_devices = (torch.device("cpu"), torch.device("cpu"))
+
+    def split_sizes(self, total, parts, full=None):
+        from stratagem.distribute.machinery.input import split_sizes
+
+        return split_sizes(total, parts, full)
+
+    def broadcast(self, tensor, src, what=""):
+        tensor.fill_(7)  # the shared shuffle seed
+
+    def all_reduce_async(self, tensor, what=""):
+        tensor.mul_(2)  # the other worker counts the same
+
+        class Done:
+            def wait(self):
+                return None
+
+        return Done()
+
+
+@pytest.mark.parametrize("policy", ["AUTO", "DATA"])
+def test_data_shard_gives_each_worker_every_num_workers_th_part(policy):
+    """TF's auto_shard rewrite (ShardByData): the legacy rebatch cuts each global batch into
+    num_replicas_in_sync parts, then ``shard(num_workers, w)`` keeps every num_workers-th part,
+    so worker w's local replica j gets part j * num_workers + w, not a contiguous block."""
+    from stratagem.distribute.machinery.input import DistributedDataset
+
+    options = sg.data.Options()
+    options.experimental_distribute.auto_shard_policy = getattr(
+        sg.data.experimental.AutoShardPolicy, policy
+    )
+    dataset = sg.data.Dataset.range(16).batch(8).with_options(options)  # parts of 2
+    got = [
+        [
+            [part.tolist() for part in step.values]
+            for step in DistributedDataset(_WorkerOfTwo(w), dataset)
+        ]
+        for w in range(2)
+    ]
+    assert got[0] == [[[0, 1], [4, 5]], [[8, 9], [12, 13]]]
+    assert got[1] == [[[2, 3], [6, 7]], [[10, 11], [14, 15]]]
+
+
+def test_batch_sizes_for_worker():
+    """distribute.batch_sizes_for_worker's docstring: G=7 on 2 workers of 2 replicas gives
+    worker 0 [2, 2, 2, 1] and worker 1 [2, 1, 2, 2]."""
+    from stratagem.distribute.machinery.input import batch_sizes_for_worker
+
+    assert batch_sizes_for_worker(7, 2, 2, 0) == [2, 2, 2, 1]
+    assert batch_sizes_for_worker(7, 2, 2, 1) == [2, 1, 2, 2]
+    assert batch_sizes_for_worker(4, 1, 5, 0) == [1, 1, 1, 1, 0]
 
 
 @pytest.mark.parametrize("drop_remainder", [True, False])
@@ -67,7 +171,7 @@ def test_empty_replica_batch_trains_as_one_device_does():
     divided by the global batch size (tf.nn.compute_average_loss), so a step on 2 replicas
     gives the weights a step on one device gives on the whole global batch."""
     torch.manual_seed(0)
-    x, y = torch.randn(5, 3), torch.randn(5, 1)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
     init = torch.nn.Linear(3, 1).state_dict()
 
     def train(strategy, batch_size):
@@ -90,7 +194,7 @@ def test_empty_replica_batch_trains_as_one_device_does():
             strategy.run(step, args=(batch,))
         return [p.detach().clone() for p in model.parameters()]
 
-    # Global batch 3: batches of 3 ([2], [1]) and 2 ([2], [0]: an empty replica batch).
+    # Global batch 3: batches of 3 ([2], [1]) and 1 ([1], [0]: an empty replica batch).
     one = train(sg.distribute.OneDeviceStrategy("cpu:0"), 3)
     two = train(sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"]), 3)
     for a, b in zip(one, two):
@@ -122,11 +226,12 @@ def test_fit_with_an_empty_replica_batch_matches_one_device():
 
 def test_mesh_strategy_keeps_its_torch_chunk_cut():
     """MeshStrategy documents its own cut (torch.chunk's, which DTensor's Shard uses), for a
-    last batch too; TF's cut does not override it."""
+    last batch too; it is also TF's legacy rebatch of a shared batch."""
+    from stratagem.distribute.machinery.input import split_sizes
     from stratagem.distribute.mesh_strategy import MeshExtended
 
     # The hook reads no state; a mesh needs a process group, so it is called unbound.
-    assert MeshExtended.split_sizes(None, 5, 4, full=9) == [2, 2, 1, 0]  # TF: [3, 2, 0, 0]
+    assert MeshExtended.split_sizes(None, 5, 4, full=9) == [2, 2, 1, 0] == split_sizes(5, 4)
 
 
 # -- what an element is ------------------------------------------------------------------------
@@ -353,8 +458,29 @@ def test_auto_shard_policies_across_workers(tmp_path):
         assert a[policy] == [[0, 1], [4, 5], [8, 9]]
         assert b[policy] == [[2, 3], [6, 7], [10, 11]]
     assert a["OFF"] == b["OFF"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
-    assert a["HINT"] == [[0, 2], [4, 6], [8, 10], []]
-    assert b["HINT"] == [[1, 3], [5, 7], [9, 11], []]
+    # TF's rebatch re-cuts each worker's own stream ([0, 2, 4, 6], [8, 10] into twos): no
+    # empty step at the end.
+    assert a["HINT"] == [[0, 2], [4, 6], [8, 10]]
+    assert b["HINT"] == [[1, 3], [5, 7], [9, 11]]
     for out in (a, b):
         assert "AutoShardPolicy.FILE" in out["FILE"] and "no sg.data source" in out["FILE"]
         assert "only AutoShardPolicy.HINT fills in" in out["HINT_without_policy"]
+        # input_lib_test.testMWMSPartialBatch: each worker's range(12).batch(8) rebatched into
+        # batches of 4, the last one [8..11] on its own step (not cut again with an empty part).
+        assert out["TF_PARTIAL_OFF"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+        # testMWMSPartialBatchWithLegacyRebatch: no static batch size, so each batch is cut by
+        # its own size: the last one of 4 into [8, 9] and [10, 11].
+        assert out["TF_LEGACY_OFF"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11]]
+    # testMWMSWithDataSharding (AUTO and DATA): range(8).batch(3), the last batch [6, 7] cut
+    # by its own size (TF's legacy rebatch under a data shard), one example per worker.
+    for policy in ("AUTO", "DATA"):
+        assert a[f"TF_DATA_SHARDING_{policy}"] == [[0, 1], [3, 4], [6]]
+        assert b[f"TF_DATA_SHARDING_{policy}"] == [[2], [5], [7]]
+    # batch_sizes_for_worker(7, 2, 1, i): [4, 3] then [3, 4]; every step holds 7 examples.
+    assert a["ROTATED"] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9, 10], [11, 12, 13]]
+    assert b["ROTATED"] == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13]]
+    assert a["ROTATED_AVERAGE"] == pytest.approx([4 / 7, 3 / 7, 4 / 7, 3 / 7])
+    assert b["ROTATED_AVERAGE"] == pytest.approx([3 / 7, 4 / 7, 3 / 7, 4 / 7])
+    # A worker whose own stream ended gets an empty batch while the other still has one.
+    assert a["HINT_UNEVEN"] == [[0, 2], [4, 6], [8, 10], [12]]
+    assert b["HINT_UNEVEN"] == [[1, 3], [5, 7], [9, 11], []]

@@ -257,6 +257,10 @@ def test_slurm_requested_tasks_must_match_assigned_ones():
     assigned" (a RuntimeError in TF; a ClusterConfigError, a ValueError, here)."""
     with pytest.raises(ClusterConfigError, match=r"^Requested 4 tasks .* but 5 were assigned"):
         SlurmClusterResolver(jobs={"ps": 1, "worker": 3}, gpus_per_node=0, environ=_step())
+    # TF's condition is ``sum(jobs) != num_tasks`` (every version of slurm_cluster_resolver.py):
+    # asking for more tasks than SLURM assigned is refused too, not only fewer.
+    with pytest.raises(ClusterConfigError, match=r"^Requested 6 tasks .* but 5 were assigned"):
+        SlurmClusterResolver(jobs={"ps": 1, "worker": 5}, gpus_per_node=0, environ=_step())
 
 
 def test_slurm_more_gpus_than_the_node_has_is_refused():

@@ -172,6 +172,22 @@ def test_evaluator_is_not_the_chief_who_writes():
     assert is_chief("evaluator", 0, FULL) is False  # not listed: valid, and not the chief
 
 
+def test_evaluator_strategy_checkpoints_as_tf_chief_of_itself():
+    """TF's ``multi_worker_util.is_chief`` gives True for the evaluator ("chief of itself"),
+    and ``CollectiveAllReduceExtended`` answers ``should_checkpoint`` and
+    ``should_save_summary`` with it: under ``MultiWorkerMirroredStrategy`` an evaluator task
+    (alone, one replica) writes its checkpoints and summaries. The names shared with TF follow
+    TF; only ``is_chief`` (Keras's who-writes rule) says False for it."""
+
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"], "evaluator": ["127.0.0.1:3"]}
+    resolver = SimpleClusterResolver(cluster, task_type="evaluator", task_id=0)
+    strategy = sg.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    assert strategy.num_replicas_in_sync == 1
+    assert strategy.extended.should_checkpoint is True
+    assert strategy.extended.should_save_summary is True
+    assert resolver.is_chief is False
+
+
 def test_count_workers():
     """TF ``NumWorkersTest.testCountWorker``: the chief counts as a worker."""
     assert len(collective_members(FULL)) == 3

@@ -171,6 +171,37 @@ def test_from_tensors_is_one_element():
     assert Dataset.from_tensors(5).element_spec == sg.data.TensorSpec((), torch.int64)
 
 
+def test_none_component_is_kept():
+    """dataset_test.testNoneComponent: ``from_tensors((42, None))`` gives ``(42, None)``; its
+    spec has no tensor for the None (TF's NoneTensorSpec; here None)."""
+    dataset = Dataset.from_tensors((42, None))
+    ((value, nothing),) = list(dataset)
+    assert value.item() == 42 and nothing is None
+    assert dataset.element_spec == (sg.data.TensorSpec((), torch.int64), None)
+
+
+def test_none_component_reaches_map_functions():
+    """map_test.testNoneComponent: map_func receives the None component as an argument."""
+
+    def halve_if_none(x, y):
+        return x / 2 if y is None else x
+
+    assert [v.item() for v in Dataset.from_tensors((42, None)).map(halve_if_none)] == [21]
+
+
+def test_none_component_returned_by_map_then_batched():
+    """dataset_test.testNoneComponentInFunction: ``range(10).map(lambda x: (x, None))``
+    iterates to 45; and as TF's NoneTensorSpec batches to itself, ``batch`` keeps None."""
+    dataset = Dataset.range(10).map(lambda x: (x, None))
+    assert sum(x.item() for x, _ in dataset) == 45
+    batches = list(dataset.batch(4))
+    assert [b[0].tolist() for b in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert all(b[1] is None for b in batches)
+    assert dataset.batch(4).element_spec == (sg.data.TensorSpec((None,), torch.int64), None)
+    slices = Dataset.from_tensor_slices({"x": torch.arange(3), "none": None}).batch(2)
+    assert [(b["x"].tolist(), b["none"]) for b in slices] == [([0, 1], None), ([2], None)]
+
+
 def test_from_tensor_slices_empty_list():
     """from_tensor_slices_test.testFromTensorSlicesEmptyComponent: [] is an empty dataset
     (float32, as TF converts an empty list)."""

@@ -194,6 +194,12 @@ def stack_values(values: list[Any], path: str = "") -> Any:
     """
     first = values[0]
     where = path or "<element>"
+    if first is None:
+        # TF's NoneTensorSpec batches to itself: a batch of None components is None.
+        if any(v is not None for v in values):
+            kinds = sorted({type(v).__name__ for v in values})
+            raise InputError(f"cannot batch component {where}: it holds {kinds}, not only None")
+        return None
     if _structure.is_strings(first):
         if not all(_structure.is_strings(v) for v in values):
             kinds = sorted({type(v).__name__ for v in values})
@@ -232,7 +238,7 @@ def stack_values(values: list[Any], path: str = "") -> Any:
         found = sorted(
             {
                 f"{type(v).__name__} of {len(v)}"
-                if _structure.is_structure(v)
+                if _structure.is_structure(v) and v is not None
                 else type(v).__name__
                 for v in values
             }

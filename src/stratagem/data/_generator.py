@@ -63,6 +63,8 @@ def _shape_leaves(types: Any, shapes: Any) -> list[Any]:
     cannot be flattened as a structure blindly."""
     if not _structure.is_structure(types):
         return [shapes]
+    if types is None:
+        return []
     if isinstance(types, dict):
         if not isinstance(shapes, dict) or shapes.keys() != types.keys():
             return []
@@ -114,6 +116,12 @@ def _leaves_like(spec: Any, value: Any) -> list[Any]:
     """``value``'s components in the order of ``spec``'s, or an error naming the mismatch."""
     if not _structure.is_structure(spec):
         return [value]
+    if spec is None:
+        if value is not None:
+            raise InputError(
+                f"the generator yielded {_describe(value)} where the declared structure has None"
+            )
+        return []
     if isinstance(spec, dict):
         if not isinstance(value, dict) or value.keys() != spec.keys():
             raise InputError(

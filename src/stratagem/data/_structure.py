@@ -25,9 +25,11 @@ def is_structure(value: Any) -> bool:
 
     Tuples and dicts always are. A list is one too, unless it holds only numbers or strings (or
     lists of them), or nothing: ``[1, 2, 3]``, ``["a", "b"]`` and ``[]`` are data, as TensorFlow
-    reads them, while ``[x, y]`` of arrays is a pair.
+    reads them, while ``[x, y]`` of arrays is a pair. ``None`` is a structure with no
+    components: TF accepts a ``None`` in an element (``from_tensors((42, None))``, its
+    ``NoneTensorSpec`` has no tensors), and every stage passes it through as it is.
     """
-    if isinstance(value, (tuple, dict)):
+    if value is None or isinstance(value, (tuple, dict)):
         return True
     return isinstance(value, list) and not _is_data_list(value)
 
@@ -53,6 +55,8 @@ def is_strings(value: Any) -> bool:
 
 def children(value: Any) -> list[tuple[str, Any]]:
     """The (path suffix, child) pairs of one structure level, in iteration order."""
+    if value is None:
+        return []
     if isinstance(value, dict):
         return [(f"[{key!r}]", child) for key, child in value.items()]
     return [(f"[{i}]", child) for i, child in enumerate(value)]
@@ -72,6 +76,8 @@ def flatten(value: Any) -> list[Any]:
     """The leaves of ``value``, depth first (no paths: this runs once per element)."""
     if not is_structure(value):
         return [value]
+    if value is None:
+        return []
     items = value.values() if isinstance(value, dict) else value
     leaves: list[Any] = []
     for child in items:
@@ -83,6 +89,8 @@ def pack(template: Any, leaves: Iterator[Any]) -> Any:
     """``template``'s structure with its leaves replaced, in order, by those of ``leaves``."""
     if not is_structure(template):
         return next(leaves)
+    if template is None:
+        return None
     if isinstance(template, dict):
         return {key: pack(child, leaves) for key, child in template.items()}
     packed = [pack(child, leaves) for child in template]
@@ -99,6 +107,8 @@ def packer(template: Any) -> Callable[[list[Any]], Any]:
     """
     if not is_structure(template):
         return operator.itemgetter(0)
+    if template is None:
+        return lambda leaves: None
     members = template.values() if isinstance(template, dict) else template
     if not any(is_structure(child) for child in members):
         if type(template) is tuple:
@@ -120,6 +130,8 @@ def map_leaves(fn: Callable[[Any], Any], value: Any) -> Any:
     """``value`` with every leaf replaced by ``fn(leaf)``; the per-element form, without paths."""
     if not is_structure(value):
         return fn(value)
+    if value is None:
+        return None
     if isinstance(value, dict):
         return {key: map_leaves(fn, child) for key, child in value.items()}
     mapped = [map_leaves(fn, child) for child in value]

@@ -99,7 +99,9 @@ class Dataset:
     def from_tensors(tensors: Any, name: str | None = None) -> Dataset:
         """One element: ``tensors`` itself (a tensor, array, number, string, or a structure of
         them), as ``tf.data.Dataset.from_tensors``; ``from_tensors(x).repeat(n)`` gives it n
-        times.
+        times. A ``None`` in the structure is kept as it is, through ``map`` and ``batch`` too,
+        as TF keeps it (``from_tensors((42, None))``); its spec is ``None`` (TF's
+        ``NoneTensorSpec``, which holds no tensor).
         """
         template = _structure.map_structure(_structure.to_tensor, tensors)
         leaves = _structure.flatten_with_paths(template)
@@ -383,6 +385,22 @@ class Dataset:
         base = _integer("reseeded seed", seed)
         return Dataset(fresh_copy(self._node, base))
 
+    def static_batch_size(self) -> int | None:
+        """For the distribute layer: the size of the full batches this dataset yields, as TF's
+        ``compute_batch_size`` finds it: the ``batch`` stage's ``batch_size``, looking back
+        through the stages that keep a batch whole (prefetch, options, cache, filter, repeat,
+        shard, shuffle, skip, take). None where another stage (``map``, ``enumerate``...) comes
+        after the last ``batch``, or there is none: TF then rebatches each batch by its own
+        size (its legacy rebatch)."""
+        node: Node | None = self._node
+        while node is not None:
+            if isinstance(node, Batch):
+                return node.batch_size
+            if not isinstance(node, _KEEP_BATCH_SIZE):
+                return None
+            node = node.upstream
+        return None
+
     def has_shard_hints(self) -> bool:
         """Whether the pipeline holds ``shard(SHARD_HINT, SHARD_HINT)`` placeholders."""
         return any(isinstance(s, Shard) and s.is_hint for s in self._node.stages())
@@ -400,6 +418,10 @@ class Dataset:
                 node = stage.rebuilt(node, 0, position)
         assert node is not None
         return Dataset(node)
+
+
+# TF's kPassThroughOps of compute_batch_size: stages that never change a batch's size.
+_KEEP_BATCH_SIZE = (Prefetch, WithOptions, Cache, Filter, Repeat, Shard, Shuffle, Skip, Take)
 
 
 def appended(dataset: Dataset, stage: Callable[[Node], Node]) -> Dataset:

@@ -1,33 +1,43 @@
 """Distributed datasets: global batches split across replicas, or per-worker pipelines.
 
 ``experimental_distribute_dataset(ds)``: ``ds`` yields *global* batches (an ``sg.data.Dataset``,
-a DataLoader, or any re-iterable of batches). Each global batch is cut into one batch per replica
-as TF's rebatching cuts it: the full batch's shares as even as possible, larger first
-(``range(8).batch(3)`` on 2 replicas: ``[0, 1]`` and ``[2]``), and a smaller last batch filling
-those shares in replica order, so a replica may get an empty batch. An element is the batch's
-structure with ``PerReplica`` leaves (``for x, y in dist_dataset`` unpacks as in TF).
+a DataLoader, or any re-iterable of batches), cut into replica batches as TensorFlow cuts them.
+Which cut depends on the dataset's ``options().experimental_distribute.auto_shard_policy``:
 
-Across workers the dataset's ``options().experimental_distribute.auto_shard_policy`` decides:
-DATA (and AUTO: there are no file sources) — every worker iterates the same global batches and
-keeps its replicas' slices, so each example is seen exactly once per epoch; for that, shuffles
-must agree across workers: unseeded ``sg.data`` shuffles and a DataLoader's unseeded
-RandomSampler get a seed broadcast from the chief. OFF — every worker reads all of its own copy,
-each global batch giving ``num_workers`` steps (TF's rebatch without a shard). HINT — as OFF,
-after ``shard(SHARD_HINT, SHARD_HINT)`` became ``shard(num_workers, worker_index)``. FILE raises:
-no ``sg.data`` source reads files.
+* DATA, and AUTO (no ``sg.data`` source reads files, so AUTO is DATA, as TF falls back to it),
+  on one worker as on several: TF's legacy rebatch then a data shard. Every worker iterates the
+  same global batches; each batch of ``n`` is cut into ``num_replicas_in_sync`` parts of
+  ``ceil(n / replicas)``, the last ones smaller or empty (``range(8).batch(4)`` on 3 replicas:
+  ``[0, 1]``, ``[2, 3]``, ``[]``; a last ``[6, 7]`` on 2: ``[6]``, ``[7]``), and worker ``w``'s
+  local replica ``j`` gets part ``j * num_workers + w`` (the shard keeps every
+  ``num_workers``-th part). So each example is seen exactly once per epoch; for that, shuffles
+  must agree across workers: unseeded ``sg.data`` shuffles and a DataLoader's unseeded
+  RandomSampler get a seed broadcast from the chief.
+* OFF, HINT (after ``shard(SHARD_HINT, SHARD_HINT)`` became ``shard(num_workers, index)``), and
+  FILE on one worker: each worker reads its own stream, rebatched as TF's ``rebatch`` does.
+  Where the dataset's full batch size ``G`` is known (``Dataset.static_batch_size()``), the
+  stream's examples are re-cut, across the input's batch boundaries, into batches of
+  ``batch_sizes_for_worker(G, ...)`` in turn (shares of ``G`` as even as possible, the larger
+  first, each worker's list rotated by its first replica, so every step adds up to ``G``), the
+  last one smaller; otherwise each batch is cut as DATA cuts it.
+  The worker's local replicas take consecutive batches, so a global batch lasts
+  ``num_workers`` steps. FILE raises on several workers: no ``sg.data`` source reads files.
+
+An element is the batch's structure with ``PerReplica`` leaves (``for x, y in dist_dataset``
+unpacks as in TF).
 
 ``distribute_datasets_from_function(fn)``: each worker calls ``fn(InputContext)`` once and gets
 its own pipeline of *per-replica* batches (sharded by the user, as in the seeds); local replicas
 take consecutive batches, and at the end of the data the replicas left without one get an empty
 batch (TF's dummy batches), as long as one local replica has data.
 
-With several workers, every batch is agreed on (a two-element all-reduce: how many workers
-have no batch, how many of those cannot stand in an empty one), so an uneven end of data never
-leaves one worker waiting in a collective. Global batches stop every worker at the first worker's
-end. Per-worker pipelines go on while any worker has data, as TF's do: a worker whose pipeline
-ended gives its replicas empty batches shaped like its last one. The agreement on batch N+1 is
-started, asynchronously, when batch N is handed out, so it completes while step N computes
-instead of delaying every step.
+With several workers, every batch is agreed on (a small all-reduce: how many workers have no
+batch, how many of those cannot stand in an empty one, how many examples the step holds), so an
+uneven end of data never leaves one worker waiting in a collective. Shared global batches stop
+every worker at the first worker's end. Per-worker streams go on while any worker has data, as
+TF's do: a worker whose stream ended gives its replicas empty batches shaped like its last one.
+The agreement on batch N+1 is started, asynchronously, when batch N is handed out, so it
+completes while step N computes instead of delaying every step.
 """
 
 from __future__ import annotations
@@ -159,23 +169,31 @@ def batch_size_of(structure: Any) -> int:
 
 
 def split_sizes(total: int, parts: int, full: int | None = None) -> list[int]:
-    """TF's cut of a global batch into replica batches (``batch_sizes_for_worker`` and
-    ``rebatch``): a full batch of ``full`` examples as evenly as possible, the larger shares
-    first; a smaller, last batch of ``total`` fills those shares in order, so the last
-    replicas may get nothing (``range(9).batch(2)`` on 2 replicas ends ``[8]``, ``[]``).
+    """TF's cut of one shared global batch (AUTO/DATA, its legacy rebatch): ``parts`` parts of
+    ``ceil(total / parts)``, the last ones smaller or empty, whatever the batch's place in the
+    dataset (``full`` is accepted for the strategies' hook and unused):
+    ``split_sizes(4, 3) == [2, 2, 0]``, ``split_sizes(2, 2) == [1, 1]``.
     """
-    shares = even_sizes(max(total, full or 0), parts)
-    sizes, left = [], total
-    for share in shares:
-        sizes.append(min(share, left))
-        left -= sizes[-1]
-    return sizes
+    return chunk_sizes(total, parts)
 
 
 def even_sizes(total: int, parts: int) -> list[int]:
     """``total`` in ``parts`` as even as possible, the larger parts first."""
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def batch_sizes_for_worker(
+    global_batch_size: int, num_workers: int, replicas_per_worker: int, worker_index: int
+) -> list[int]:
+    """TF's ``batch_sizes_for_worker``: the sizes worker ``worker_index`` rebatches its own
+    stream into (OFF/HINT), one per replica of the job: ``global_batch_size`` as even as
+    possible, the larger first, rotated by the worker's first replica so that the replicas of
+    one step, across all workers, add up to ``global_batch_size`` (G=7, 2 workers of 2
+    replicas: worker 0 ``[2, 2, 2, 1]``, worker 1 ``[2, 1, 2, 2]``)."""
+    worker_0 = even_sizes(global_batch_size, num_workers * replicas_per_worker)
+    offset = worker_index * replicas_per_worker
+    return worker_0[offset:] + worker_0[:offset]
 
 
 def cut(batch: Any, sizes: list[int]) -> list[Any]:
@@ -190,8 +208,8 @@ def cut(batch: Any, sizes: list[int]) -> list[Any]:
 
 
 def chunk_sizes(total: int, parts: int) -> list[int]:
-    """``torch.chunk``'s cut, which DTensor's ``Shard`` uses: parts of ``ceil(total / parts)``,
-    the last ones smaller or empty."""
+    """``torch.chunk``'s cut, which DTensor's ``Shard`` and TF's legacy rebatch use: parts of
+    ``ceil(total / parts)``, the last ones smaller or empty."""
     size = -(-total // parts)
     return [max(0, min(size, total - i * size)) for i in range(parts)]
 
@@ -259,8 +277,9 @@ class _AgreedIterator:
         """This worker's next raw batch, or ``_END``."""
         raise NotImplementedError
 
-    def _deliver(self, raw: Any) -> Any:
-        """A raw batch as the replicas of this worker receive it."""
+    def _deliver(self, raw: Any, examples: int | None) -> Any:
+        """A raw batch as the replicas of this worker receive it; ``examples``: the step's
+        examples over all workers, as ``_examples`` counted them."""
         raise NotImplementedError
 
     def __iter__(self) -> _AgreedIterator:
@@ -271,14 +290,19 @@ class _AgreedIterator:
         on; ``_END`` where it cannot go on (global batches end for everyone at once)."""
         return _END
 
+    def _examples(self, raw: Any) -> int:
+        """How many examples this worker's replicas get from ``raw`` (summed over the workers
+        with the agreement, for a step whose global size no worker knows alone)."""
+        return 0
+
     def _fetch_ahead(self) -> None:
         raw = self._produce()
         if raw is _END:
-            raw = self._stand_in()
-            # [no batch of its own, cannot go on]
-            counts = torch.tensor([1, 1 if raw is _END else 0], dtype=torch.int32)
+            raw = self._stand_in()  # empty batches: no examples
+            # [no batch of its own, cannot go on, examples of this step]
+            counts = torch.tensor([1, 1 if raw is _END else 0, 0], dtype=torch.int32)
         else:
-            counts = torch.tensor([0, 0], dtype=torch.int32)
+            counts = torch.tensor([0, 0, self._examples(raw)], dtype=torch.int32)
         pending = self._comm.all_reduce_async(counts, what="'is there another batch' of the input")
         self._ahead = (raw, counts, pending)
 
@@ -287,13 +311,14 @@ class _AgreedIterator:
             raise StopIteration
         if self._comm.world_size == 1:
             raw = self._produce()
+            examples = None if raw is _END else self._examples(raw)
         else:
             if self._ahead is None:
                 self._fetch_ahead()
             assert self._ahead is not None
             raw, counts, pending = self._ahead
             pending.wait()
-            without, stuck = (int(c) for c in counts)
+            without, stuck, examples = (int(c) for c in counts)
             if stuck or without == self._comm.world_size:
                 raw = _END  # some worker cannot go on, or none has data left
             else:
@@ -301,7 +326,7 @@ class _AgreedIterator:
         if raw is _END:
             self._done, self._ahead = True, None
             raise StopIteration
-        return self._deliver(raw)
+        return self._deliver(raw, examples)
 
     def get_next(self) -> Any:
         """The next distributed element; ``StopIteration`` at the end (TF: OutOfRangeError)."""
@@ -354,16 +379,13 @@ class DistributedDataset:
         self._distributor = _Distributor(extended, options)
         comm = extended.communicator
         self._policy = _policy(dataset)
-        # OFF and HINT: each worker reads its own stream (TF's rebatch with no data shard).
-        self._own_stream = (
-            split
-            and comm.world_size > 1
-            and self._policy
-            in (
-                AutoShardPolicy.OFF,
-                AutoShardPolicy.HINT,
-            )
+        # OFF and HINT (and FILE on one worker, where TF shards nothing): each worker reads
+        # its own stream, rebatched by TF's rebatch; AUTO and DATA: shared global batches.
+        self._own_stream = split and (
+            self._policy in (AutoShardPolicy.OFF, AutoShardPolicy.HINT)
+            or (self._policy is AutoShardPolicy.FILE and comm.world_size == 1)
         )
+        self._full_batch = _full_batch_size(dataset)
         if split and comm.world_size > 1 and self._policy is AutoShardPolicy.FILE:
             raise InputError(
                 "auto_shard_policy is AutoShardPolicy.FILE, which shards a dataset by the files "
@@ -397,13 +419,16 @@ class DistributedDataset:
         return self._policy
 
     def __iter__(self) -> _SplittingIterator:
+        source = iter(self._dataset)
+        if self._own_stream:
+            return _OwnStreamIterator(
+                self._extended,
+                _rebatched(self._extended, source, self._full_batch),
+                self._distributor,
+                lambda: self.element_spec,
+            )
         return _SplittingIterator(
-            self._extended,
-            iter(self._dataset),
-            self._distributor,
-            self._split,
-            self._own_stream,
-            lambda: self.element_spec,
+            self._extended, source, self._distributor, self._split, lambda: self.element_spec
         )
 
     @property
@@ -443,71 +468,164 @@ def _per_replica_spec(spec: Any, local: int) -> Any:
     return pytree.tree_map(lambda s: PerReplica([s] * local), spec)
 
 
-class _OwnParts:
-    """The replica batches a worker cut from its own stream (OFF/HINT), and their batch's size."""
+def _full_batch_size(dataset: Any) -> int | None:
+    """The dataset's full batch size where it is known (TF's ``compute_batch_size``): an
+    ``sg.data.Dataset``'s last ``batch``; else None. (Only an ``sg.data.Dataset`` has a
+    policy other than AUTO, so only it reads its own stream.)"""
+    if isinstance(dataset, sg_data.Dataset):
+        return dataset.static_batch_size()
+    return None
 
-    __slots__ = ("parts", "size")
 
-    def __init__(self, parts: list[Any], size: int) -> None:
-        self.parts, self.size = parts, size
+def joined(batches: list[Any]) -> Any:
+    """Batches of one structure concatenated along their first dimension."""
+    if len(batches) == 1:
+        return batches[0]
+    flats = [pytree.tree_flatten(b) for b in batches]
+    spec = flats[0][1]
+    leaves = []
+    for parts in zip(*(leaves for leaves, _ in flats)):
+        first = parts[0]
+        if isinstance(first, torch.Tensor):
+            leaves.append(torch.cat(parts))
+        elif isinstance(first, np.ndarray):
+            leaves.append(np.concatenate(parts))
+        else:
+            leaves.append(first)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _rebatched(
+    extended: StrategyExtended, source: Iterator[Any], full: int | None
+) -> Iterator[Any]:
+    """A worker's own stream of global batches as TF's rebatch hands out replica batches.
+
+    With the full batch size known, ``rebatch(batch_sizes_for_worker(full, ...))``: the
+    examples re-cut, across the input's batch boundaries, into batches of those sizes in
+    turn, the last one smaller (``range(12).batch(8)`` for 2 replicas: ``[0..3]``, ``[4..7]``,
+    ``[8..11]``). Without, TF's legacy rebatch: each batch cut into ``num_replicas_in_sync``
+    parts as ``split_sizes`` cuts a shared one, empty parts included.
+    """
+    replicas = extended.num_replicas_in_sync
+    if full is None:
+        for batch in source:
+            batch = _as_tensors(batch)
+            yield from cut(batch, extended.split_sizes(batch_size_of(batch), replicas))
+        return
+    local = len(extended.replica_devices)
+    workers = replicas // local
+    rank = extended.communicator.rank
+    sizes = batch_sizes_for_worker(full, workers, local, rank)
+    pending: list[Any] = []  # the rows not handed out yet, as a list of batch pieces
+    rows = 0
+    turn = 0
+    exhausted = False
+    while True:
+        want = sizes[turn % len(sizes)]
+        # Read until this batch is whole, or one row is there to tell a 0-sized batch
+        # in the middle (TF hands those out) from the end of the data.
+        while not exhausted and rows < max(want, 1):
+            batch = next(source, _END)
+            if batch is _END:
+                exhausted = True
+                break
+            batch = _as_tensors(batch)
+            size = batch_size_of(batch)
+            if size:
+                pending.append(batch)
+                rows += size
+        if not rows:
+            return
+        merged = joined(pending)
+        take = min(want, rows)
+        head, rest = cut(merged, [take, rows - take])
+        pending, rows = ([rest] if rows > take else []), rows - take
+        turn += 1
+        yield head
 
 
 class _SplittingIterator(_AgreedIterator):
+    """Shared global batches (AUTO/DATA), each cut as ``split_sizes`` cuts it; worker ``w``'s
+    local replica ``j`` gets part ``j * num_workers + w`` (TF's data shard of the parts)."""
+
     def __init__(
         self,
         extended: StrategyExtended,
         source: Iterator[Any],
         distributor: _Distributor,
         split: bool,
-        own_stream: bool,
         element_spec: Callable[[], Any],
     ) -> None:
         super().__init__(extended, distributor)
         self._source = source
         self._split = split
-        self._own_stream = own_stream
         self._spec = element_spec
-        self._full = 0  # the largest global batch so far: a later, smaller one is a last one
-        self._queue: list[tuple[Any, int]] = []  # own stream: cut parts waiting for a step
 
     def _element_spec(self) -> Any:
         return self._spec()
 
-    def _sizes(self, batch: Any, parts: int) -> tuple[int, list[int]]:
-        size = batch_size_of(batch)
-        self._full = max(self._full, size)
-        return size, self._extended.split_sizes(size, parts, full=self._full)
-
     def _produce(self) -> Any:
-        if not self._own_stream:
-            batch = next(self._source, _END)
-            return batch if batch is _END else _as_tensors(batch)
-        # Each global batch of this worker's own copy gives workers x local parts (TF's
-        # rebatch), ``local`` per step: one global batch lasts ``num_workers`` steps.
-        local = len(self._extended.replica_devices)
-        if not self._queue:
-            batch = next(self._source, _END)
-            if batch is _END:
-                return _END
-            batch = _as_tensors(batch)
-            size, sizes = self._sizes(batch, self._extended.num_replicas_in_sync)
-            self._queue = [(part, size) for part in cut(batch, sizes)]
-        taken, self._queue = self._queue[:local], self._queue[local:]
-        return _OwnParts([part for part, _ in taken], taken[0][1])
+        batch = next(self._source, _END)
+        return batch if batch is _END else _as_tensors(batch)
 
-    def _deliver(self, batch: Any) -> Any:
-        if isinstance(batch, _OwnParts):
-            return self._distributor.deliver(batch.parts, batch.size)
+    def _deliver(self, batch: Any, examples: int | None) -> Any:
         if not self._split:
             return self._distributor.deliver([batch], None)
         replicas = self._extended.num_replicas_in_sync
-        size, sizes = self._sizes(batch, replicas)
+        size = batch_size_of(batch)
         if replicas == 1:  # one replica in all: the global batch is its batch
             return self._distributor.deliver([batch], size)
+        parts = cut(batch, self._extended.split_sizes(size, replicas))
+        workers, worker = self._comm.world_size, self._comm.rank
         local = len(self._extended.replica_devices)
-        first = self._comm.rank * local
-        parts = cut(batch, sizes)[first : first + local]
-        return self._distributor.deliver(parts, size)
+        return self._distributor.deliver([parts[j * workers + worker] for j in range(local)], size)
+
+
+class _OwnStreamIterator(_AgreedIterator):
+    """A worker's own rebatched stream (OFF/HINT): its local replicas take consecutive
+    batches; where the stream ends within a step, or has ended while another worker's goes on,
+    replicas get empty batches shaped like the last one (TF's dummy batches)."""
+
+    def __init__(
+        self,
+        extended: StrategyExtended,
+        parts: Iterator[Any],
+        distributor: _Distributor,
+        element_spec: Callable[[], Any],
+    ) -> None:
+        super().__init__(extended, distributor)
+        self._parts = parts
+        self._spec = element_spec
+        self._empty: Any = None
+
+    def _element_spec(self) -> Any:
+        return self._spec()
+
+    def _produce(self) -> Any:
+        local = len(self._extended.replica_devices)
+        taken = []
+        for _ in range(local):
+            part = next(self._parts, _END)
+            if part is _END:
+                break
+            taken.append(part)
+        if not taken:
+            return _END
+        self._empty = cut(taken[-1], [0])[0]
+        return taken + [self._empty] * (local - len(taken))
+
+    def _stand_in(self) -> Any:
+        if self._empty is None:
+            return _END  # never had a batch: nothing to shape an empty one on
+        return [self._empty] * len(self._extended.replica_devices)
+
+    def _examples(self, parts: Any) -> int:
+        return sum(batch_size_of(part) for part in parts)
+
+    def _deliver(self, parts: Any, examples: int | None) -> Any:
+        # The step's examples over all workers: the global batch that compute_average_loss
+        # divides by when it is not told one.
+        return self._distributor.deliver(parts, examples)
 
 
 class DistributedDatasetFromFunction:
@@ -592,5 +710,5 @@ class _PerReplicaIterator(_AgreedIterator):
             return _END  # never had a batch: nothing to shape an empty one on
         return [self._empty] * len(self._extended.replica_devices)
 
-    def _deliver(self, parts: Any) -> Any:
+    def _deliver(self, parts: Any, examples: int | None) -> Any:
         return self._distributor.deliver(parts, None)
