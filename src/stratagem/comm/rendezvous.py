@@ -33,8 +33,6 @@ from stratagem.errors import RendezvousError
 
 # Poll interval while waiting for peers; short enough to feel instant, long enough not to spin.
 _POLL_S = 0.05
-# While some peers are missing, who has arrived is read rank by rank at most this often.
-_SCAN_S = 0.5
 # A task waiting for its peers says so after FIRST_REPORT_S (a quick start says nothing), then at
 # most every REPORT_EVERY_S, so a hand-started worker is never silent for long.
 FIRST_REPORT_S = 1.0
@@ -246,9 +244,8 @@ def roll_call(
     seen: dict[int, Member] = {me.rank: me}
     keys = [f"member/{rank}" for rank in range(me.world_size)]
     # Asking after each rank is N round trips per poll, N² over a job's processes: a poll asks
-    # once whether everyone has signed in; rank by rank only every _SCAN_S while some are
-    # missing (for the progress line, and to catch a mismatch whose world never completes).
-    next_scan = time.monotonic() + _SCAN_S
+    # once whether everyone has signed in; rank by rank only when a progress line is due (from
+    # FIRST_REPORT_S on; that also catches a mismatch whose world never completes).
     while True:
         if store.check(keys):
             unseen = [r for r in range(me.world_size) if r not in seen]
@@ -258,9 +255,7 @@ def roll_call(
                 seen[rank] = other
             _check_bigger_world(store, me)
             return [seen[r] for r in range(me.world_size)]
-        now = time.monotonic()
-        if now >= next_scan or reporter.due(now):
-            next_scan = now + _SCAN_S
+        if reporter.due(time.monotonic()):
             for rank in range(me.world_size):
                 if rank in seen or not store.check([keys[rank]]):
                     continue
