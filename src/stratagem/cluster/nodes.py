@@ -30,9 +30,9 @@ from stratagem.cluster.job_secret import (
 from stratagem.cluster.tasks import (
     LaunchError,
     Task,
-    _listen_address,
     build_tf_configs,
     free_ports,
+    listen_address,
     task_env,
 )
 
@@ -111,7 +111,7 @@ def make_node_tasks(
             f"{SECRET_FILE_VARIABLE}, or {INSECURE_VARIABLE}=1 to let anyone who can reach "
             "the job's ports join it"
         )
-    ports = free_ports(workers, _listen_address(host))
+    ports = free_ports(workers, listen_address(host))
     mine = {"node_rank": nodes.node_rank, "nnodes": nodes.nnodes, "host": host, "ports": ports}
     meeting = _Meeting(secret)
     try:
@@ -181,7 +181,7 @@ def _host_meeting(
     meeting: _Meeting,
 ) -> list[dict]:
     """Node 0: listen, collect every node's entry, answer each with all of them (or an error)."""
-    address = _listen_address(nodes.master_addr)
+    address = listen_address(nodes.master_addr)
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
