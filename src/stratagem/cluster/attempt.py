@@ -264,10 +264,12 @@ class Job:
                 outcome = self._decide()
                 if outcome is not None:
                     deadline = time.monotonic() + self.grace_period
-                    waiting = self._names(r for r in self._running if r.status is None)
+                    waiting = [r for r in self._running if r.status is None]
                     if waiting:
+                        own = "its own" if len(waiting) == 1 else "their own"
                         self.console.log(
-                            f"giving {waiting} up to {self.grace_period:g} s to exit on their own"
+                            f"giving {self._names(waiting)} up to {self.grace_period:g} s to "
+                            f"exit on {own}"
                         )
             if outcome is not None and (
                 all(r.status is not None for r in self._running) or time.monotonic() >= deadline
