@@ -401,6 +401,7 @@ def test_failed_worker_stops_the_job_and_its_processes(tmp_path):
     assert result.returncode == 3, result.stderr
     assert seconds_since_exit(tmp_path, "worker1") < 1 + MARGIN_S
     assert "[stratagem] worker 1 failed: exit code 3" in result.stderr
+    assert "[stratagem] giving worker 0 up to 1 s to exit on its own" in result.stderr
     assert "[stratagem] stopping worker 0: SIGTERM" in result.stderr
     assert (
         "[stratagem] job failed: worker 1 failed: exit code 3 (after 0 restarts)" in result.stderr

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cluster_utils import WORKERS, Process, child_env
-from stratagem.comm.process_group import is_communication_failure
+from stratagem.comm.process_group import is_communication_failure, underlying_error
 from stratagem.dtensor import ShardingRuleError
 from stratagem.errors import PeerLostError
 
@@ -89,3 +89,19 @@ def test_a_transport_failure_is_about_the_peers(error):
 @pytest.mark.parametrize("error", LOCAL_ERRORS, ids=lambda e: type(e).__name__ + str(e)[:20])
 def test_an_error_of_the_process_own_computation_is_not(error):
     assert not is_communication_failure(error)
+
+
+@pytest.mark.parametrize(
+    "lost, owner",
+    [(["worker 0 (localhost:39719)"], "worker 0 (localhost:39719)'s"), ([], "a peer's")],
+)
+def test_gloo_s_own_port_is_named_as_such_and_whose(lost, owner):
+    # gloo names the far end of its own connection, on a port none of the job's addresses has.
+    error = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:589] Read error [127.0.0.1]:54957: "
+        "Connection reset by peer"
+    )
+    assert underlying_error(error, lost) == (
+        f"Read error [127.0.0.1]:54957 ({owner} gloo connection, on a port of gloo's own, not "
+        "its address in the cluster): Connection reset by peer"
+    )

@@ -79,7 +79,10 @@ def test_two_nodes_on_two_loopback_addresses_train_as_one_job(tmp_path):
     assert w0.startswith("127.0.0.1:") and w1.startswith("127.0.0.2:")
     assert "[worker 0] cluster" in out0 and "sum 3.0" in out0
     assert "[worker 1] cluster" in out1 and "sum 3.0" in out1
-    assert "[stratagem] all 2 nodes arrived: node 0 (127.0.0.1, 1 tasks), node 1 (127.0.0.2" in out0
+    assert "[stratagem] all 2 nodes arrived: node 0 (127.0.0.1, 1 task), node 1 (127.0.0.2" in out0
+    # Each launcher says how long it waits for the others when it starts waiting.
+    assert "[stratagem] node 0 waiting up to 300 s (--join-timeout) at 127.0.0.1:" in out0
+    assert "[stratagem] node 1 of 2 waiting up to 300 s (--join-timeout) for node 0's" in out1
     assert "[stratagem] started 1 worker (node 1 of 2): " in out1
     assert "[stratagem] worker 1 pid " in out1 and f" at {w1}" in out1
     assert (
@@ -139,6 +142,36 @@ def test_nodes_started_with_different_nnodes_are_refused_by_name():
     expected = "node 1 was started with --nnodes 3 but node 0 of 2 with --nnodes 2"
     assert expected in errors[0]
     assert errors[1].startswith("node 0 refused node 1 of 3: " + expected)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_nodes_that_do_not_meet_within_the_join_timeout_exit_124(tmp_path, rank):
+    """--join-timeout is said when the wait starts, and running out of it is no usage error (2):
+    the launcher exits 124, as GNU timeout, for node 0 (nobody came) and another node (node 0
+    never answered)."""
+    (tmp_path / "train.py").write_text("")
+    (port,) = free_ports(1)
+    options = ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1"]
+    node = _launcher(tmp_path, "alone", *options, "--master-port", str(port), "--join-timeout", "1")
+    try:
+        result = node.wait(60)
+    finally:
+        node.kill_group()
+    assert result.returncode == 124, result.stdout
+    lines = result.stdout.splitlines()
+    who = "node 0" if rank == 0 else "node 1 of 2"
+    assert lines[0].startswith(f"[stratagem] {who} waiting up to 1 s (--join-timeout)"), lines
+    assert lines[-1].startswith("stratagem run: "), lines
+    assert "1 s (--join-timeout)" in lines[-1], lines
+
+
+def test_join_timeout_needs_nnodes_and_a_positive_value(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ok.py").write_text("")
+    assert main(["run", "--join-timeout", "5", "ok.py"]) == 2
+    assert "--join-timeout needs --nnodes" in capsys.readouterr().err
+    assert main(["run", *NODE0, "--join-timeout", "0", "ok.py"]) == 2
+    assert "--join-timeout must be a number of seconds above 0, got 0" in capsys.readouterr().err
 
 
 def test_a_launcher_waiting_for_the_other_nodes_stops_on_sigterm(tmp_path):

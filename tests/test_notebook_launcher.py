@@ -14,12 +14,14 @@ import pytest
 
 import stratagem as sg
 from cluster_utils import REPO, child_env
+from stratagem.cluster.tasks import free_ports
 
 pytestmark = pytest.mark.multiprocess
 
 TIMEOUT_S = 180
 
 UNGUARDED = """\
+import json, os
 import stratagem as sg
 import torch
 
@@ -28,8 +30,10 @@ def train(scale):
     one = torch.ones(1) * scale
     total = strategy.reduce(sg.distribute.ReduceOp.SUM, strategy.run(lambda: one), axis=None)
     print("sum", total.item())
+    print("cluster", json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
 
-sg.launch.notebook_launcher(train, args=(3.0,), num_workers=2)
+# Accelerate's keywords, as its own notebook_launcher takes them (the port as a string).
+sg.launch.notebook_launcher(train, args=(3.0,), num_processes=2, use_port="{port}")
 print("launcher returned")
 """
 
@@ -48,6 +52,29 @@ except sg.launch.WorkerFailedError as e:
     print("caught", e)
 """
 
+# Both workers fail at once (each waits for the other's file first) with long tracebacks:
+# printed line by line as they come, the two would mix; each must come whole.
+BOTH_FAIL = """
+import json, os, pathlib
+import stratagem as sg
+def ping(index, depth):  # two functions in turn: Python folds a frame repeated in a row
+    if depth == 0:
+        raise ValueError(f"worker {index} broke")
+    pong(index, depth - 1)
+def pong(index, depth):
+    ping(index, depth)
+def job():
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    pathlib.Path(f"ready-{index}").touch()
+    while not pathlib.Path(f"ready-{1 - index}").exists():
+        pass
+    ping(index, 60)
+try:
+    sg.launch.notebook_launcher(job, num_processes=2)
+except sg.launch.WorkerFailedError as e:
+    print("caught", e)
+"""
+
 
 def _python(args: list[str], cwd) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -62,7 +89,8 @@ def _python(args: list[str], cwd) -> subprocess.CompletedProcess:
 
 
 def test_from_a_script_without_a_main_guard(tmp_path):
-    (tmp_path / "unguarded.py").write_text(UNGUARDED)
+    port = free_ports(1)[0]
+    (tmp_path / "unguarded.py").write_text(UNGUARDED.replace("{port}", str(port)))
     done = _python(["unguarded.py"], tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
@@ -71,6 +99,8 @@ def test_from_a_script_without_a_main_guard(tmp_path):
         "[worker 1] sum 6.0",
     ]
     assert lines[-1] == "launcher returned"  # once: the workers never ran the script's top
+    cluster = next(line for line in lines if line.startswith("[worker 0] cluster"))
+    assert f"'localhost:{port}'" in cluster.split("[")[2].split(",")[0], cluster  # use_port
     assert done.stdout.count("launcher returned") == 1
     assert "[worker 1] [stratagem] worker 1 of 2 workers (TF_CONFIG)" in done.stdout
 
@@ -85,11 +115,39 @@ def test_from_python_c_a_failing_worker_is_named(tmp_path):
     assert "never" not in done.stdout
 
 
+def test_two_failing_workers_show_one_traceback_each(tmp_path):
+    done = _python(["-c", BOTH_FAIL], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    for index in (0, 1):
+        prefix = f"[worker {index}] "
+        start = lines.index(prefix + "Traceback (most recent call last):")
+        end = lines.index(f"{prefix}ValueError: worker {index} broke")
+        block = lines[start : end + 1]
+        assert len(block) > 120, block  # 120 frames, without source lines (python -c)
+        assert all(line.startswith(prefix) for line in block), "\n".join(block)
+    assert "caught worker " in done.stdout
+
+
+UNSUPPORTED = sg.launch.UnsupportedLaunchOption
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
         ({"function": 3}, TypeError, "needs a function, got int"),
         ({"function": print, "num_workers": 0}, ValueError, "num_workers must be .* got 0"),
+        ({"function": print, "num_processes": 0}, ValueError, "num_processes must be .* got 0"),
+        (
+            {"function": print, "num_processes": 2, "num_workers": 2},
+            TypeError,
+            "give one of them",
+        ),
+        ({"function": print, "num_nodes": 2}, UNSUPPORTED, r"num_nodes=2.*stratagem run --nnodes"),
+        ({"function": print, "node_rank": 1}, UNSUPPORTED, r"node_rank=1"),
+        ({"function": print, "mixed_precision": "fp16"}, UNSUPPORTED, r"set_global_policy"),
+        ({"function": print, "use_port": "http"}, ValueError, r"use_port must be .* got 'http'"),
+        ({"function": print, "master_addr": "no-such-host.invalid"}, ValueError, "master_addr"),
     ],
 )
 def test_bad_arguments(kwargs, error, match):

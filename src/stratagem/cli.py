@@ -33,6 +33,7 @@ class Command:
     usage: str | None  # None: argparse writes it
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.ArgumentParser, list[str]], int]  # (its parser, its arguments)
+    epilog: str | None = None  # after the options in `stratagem <command> --help`
 
 
 # --- stratagem run -----------------------------------------------------------------------------
@@ -60,7 +61,21 @@ RUN_OPTIONS_WITH_VALUE = (
     "--node-rank",
     "--master-addr",
     "--master-port",
+    "--join-timeout",
 )
+# What the launcher's exit code says (shown by `stratagem run --help`, and in the README).
+RUN_EPILOG = f"""\
+exit codes:
+  0      the chief and every worker exited 0
+  N      the failed task's own exit code, once restarts ran out (128 + S when a signal S killed
+         it), so a script's code passes through
+  1      the script could not be started
+  2      a usage error: bad options or values, nothing was started
+  {launcher.JOIN_TIMEOUT_EXIT_CODE}    --nnodes: the nodes did not all meet within --join-timeout
+         (start them closer together in time, or raise it)
+  128+S  the launcher received signal S and stopped the job (130: Ctrl-C, 143: SIGTERM)
+A task's own code can be any of these: the launcher's last line (job failed: ...) says which.
+"""
 
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +145,15 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="P",
         help=f"the port node 0's launcher listens on (default {launcher.DEFAULT_MASTER_PORT})",
     )
+    nodes.add_argument(
+        "--join-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds a node's launcher waits for the others, said when it starts waiting"
+        f" (default {launcher.DEFAULT_TIMEOUT_S:g}; torchrun's --rdzv-conf join_timeout); past"
+        f" it the launcher exits {launcher.JOIN_TIMEOUT_EXIT_CODE}",
+    )
     parser.add_argument(
         "--tolerate-worker-loss",
         action="store_true",
@@ -185,6 +209,9 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
             nodes=nodes,
             restart_workers=args.restart_workers,
         )
+    except launcher.JoinTimeoutError as exc:  # not a usage error: the same command may work later
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return launcher.JOIN_TIMEOUT_EXIT_CODE
     except launcher.LaunchError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
@@ -196,12 +223,17 @@ def _nodes(
     """The multi-node options as ``Nodes`` (None without --nnodes), and the tasks' host."""
     given = [
         flag
-        for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr))
+        for flag, value in (
+            ("--node-rank", args.node_rank),
+            ("--master-addr", args.master_addr),
+            ("--join-timeout", args.join_timeout),
+        )
         if value is not None
     ]
     if args.nnodes is None:
         if given:
-            parser.error(f"{' and '.join(given)} need --nnodes")
+            verb = "needs" if len(given) == 1 else "need"
+            parser.error(f"{' and '.join(given)} {verb} --nnodes")
         return None, "localhost" if args.host is None else args.host
     missing = [
         flag
@@ -210,7 +242,10 @@ def _nodes(
     ]
     if missing:
         parser.error(f"--nnodes needs {' and '.join(missing)}")
-    nodes = launcher.Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    timeout = launcher.DEFAULT_TIMEOUT_S if args.join_timeout is None else args.join_timeout
+    nodes = launcher.Nodes(
+        args.nnodes, args.node_rank, args.master_addr, args.master_port, timeout_s=timeout
+    )
     host = args.host
     if host is None:
         host = (
@@ -354,8 +389,8 @@ def _tune(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     done = len(job.trials)
     print(
         f"[stratagem] study {job.display_name!r} in {job.study_dir}: "
-        f"{job.max_trial_count} trials, {job.parallel_trial_count} in parallel"
-        + (f" (resuming after {done} trials)" if done else ""),
+        f"{launcher.plural(job.max_trial_count, 'trial')}, {job.parallel_trial_count} in parallel"
+        + (f" (resuming after {launcher.plural(done, 'trial')})" if done else ""),
         file=sys.stderr,
     )
     from stratagem.tune.hparams import dashboard_commands
@@ -390,6 +425,7 @@ COMMANDS: dict[str, Command] = {
     "run": Command(
         help="run a script as a local cluster job (workers, ps, evaluator)",
         description=RUN_DESCRIPTION,
+        epilog=RUN_EPILOG,
         usage=RUN_USAGE,
         add_arguments=_add_run_arguments,
         run=_run,
@@ -430,6 +466,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
             name,
             help=command.help,
             description=command.description,
+            epilog=command.epilog,
             usage=command.usage,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )

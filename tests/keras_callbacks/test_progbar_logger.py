@@ -55,3 +55,35 @@ def test_verbose_1_in_a_terminal_redraws_the_bar_in_place_with_keras_colours():
     assert plain[0].startswith("1/3 " + "━" * 20)  # 6 of 20 in green, the rest grey
     assert "\x1b[1m1/3\x1b[0m \x1b[32m━━━━━━\x1b[0m\x1b[37m" + "━" * 14 in draws[0]
     assert re.fullmatch(rf"3/3 ━{{20}} \d+s {_TIME}{_LOGS}", plain[-1]), plain[-1]
+
+
+def test_evaluate_prints_keras_s_bar(capsys):
+    """Keras 3's evaluate with verbose="auto" (1) draws the progress bar over its batches: to a
+    file or a pipe, the finished bar alone, as fit's."""
+    x, y = keras_data(48)
+    model = _compiled()
+    model.evaluate(x, y, batch_size=16)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"3/3 ━{{20}} \d+s {_TIME}{_LOGS}", line), line
+    model.evaluate(x, y, batch_size=16, verbose=2)
+    (line,) = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"3/3 - \d+s - {_TIME}{_LOGS}", line), line
+    model.evaluate(x, y, batch_size=16, verbose=0)
+    assert capsys.readouterr().out == ""
+
+
+def test_evaluate_in_a_terminal_redraws_its_bar_and_fit_s_validation_draws_none():
+    x, y = keras_data(48)
+    model = _compiled()
+    stream = _Terminal()
+    model.evaluate(
+        x, y, batch_size=16, callbacks=[sg.keras.callbacks.ProgbarLogger(verbose=1, stream=stream)]
+    )
+    draws = stream.getvalue().split("\r")[1:]
+    plain = [re.sub(r"\x1b\[[0-9;]*m", "", d).rstrip() for d in draws]
+    assert [p.split(" ")[0] for p in plain] == ["1/3", "2/3", "3/3", "3/3"], plain
+    stream = _Terminal()
+    bar = sg.keras.callbacks.ProgbarLogger(verbose=1, stream=stream)
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[bar], validation_data=(x, y))
+    draws = stream.getvalue().split("\r")[1:]
+    assert len(draws) == 4, draws  # the training bar's 3 batches and its end; no validation bar

@@ -4,22 +4,32 @@ Every task runs in its own session and process group, so that stopping a task al
 it started and a terminal's Ctrl-C reaches only the launcher, which forwards it. The first
 failure decides the attempt, after a grace period in which the survivors may report the lost
 peer themselves.
+
+When the launcher's own output is a terminal, the chief's output is a terminal too (a pty), as
+under torchrun or plain python: its progress bar is drawn in place (``\r``) and the launcher
+shows each redraw as it comes, with the chief's prefix. The other tasks write to pipes, whose
+output is shown line by line.
 """
 
 from __future__ import annotations
 
+import codecs
+import fcntl
 import math
 import os
+import pty
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO, TextIO
+from typing import IO, Any, TextIO
 
 from stratagem.cluster.tasks import INCARNATION_VARIABLE, Task, count_tasks, plural
 
@@ -32,6 +42,7 @@ _MAX_LINE_BYTES = 1 << 20
 # How long to wait for a task's output to end after the task is gone; only a process that left
 # the task's process group (its own setsid) can hold the pipe open longer.
 _READER_JOIN_S = 2.0
+_CLEAR_TO_END = "\x1b[K"  # ANSI: erase from the cursor to the end of the line
 
 
 @dataclass(frozen=True)
@@ -91,9 +102,12 @@ class Interrupts:
 
 
 class Console:
-    """Whole lines to the launcher's stdout (task output) and stderr (its own messages).
+    """Whole lines to the launcher's stdout (task output) and stderr (its own messages), and on
+    a terminal one line drawn in place (a task's progress bar, ``task_draw``).
 
-    One lock for both streams: on a terminal they meet, and lines must never mix mid-line.
+    One lock for both streams: on a terminal they meet, and lines must never mix mid-line. A
+    line printed while another is drawn in place goes above it: the drawn line is erased, the
+    line printed, and the drawn line drawn again below.
     """
 
     def __init__(self, out: TextIO, err: TextIO) -> None:
@@ -101,27 +115,56 @@ class Console:
         self.err = err
         self._lock = threading.Lock()
         self._closed: set[int] = set()
+        self._drawn: tuple[str, str] | None = None  # (prefix, text) of the line drawn in place
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether task output goes to a terminal (where a chief's progress bar can be live)."""
+        try:
+            return bool(self.out.isatty())
+        except (AttributeError, OSError, ValueError):
+            return False
 
     def task_line(self, prefix: str, text: str) -> None:
-        self._write(self.out, prefix + text)
+        self._line(self.out, prefix, text)
+
+    def task_draw(self, prefix: str, text: str) -> None:
+        """Draw ``prefix + text`` in place of the line drawn before (no newline): a task's
+        ``\r`` redraw of its unfinished line."""
+        with self._lock:
+            self._drawn = (prefix, text)
+            self._write(self.out, f"\r{prefix}{text}{_CLEAR_TO_END}")
 
     def log(self, message: str) -> None:
-        self._write(self.err, f"[stratagem] {message}\n")
+        self._line(self.err, "[stratagem] ", f"{message}\n")
+
+    def _line(self, stream: TextIO, prefix: str, text: str) -> None:
+        with self._lock:
+            drawn = self._drawn
+            if drawn is None:
+                self._write(stream, prefix + text)
+            elif stream is self.out and drawn[0] == prefix:  # the drawn line's own end
+                self._drawn = None
+                self._write(stream, f"\r{prefix}{text.rstrip(chr(10))}{_CLEAR_TO_END}\n")
+            else:  # another line: above the drawn one, which is drawn again below it
+                self._write(self.out, f"\r{_CLEAR_TO_END}")
+                self._write(stream, prefix + text)
+                self._write(self.out, drawn[0] + drawn[1])
 
     def _write(self, stream: TextIO, text: str) -> None:
-        with self._lock:
-            if id(stream) in self._closed:
-                return
+        """Write and flush (the caller holds the lock)."""
+        if id(stream) in self._closed:
+            return
+        try:
             try:
-                try:
-                    stream.write(text)
-                except UnicodeEncodeError:  # a terminal that cannot show the replacement character
-                    stream.write(text.encode("ascii", "backslashreplace").decode("ascii"))
-                stream.flush()
-            except (OSError, ValueError):
-                # Nobody reads any more (`stratagem run ... | head`): drop the output, but keep
-                # draining the tasks' pipes so that they do not block on a full pipe.
-                self._closed.add(id(stream))
+                stream.write(text)
+            except UnicodeEncodeError:  # a terminal that cannot show the replacement character
+                stream.write(text.encode("ascii", "backslashreplace").decode("ascii"))
+            stream.flush()
+        except (OSError, ValueError):
+            # Nobody reads any more (`stratagem run ... | head`): drop the output, but keep
+            # draining the tasks' pipes so that they do not block on a full pipe.
+            self._closed.add(id(stream))
 
 
 def _pump(pipe: IO[bytes], prefix: str, console: Console) -> None:
@@ -132,6 +175,64 @@ def _pump(pipe: IO[bytes], prefix: str, console: Console) -> None:
             if not text.endswith("\n"):  # the last line without newline, or a piece of a long one
                 text += "\n"
             console.task_line(prefix, text)
+
+
+def _pump_terminal(fd: int, prefix: str, console: Console) -> None:
+    """Copy a task's terminal output (the master side of its pty) to the console: whole lines
+    as ``_pump``, and every ``\r`` redraw of an unfinished line (a progress bar) as it comes,
+    until every writer has closed the terminal."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    shown = ""  # the unfinished line's text last drawn, not drawn twice in a row
+    try:
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:  # EIO: the last writer closed the terminal (Linux)
+                break
+            if not chunk:
+                break
+            pending += decoder.decode(chunk)
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                *draws, last = line.rstrip("\r").split("\r")
+                for draw in draws:
+                    if draw and draw != shown:
+                        console.task_draw(prefix, draw)
+                console.task_line(prefix, last + "\n")
+                shown = ""
+            *draws, pending = pending.split("\r")
+            for draw in [*draws, pending]:
+                if draw and draw != shown:
+                    console.task_draw(prefix, draw)
+                    shown = draw
+            if len(pending) > _MAX_LINE_BYTES:  # no newline in sight: a piece, as _pump's
+                console.task_line(prefix, pending + "\n")
+                pending = ""
+        pending += decoder.decode(b"", final=True)
+        if pending:
+            console.task_line(prefix, pending + "\n")
+    finally:
+        os.close(fd)
+
+
+def _open_terminal(out: TextIO, prefix: str) -> tuple[int, int]:
+    """A pty for a task's output: (master, slave). It passes bytes as written (no ``\n`` to
+    ``\r\n``), and has the launcher's terminal's size less the prefix, for tools that fit
+    their bars to it."""
+    master, slave = pty.openpty()
+    attrs = termios.tcgetattr(slave)
+    attrs[1] &= ~termios.OPOST
+    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    try:
+        size = fcntl.ioctl(out.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
+        rows, cols, *_ = struct.unpack("HHHH", size)
+        if cols:
+            size = struct.pack("HHHH", rows, max(20, cols - len(prefix)), 0, 0)
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, size)
+    except (AttributeError, OSError, ValueError):
+        pass  # not a real terminal's stream: the pty keeps its default size
+    return master, slave
 
 
 def _signal_group(pgid: int, signum: int) -> None:
@@ -223,19 +324,49 @@ class Job:
             self._running.append(running)
             self.console.log(f"{task.name} pid {running.proc.pid} at {task.address}")
 
+    def _is_chief(self, task: Task) -> bool:
+        """The task that prints the job's progress: the chief, else worker 0."""
+        if task.type == "chief":
+            return True
+        has_chief = any(t.type == "chief" for t in self.tasks)
+        return task.type == "worker" and task.index == 0 and not has_chief
+
     def _spawn(self, task: Task, env: dict[str, str], incarnation: int = 1) -> _Running:
-        proc = subprocess.Popen(
-            [self.python, *self.target],
-            env=env,
-            stdin=subprocess.DEVNULL,  # N tasks reading one terminal would steal its input
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,  # one pipe keeps the order of stdout and stderr lines
-            start_new_session=True,  # its own process group: pid == pgid
-        )
-        assert proc.stdout is not None
+        prefix = f"[{task.name}] "
+        if self.console.is_terminal and self._is_chief(task):
+            # A terminal for the chief, as it would have without the launcher: its progress
+            # bar is drawn live (a pipe would make it print the finished line only).
+            master, slave = _open_terminal(self.console.out, prefix)
+            try:
+                proc = subprocess.Popen(
+                    [self.python, *self.target],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=slave,
+                    stderr=slave,
+                    start_new_session=True,  # no controlling terminal: Ctrl-C stays ours
+                )
+            except BaseException:
+                os.close(master)
+                raise
+            finally:
+                os.close(slave)
+            target: Any = _pump_terminal
+            source: Any = master
+        else:
+            proc = subprocess.Popen(
+                [self.python, *self.target],
+                env=env,
+                stdin=subprocess.DEVNULL,  # N tasks reading one terminal would steal its input
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,  # one pipe keeps the order of stdout and stderr lines
+                start_new_session=True,  # its own process group: pid == pgid
+            )
+            assert proc.stdout is not None
+            target, source = _pump, proc.stdout
         reader = threading.Thread(
-            target=_pump,
-            args=(proc.stdout, f"[{task.name}] ", self.console),
+            target=target,
+            args=(source, prefix, self.console),
             name=f"stratagem-output-{task.name}",
             daemon=True,  # an escaped grandchild holding the pipe must not keep us alive
         )
@@ -264,10 +395,12 @@ class Job:
                 outcome = self._decide()
                 if outcome is not None:
                     deadline = time.monotonic() + self.grace_period
-                    waiting = self._names(r for r in self._running if r.status is None)
+                    waiting = [r for r in self._running if r.status is None]
                     if waiting:
+                        own = "its own" if len(waiting) == 1 else "their own"
                         self.console.log(
-                            f"giving {waiting} up to {self.grace_period:g} s to exit on their own"
+                            f"giving {self._names(waiting)} up to {self.grace_period:g} s to "
+                            f"exit on {own}"
                         )
             if outcome is not None and (
                 all(r.status is not None for r in self._running) or time.monotonic() >= deadline

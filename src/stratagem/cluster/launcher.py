@@ -33,7 +33,15 @@ from stratagem.cluster.attempt import (
     describe_status,
     exit_code_of,
 )
-from stratagem.cluster.nodes import DEFAULT_MASTER_PORT, Nodes, address_towards, make_node_tasks
+from stratagem.cluster.nodes import (
+    DEFAULT_MASTER_PORT,
+    DEFAULT_TIMEOUT_S,
+    JOIN_TIMEOUT_EXIT_CODE,
+    JoinTimeoutError,
+    Nodes,
+    address_towards,
+    make_node_tasks,
+)
 from stratagem.cluster.progress import LEVEL_VARIABLE
 from stratagem.cluster.tasks import (
     CONFLICTING_ENV,
@@ -54,11 +62,14 @@ __all__ = [  # the launcher's parts, used by jobs, tuning and tests through this
     "CONFLICTING_ENV",
     "CONFLICTING_ENV_PREFIXES",
     "DEFAULT_MASTER_PORT",
+    "DEFAULT_TIMEOUT_S",
+    "JOIN_TIMEOUT_EXIT_CODE",
     "KILL_TIMEOUT_S",
     "TASK_TYPES",
     "Console",
     "Interrupts",
     "Job",
+    "JoinTimeoutError",
     "LaunchError",
     "Nodes",
     "Outcome",
@@ -71,6 +82,7 @@ __all__ = [  # the launcher's parts, used by jobs, tuning and tests through this
     "free_ports",
     "launch",
     "make_tasks",
+    "plural",
     "run_job",
     "task_env",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -30,16 +31,27 @@ from stratagem.cluster.job_secret import (
 from stratagem.cluster.tasks import (
     LaunchError,
     Task,
-    _listen_address,
     build_tf_configs,
     free_ports,
+    listen_address,
+    plural,
     task_env,
 )
 
 #: Where node 0's launcher listens when no --master-port is given (torchrun's default too).
 DEFAULT_MASTER_PORT = 29500
-#: How long launchers wait for each other: machines of a job are often started minutes apart.
+#: How long launchers wait for each other: machines of a job are often started minutes apart
+#: (``stratagem run --join-timeout``; torchrun's ``--rdzv-conf join_timeout``).
 DEFAULT_TIMEOUT_S = 300.0
+#: The launcher's exit code when the nodes did not all meet in time: GNU ``timeout``'s, apart
+#: from a usage error's 2, so that a script or scheduler can tell "start later" from "wrong".
+JOIN_TIMEOUT_EXIT_CODE = 124
+
+
+class JoinTimeoutError(LaunchError):
+    """The nodes of a job did not all meet within ``--join-timeout``."""
+
+
 _MAX_MESSAGE_BYTES = 64 << 10
 _REPORT_EVERY_S = 10.0
 
@@ -69,6 +81,10 @@ class Nodes:
             )
         if not 1 <= self.master_port <= 65535:
             raise LaunchError(f"--master-port must be 1..65535, got {self.master_port}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise LaunchError(
+                f"--join-timeout must be a number of seconds above 0, got {self.timeout_s}"
+            )
 
     @property
     def name(self) -> str:
@@ -111,7 +127,7 @@ def make_node_tasks(
             f"{SECRET_FILE_VARIABLE}, or {INSECURE_VARIABLE}=1 to let anyone who can reach "
             "the job's ports join it"
         )
-    ports = free_ports(workers, _listen_address(host))
+    ports = free_ports(workers, listen_address(host))
     mine = {"node_rank": nodes.node_rank, "nnodes": nodes.nnodes, "host": host, "ports": ports}
     meeting = _Meeting(secret)
     try:
@@ -181,7 +197,7 @@ def _host_meeting(
     meeting: _Meeting,
 ) -> list[dict]:
     """Node 0: listen, collect every node's entry, answer each with all of them (or an error)."""
-    address = _listen_address(nodes.master_addr)
+    address = listen_address(nodes.master_addr)
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -195,6 +211,11 @@ def _host_meeting(
     entries: dict[int, dict] = {0: mine}
     peers: dict[int, socket.socket] = {}
     deadline = time.monotonic() + nodes.timeout_s
+    if nodes.nnodes > 1:
+        log(
+            f"node 0 waiting up to {nodes.timeout_s:g} s (--join-timeout) at "
+            f"{nodes.master_addr}:{nodes.master_port} for {plural(nodes.nnodes - 1, 'other node')}"
+        )
     next_report = time.monotonic() + 1.0
     try:
         server.listen(nodes.nnodes)
@@ -204,8 +225,8 @@ def _host_meeting(
                 raise _Stopped
             now = time.monotonic()
             if now >= deadline:
-                raise LaunchError(
-                    f"node 0 waited {nodes.timeout_s:g}s at {nodes.master_addr}:"
+                raise JoinTimeoutError(
+                    f"node 0 waited {nodes.timeout_s:g} s (--join-timeout) at {nodes.master_addr}:"
                     f"{nodes.master_port} for the other nodes; missing: "
                     f"{_missing(entries, nodes.nnodes)}. Run the same command with each "
                     "--node-rank on every machine"
@@ -237,7 +258,7 @@ def _host_meeting(
         everyone = [entries[r] for r in range(nodes.nnodes)]
         for conn in peers.values():
             meeting.send(conn, {"nodes": everyone})
-        log(f"all {nodes.nnodes} nodes arrived: {_names(entries)}")
+        log(f"{_all_nodes(nodes.nnodes)} arrived: {_names(entries)}")
         return everyone
     finally:
         for conn in peers.values():
@@ -256,6 +277,10 @@ def _join_meeting(
     deadline = time.monotonic() + nodes.timeout_s
     next_report = time.monotonic() + 1.0
     where = f"{nodes.master_addr}:{nodes.master_port}"
+    log(
+        f"{nodes.name} waiting up to {nodes.timeout_s:g} s (--join-timeout) for node 0's "
+        f"launcher at {where} and the other nodes"
+    )
     while True:
         try:
             conn = socket.create_connection((nodes.master_addr, nodes.master_port), timeout=1.0)
@@ -265,9 +290,10 @@ def _join_meeting(
                 raise _Stopped from None
             now = time.monotonic()
             if now >= deadline:
-                raise LaunchError(
+                raise JoinTimeoutError(
                     f"{nodes.name} could not reach node 0's launcher at {where} within "
-                    f"{nodes.timeout_s:g}s ({e}); is node 0 started, and is --master-addr right?"
+                    f"{nodes.timeout_s:g} s (--join-timeout) ({e}); is node 0 started, and is "
+                    "--master-addr right?"
                 ) from None
             if now >= next_report:
                 log(f"{nodes.name} waiting for node 0's launcher at {where}")
@@ -280,12 +306,14 @@ def _join_meeting(
         raise LaunchError(f"node 0 refused {nodes.name}: {reply['error']}")
     everyone = reply.get("nodes")
     if not isinstance(everyone, list) or len(everyone) != nodes.nnodes:
-        raise LaunchError(f"node 0 at {where} answered {reply!r}, expected {nodes.nnodes} nodes")
+        raise LaunchError(
+            f"node 0 at {where} answered {reply!r}, expected {plural(nodes.nnodes, 'node')}"
+        )
     for rank, entry in enumerate(everyone):
         _check_entry(entry, nodes, f"node 0's answer for node {rank}")
         if entry["node_rank"] != rank:
             raise LaunchError(f"node 0 at {where} listed node {entry['node_rank']} as node {rank}")
-    log(f"all {nodes.nnodes} nodes arrived: {_names(dict(enumerate(everyone)))}")
+    log(f"{_all_nodes(nodes.nnodes)} arrived: {_names(dict(enumerate(everyone)))}")
     return everyone
 
 
@@ -337,7 +365,7 @@ def _read_message(
             raise _Stopped
         left = deadline - time.monotonic()
         if left <= 0:
-            raise LaunchError(f"{source} did not answer in time")
+            raise JoinTimeoutError(f"{source} did not answer within --join-timeout")
         conn.settimeout(min(left, 0.5))  # short waits: a signal to the launcher is seen soon
         try:
             chunk = conn.recv(4096)
@@ -369,9 +397,13 @@ def _read_message_body(text: str, source: str) -> dict:
 
 def _names(entries: Mapping[int, dict]) -> str:
     return ", ".join(
-        f"node {r} ({entries[r]['host']}, {len(entries[r]['ports'])} tasks)"
+        f"node {r} ({entries[r]['host']}, {plural(len(entries[r]['ports']), 'task')})"
         for r in sorted(entries)
     )
+
+
+def _all_nodes(nnodes: int) -> str:
+    return f"all {nnodes} nodes" if nnodes != 1 else "the job's one node"
 
 
 def _missing(entries: Mapping[int, dict], nnodes: int) -> str:

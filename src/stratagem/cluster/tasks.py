@@ -132,7 +132,7 @@ def restart_workers_of(environ: Mapping[str, str]) -> int:
     return value
 
 
-def _listen_address(host: str) -> str:
+def listen_address(host: str) -> str:
     """The address the tasks will listen on (their own: see ``comm/binding.py``), where their
     ports must be free: a port free on 127.0.0.1 may be taken on a routable address."""
     try:
@@ -164,7 +164,7 @@ def make_tasks(
     unknown = sorted(set(counts) - set(TASK_TYPES))
     if unknown:
         raise LaunchError(f"unknown task types {unknown}, expected some of {list(TASK_TYPES)}")
-    ports = iter(free_ports(sum(counts.values()), _listen_address(host)))
+    ports = iter(free_ports(sum(counts.values()), listen_address(host)))
     cluster = {
         job: [f"{host}:{next(ports)}" for _ in range(counts.get(job, 0))] for job in TASK_TYPES
     }

@@ -20,7 +20,7 @@ import re
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -250,10 +250,11 @@ class ProcessGroupCommunicator(Communicator):
                 f"{self.peer_name(r)}{why[a.status if a else None]}"
                 for r, a in sorted(gone.items())
             )
+            lost = [self.peer_name(r) for r in sorted(gone)]
             return PeerLostError(
                 f"{who} was lost during {op} on {self._me}. Underlying error: "
-                f"{_first_line(error)}. Its own output says why it ended; `stratagem run "
-                "--max-restarts N` restarts a job from its last checkpoint"
+                f"{underlying_error(error, lost)}. Its own output says why it ended; "
+                "`stratagem run --max-restarts N` restarts a job from its last checkpoint"
             )
         text = str(error).lower()
         silent = [r for r, a in sorted(answers.items()) if a is not None and a.status == SILENT]
@@ -542,13 +543,27 @@ def is_communication_failure(error: BaseException) -> bool:
     return any(word in text for word in _TRANSPORT_WORDS)
 
 
-def _first_line(error: BaseException) -> str:
+def underlying_error(error: BaseException, lost: Sequence[str] = ()) -> str:
     """The gist of a torch/gloo error: its first line, without gloo's source location and
-    its advice to read the remote worker's log (we name the worker instead)."""
+    its advice to read the remote worker's log (we name the worker instead).
+
+    gloo names the far end of its own connection (``Read error [127.0.0.1]:54957``), on a port
+    gloo picked, which is none of the job's addresses: the address is said to be that, and
+    whose it is when one peer was lost (``lost``: the names of the lost tasks)."""
     text = str(error).strip().splitlines()
     line = text[0] if text else type(error).__name__
     line = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
-    return line.split(". This is typically caused by")[0].rstrip(".")
+    line = line.split(". This is typically caused by")[0].rstrip(".")
+    owner = f"{lost[0]}'s" if len(lost) == 1 else "a peer's"
+    return re.sub(
+        r"\[[^\]\s]+\]:\d+",
+        lambda m: (
+            f"{m.group(0)} ({owner} gloo connection, on a port of gloo's own, not its "
+            "address in the cluster)"
+        ),
+        line,
+        count=1,
+    )
 
 
 def _canonical(resolver: Resolver) -> str:

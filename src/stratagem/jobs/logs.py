@@ -49,6 +49,15 @@ class FileConsole(Console):
         if self.stream:
             super().task_line(prefix, text)
 
+    @property
+    def is_terminal(self) -> bool:
+        return self.stream and super().is_terminal
+
+    def task_draw(self, prefix: str, text: str) -> None:
+        # A progress bar's redraws go to the screen only: the file gets the finished line.
+        if self.stream:
+            super().task_draw(prefix, text)
+
     def log(self, message: str) -> None:
         self._append(self.LAUNCHER_LOG, message + "\n")
         if self.stream:

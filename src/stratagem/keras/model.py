@@ -542,7 +542,7 @@ class Model(Portable):
             # batch_size applies to validation arrays; a validation dataset comes batched.
             val_batch = batch_size if _is_array(_split_xy(validation_data)[0]) else None
             # With fit's callbacks, as Keras's fit evaluates: their on_test_* hooks run too.
-            val = self._evaluate_logs(validation_data, val_batch, verbose=0, cbs=cbs)
+            val = self._evaluate_logs(validation_data, val_batch, cbs=cbs)
             logs.update({f"val_{k}": v for k, v in val.items()})
             _set_training(self.module, True)
         cbs.on_epoch_end(epoch, logs)
@@ -683,33 +683,38 @@ class Model(Portable):
         self._require_compiled("evaluate")
         if steps is not None:
             _check_count("steps", steps, minimum=1)
-        cbs = callbacks_module.CallbackList(
-            callbacks or [], self, {"epochs": 1, "steps": steps, "verbose": _verbosity(verbose)}
-        )
+        verbosity = _verbosity(verbose)
+        chosen = list(callbacks or [])
+        if verbosity and not any(isinstance(c, callbacks_module.ProgbarLogger) for c in chosen):
+            chosen.append(callbacks_module.ProgbarLogger(verbosity))  # Keras's evaluate bar
+        params = {"epochs": 1, "steps": steps, "verbose": verbosity}
+        cbs = callbacks_module.CallbackList(chosen, self, params)
         data = (x, y) if y is not None else x
-        logs = self._evaluate_logs(data, batch_size, verbose, steps=steps, cbs=cbs)
+        logs = self._evaluate_logs(data, batch_size, steps=steps, cbs=cbs, params=params)
         if return_dict:
             return logs
         values = [logs[name] for name in self.metrics_names]
         return values[0] if len(values) == 1 else values
 
     def _evaluate_logs(
-        self, data: Any, batch_size: int | None, verbose: int | str, *,
+        self, data: Any, batch_size: int | None, *,
         steps: int | None = None, cbs: callbacks_module.CallbackList | None = None,
+        params: dict[str, Any] | None = None,
     ) -> Logs:  # fmt: skip
+        """``params``: evaluate's own callbacks' parameters, which learn the number of batches
+        here (the progress bar's target); fit's validation passes none."""
         x, y = _split_xy(data)
-        batches, _ = global_batches(x, y, batch_size, what="evaluate")
+        batches, count = global_batches(x, y, batch_size, what="evaluate")
         if steps is not None:
             batches = _FirstBatches(batches, steps)
+        if params is not None and count is not None:
+            params["steps"] = count if steps is None else min(steps, count)
         strategy = self.distribute_strategy
         _set_training(self.module, False)
         self._reset_metrics()
         # Running metrics for on_test_batch_end only where a callback reads them (each is a
         # collective under MultiWorkerMirroredStrategy).
-        batch_logs = cbs is not None and any(
-            type(cb).on_test_batch_end is not callbacks_module.Callback.on_test_batch_end
-            for cb in cbs.callbacks
-        )
+        batch_logs = cbs is not None and any(cb.needs_test_batch_logs for cb in cbs.callbacks)
         if cbs is not None:
             cbs.on_test_begin()
         count = 0
@@ -745,9 +750,7 @@ class Model(Portable):
             raise ValueError("evaluate found no batch: the data is empty")
         logs = self._logs()
         if cbs is not None:
-            cbs.on_test_end(logs)
-        if _verbosity(verbose) and strategy.extended.should_save_summary:
-            print(callbacks_module.format_logs(logs), flush=True)
+            cbs.on_test_end(logs)  # the progress bar's last line, on the chief
         return logs
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0) -> np.ndarray:

@@ -40,7 +40,7 @@ def device_groups(
         )
         raise TuningConfigError(
             f"{parallel_trials} parallel trial(s) x devices_per_trial={devices_per_trial} need "
-            f"{parallel_trials * devices_per_trial} GPUs; this machine has {len(gpus)} "
+            f"{parallel_trials * devices_per_trial} GPU(s); this machine has {len(gpus)} "
             f"({source}). Lower parallel_trial_count or devices_per_trial"
         )
     return groups

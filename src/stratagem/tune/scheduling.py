@@ -133,7 +133,7 @@ class TrialScheduler:
                     self.progress("ended", study_trial(study, r.trial.number, job.metric_id))
                     if job.max_failed_trial_count and failed >= job.max_failed_trial_count:
                         raise TuningError(
-                            f"{failed} trials failed (max_failed_trial_count="
+                            f"{launcher.plural(failed, 'trial')} failed (max_failed_trial_count="
                             f"{job.max_failed_trial_count}); the last: trial "
                             f"{trial_id(r.trial.number)} in {r.directories.root}"
                         )

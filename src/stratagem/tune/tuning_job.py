@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stratagem.cluster import launcher
 from stratagem.jobs.custom_job import CustomJob
 from stratagem.jobs.directories import slug
 from stratagem.jobs.state import JobState, write_json_atomic
@@ -193,7 +194,7 @@ class HyperparameterTuningJob:
             raise TuningError(f"study {self.display_name!r} has no trials yet in {self.study_dir}")
         trials = self.trials
         target = Path(path) if path is not None else self.study_dir / "study.png"
-        title = f"{self.display_name}: {len(trials)} trials"
+        title = f"{self.display_name}: {launcher.plural(len(trials), 'trial')}"
         return plot_study(trials, study, self.metric_id, self.goal, target, title)
 
     # --- running the study -------------------------------------------------------------------

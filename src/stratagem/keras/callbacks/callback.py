@@ -63,6 +63,11 @@ class Callback:
             or own.on_batch_end is not Callback.on_batch_end
         )
 
+    @property
+    def needs_test_batch_logs(self) -> bool:
+        """Whether ``on_test_batch_end`` reads its logs (a collective per batch too)."""
+        return type(self).on_test_batch_end is not Callback.on_test_batch_end
+
     def on_train_begin(self, logs: Logs | None = None) -> None: ...
     def on_train_end(self, logs: Logs | None = None) -> None: ...
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None: ...

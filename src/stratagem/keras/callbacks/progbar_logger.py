@@ -1,5 +1,5 @@
 """``ProgbarLogger``: Keras 3's progress bar and epoch lines (``keras/src/utils/progbar.py``),
-printed by the chief:
+printed by the chief, for ``fit`` and for ``evaluate``:
 
     Epoch 1/3
     70/70 ━━━━━━━━━━━━━━━━━━━━ 2s 28ms/step - accuracy: 0.9100 - loss: 0.2900
@@ -13,6 +13,10 @@ import sys
 import time
 from typing import Any
 
+import torch
+
+from stratagem.distribute import ReduceOp
+from stratagem.distribute.capabilities import ChiefCoordination
 from stratagem.keras.callbacks.callback import Callback, Logs, is_chief
 
 _WIDTH = 20  # Keras 3's bar width
@@ -27,7 +31,8 @@ class ProgbarLogger(Callback):
     a pipe only the finished line is printed, without colours (Keras 3 writes its in-place
     redraws, backspaces and colour codes into files too). ``verbose=2``: one line per epoch,
     ``70/70 - 2s - 28ms/step - accuracy: 0.9100 - loss: 0.2900``. ``Epoch i/n`` heads each
-    epoch when there are several, as in Keras.
+    epoch when there are several, as in Keras. ``evaluate`` draws the same bar over its
+    batches; the validation inside ``fit`` draws none (Keras's ``_called_in_fit``).
     """
 
     def __init__(self, verbose: int = 1, stream: Any = None) -> None:
@@ -38,6 +43,7 @@ class ProgbarLogger(Callback):
         self._first: tuple[float, int] | None = None  # when the first batches ended, and how many
         self._seen = 0
         self._width = 0  # of the last line drawn in place
+        self._in_fit = False  # fit's validation calls the test hooks too: no bar for it
 
     def _out(self) -> Any:
         return self.stream or sys.stdout
@@ -48,8 +54,47 @@ class ProgbarLogger(Callback):
     @property
     def needs_batch_logs(self) -> bool:
         # Batch logs are a collective per step under multi-worker strategies: only a bar drawn
-        # in place shows them.
-        return self.verbose == 1 and self._tty()
+        # in place shows them, and every worker must compute them or none. Only the chief
+        # draws, and its output may be a terminal where the others' is a pipe (`stratagem
+        # run` in a terminal): the chief's answer is every worker's.
+        return self._agreed(self.verbose == 1 and self._tty() and is_chief(self.model))
+
+    @property
+    def needs_test_batch_logs(self) -> bool:
+        return not self._in_fit and self.needs_batch_logs
+
+    def _agreed(self, mine: bool) -> bool:
+        """Whether any worker's answer is True: one small collective, once per fit or
+        evaluate (where the hook logs are decided)."""
+        if self.model is None:
+            return mine
+        extended = self.model.distribute_strategy.extended
+        if isinstance(extended, ChiefCoordination) and extended.coordinating:
+            return mine  # the chief alone runs fit: its workers run scheduled functions
+        communicator = getattr(extended, "communicator", None)
+        if communicator is None or getattr(communicator, "world_size", 1) <= 1:
+            return mine
+        flag = torch.tensor([1.0 if mine else 0.0])
+        communicator.all_reduce(flag, ReduceOp.SUM, what="whether the chief draws a live bar")
+        return bool(flag.item() > 0)
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._in_fit = True
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        self._in_fit = False
+
+    def on_test_begin(self, logs: Logs | None = None) -> None:
+        if not self._in_fit:
+            self._start, self._first, self._seen, self._width = time.time(), None, 0, 0
+
+    def on_test_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        if not self._in_fit:
+            self.on_train_batch_end(batch, logs)
+
+    def on_test_end(self, logs: Logs | None = None) -> None:
+        if not self._in_fit:
+            self._finish(logs)
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._start, self._first, self._seen, self._width = time.time(), None, 0, 0
@@ -65,6 +110,10 @@ class ProgbarLogger(Callback):
             self._draw(self._seen, logs or {}, final=False)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        self._finish(logs)
+
+    def _finish(self, logs: Logs | None) -> None:
+        """The epoch's (or the evaluation's) finished line."""
         if not self.verbose or not is_chief(self.model):
             return
         target = self.params.get("steps") or self._seen
