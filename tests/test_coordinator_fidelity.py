@@ -47,6 +47,13 @@ def test_create_per_worker_dataset_takes_a_dataset_and_a_distributed_dataset(job
 
 
 @pytest.mark.multiprocess
+def test_coordinated_fit_takes_a_dataset_as_tfs_tutorial_passes_it(job):
+    got = _part(job, "keras")
+    assert got["dataset"] == {"epochs": 2, "steps": 8}, got
+    assert got["creator"] == {"epochs": 2, "steps": 8}, got
+
+
+@pytest.mark.multiprocess
 def test_iter_of_a_distributed_dataset_on_the_coordinator_is_a_value_error(job):
     got = _part(job, "iter")
     assert "you need to pass this dataset to ClusterCoordinator.create_per_worker_dataset" in (

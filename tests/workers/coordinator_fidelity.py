@@ -1,7 +1,8 @@
 """TF's documented coordinator behaviour, each part ported from TF's own tests
 (``cluster_coordinator_test.py``): `stratagem run --chief -n 2 --ps 1 THIS OUT`.
 
-- datasets: ``create_per_worker_dataset`` takes a dataset (``testPassDatasetToCreatePerWorker
+- datasets: ``Model.fit`` takes a dataset (TF's tutorial), ``create_per_worker_dataset`` takes
+  a dataset (``testPassDatasetToCreatePerWorker
   Dataset``, ``testInputFunctionWithMap``), a distributed dataset made on the chief
   (``testPassDistributedDatasetToCreatePerWorkerDataset``), and each worker shuffles its copy
   its own way (``testDatasetsShuffledDifferently``); ``iter()`` of a distributed dataset on the
@@ -186,7 +187,32 @@ def cancellation():
     return result
 
 
+def fit_data(input_context=None):
+    x = torch.linspace(-1, 1, 64).reshape(32, 2)
+    y = (x.sum(dim=1) > 0).long()
+    return sg.data.Dataset.from_tensor_slices((x, y)).shuffle(32).repeat().batch(8)
+
+
+def keras_fit():
+    """Model.fit under the coordinator on a dataset, as TF's tutorial passes it (and on a
+    DatasetCreator, as its older version did)."""
+    result = {}
+    creator = sg.keras.utils.experimental.DatasetCreator(fit_data)
+    for name, data in (("dataset", fit_data().prefetch(2)), ("creator", creator)):
+        with strategy.scope():
+            model = sg.keras.Model(torch.nn.Linear(2, 2))
+            model.compile(
+                sg.keras.optimizers.SGD(0.1),
+                loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=2,
+            )
+        history = model.fit(data, epochs=2, steps_per_epoch=4, verbose=0)
+        result[name] = {"epochs": len(history.history["loss"]), "steps": model.optimizer.iterations}
+    return result
+
+
 result = {
+    "keras": outcome(keras_fit),
     "iter": outcome(iter_on_the_coordinator),
     "datasets": outcome(datasets),
     "int64": outcome(int64_variable),
