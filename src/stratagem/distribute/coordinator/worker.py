@@ -21,7 +21,9 @@ The model, optimizer, loss and metrics a function captures arrive by state and a
 each call. Their parameters are the chief's variables on the ps: this worker keeps one copy of
 each (``bind_variable``, owned by its own ``ParameterServerStrategy``), pulls its current value
 before each call, and an optimizer step inside the function pushes gradients to the ps, which
-applies them (asynchronously, as TF2). A buffer (a BatchNorm's statistics) is this worker's
+applies them (asynchronously, as TF2). What the call changes of a variable it does not train (a
+step counter: ``requires_grad=False``) is sent to the ps as an addition when it ends (TF's
+``assign_add`` on a ps variable). A buffer (a BatchNorm's statistics) is this worker's
 own: it starts from the chief's value and then stays here. A metric starts empty in each call;
 its totals go back with the value, and the chief adds them to its own.
 """
