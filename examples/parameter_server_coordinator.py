@@ -191,9 +191,15 @@ print(f"Evaluation accuracy: {float(eval_accuracy.result()):f}", flush=True)
 
 
 # ------------------------------------------------------------------------------ Model.fit
-# The tutorial's first part: Keras's fit on the chief schedules the steps on the workers; each
-# worker's dataset comes from dataset_fn (a DatasetCreator); callbacks run on the chief.
-dc = sg.keras.utils.experimental.DatasetCreator(dataset_fn)
+# The tutorial's first part: Keras's fit on the chief schedules the steps on the workers;
+# callbacks run on the chief. Its input is a dataset, as the tutorial's (TF's recommended
+# input; a DatasetCreator(dataset_fn) works too): each worker makes its own copy of the
+# pipeline and shuffles it its own way.
+global_batch_size = args.global_batch_size
+(x, y), _ = load_digits()
+dataset = sg.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x)).repeat()
+dataset = dataset.batch(global_batch_size)
+dataset = dataset.prefetch(2)
 
 with strategy.scope():
     fit_model = compiled_fit_model()
@@ -205,7 +211,9 @@ callbacks = [
     sg.keras.callbacks.TensorBoard(log_dir=log_dir),
     sg.keras.callbacks.ModelCheckpoint(filepath=ckpt_filepath),
 ]
-fit_model.fit(dc, epochs=args.fit_epochs, steps_per_epoch=args.steps_per_epoch, callbacks=callbacks)
+fit_model.fit(
+    dataset, epochs=args.fit_epochs, steps_per_epoch=args.steps_per_epoch, callbacks=callbacks
+)
 
 # evaluate visits every test example exactly once, spread over the workers.
 _, (x_test, y_test) = load_digits()

@@ -210,14 +210,15 @@ def test_a_coordinator_job_schedules_joins_fetches_and_names_every_error(tmp_pat
         assert values == [1000.0 * worker + i for i in range(len(values))], per_worker
     assert "on worker" in r["fetch_error"] and "in boom" in r["fetch_error"]
     assert "boom 7" in r["join_error"] and "was cancelled" in r["cancelled"]
+    assert "boom 7" in r["held_cancelled"]  # running when boom failed: cancelled too
     assert "cannot be sent" in r["unsendable"] and "fetch it first" in r["remote_arg"]
     assert "the function's return value" in r["not_plain"]
     assert "only the chief" in r["from_worker"]
     assert "failed on worker 1" in r["dataset_error"]
     # Worker 1 died (-9) inside a function: it ran again on worker 0; each completed once.
     assert r["killed"] and r["after_kill"] == [0, 1, 2, 3, 4, 5]
-    # Values set: 4 + 1 + 1 + 2 + 8, `hold`, 6 after the kill; failed or cancelled ones not.
-    assert r["completed"] == 23
+    # Values set: 4 + 1 + 1 + 2 + 8, 6 after the kill; failed or cancelled ones (`hold`) not.
+    assert r["completed"] == 22
     assert "worker 1 was lost: killed by signal 9" in output, output
 
 

@@ -41,6 +41,15 @@ from stratagem.errors import InputError
 
 AUTOTUNE = -1
 
+# What a pipeline's recipe may name (``Dataset.recipe``): the sources, then the transformations.
+RECIPE_SOURCES = frozenset({"from_tensor_slices", "from_tensors", "from_generator", "range"})
+RECIPE_STEPS = frozenset(
+    {
+        "shuffle", "batch", "repeat", "shard", "take", "skip", "map", "enumerate", "filter",
+        "prefetch", "cache", "with_options",
+    }
+)  # fmt: skip
+
 
 class Dataset:
     """A re-iterable, immutable pipeline: each transformation returns a new ``Dataset`` and each
@@ -55,10 +64,25 @@ class Dataset:
     INFINITE: ClassVar[int] = INFINITE
     UNKNOWN: ClassVar[int] = UNKNOWN
 
-    __slots__ = ("_node",)
+    __slots__ = ("_node", "_recipe")
 
     def __init__(self, node: Node) -> None:
         self._node = node
+        # How this dataset was made: the dataset it transforms (None for a source), the
+        # method and its arguments; None where it was made otherwise (``reseeded``).
+        self._recipe: tuple[Dataset | None, str, tuple[Any, ...]] | None = None
+
+    def _made(self, node: Node, method: str, *args: Any) -> Dataset:
+        """A new dataset of ``node``, made by ``self.method(*args)`` (its recipe's last step)."""
+        dataset = Dataset(node)
+        dataset._recipe = (self, method, args)
+        return dataset
+
+    @staticmethod
+    def _sourced(node: Node, method: str, *args: Any) -> Dataset:
+        dataset = Dataset(node)
+        dataset._recipe = (None, method, args)
+        return dataset
 
     # -- sources ---------------------------------------------------------------------------
 
@@ -93,7 +117,8 @@ class Dataset:
                 f"got shapes {shapes}"
             )
         source = TensorSlices(template, [t for _, t in leaves])
-        return Dataset(SourceNode(source, f"from_tensor_slices({_shapes(template)})"))
+        node = SourceNode(source, f"from_tensor_slices({_shapes(template)})")
+        return Dataset._sourced(node, "from_tensor_slices", template)
 
     @staticmethod
     def from_tensors(tensors: Any, name: str | None = None) -> Dataset:
@@ -110,7 +135,8 @@ class Dataset:
         # One slice along a new leading dim of each component: a view, no copy.
         stacked = [t[None] for _, t in leaves]
         source = TensorSlices(template, stacked)
-        return Dataset(SourceNode(source, f"from_tensors({_shapes(template)})"))
+        node = SourceNode(source, f"from_tensors({_shapes(template)})")
+        return Dataset._sourced(node, "from_tensors", template)
 
     @staticmethod
     def from_generator(
@@ -133,7 +159,15 @@ class Dataset:
         _require_callable("from_generator", generator)
         spec = signature(output_types, output_shapes, output_signature)
         call_args = () if args is None else tuple(args)
-        return Dataset(Generated(generator, call_args, spec))
+        return Dataset._sourced(
+            Generated(generator, call_args, spec),
+            "from_generator",
+            generator,
+            output_types,
+            output_shapes,
+            call_args,
+            output_signature,
+        )
 
     @staticmethod
     def range(*args: int) -> Dataset:
@@ -145,7 +179,8 @@ class Dataset:
         bounds = [_integer("Dataset.range argument", a) for a in args]
         numbers = range(*bounds)  # raises for step 0, as Python's range does
         source = RangeSource(numbers.start, numbers.step, len(numbers))
-        return Dataset(SourceNode(source, f"range({', '.join(map(str, bounds))})"))
+        node = SourceNode(source, f"range({', '.join(map(str, bounds))})")
+        return Dataset._sourced(node, "range", *bounds)
 
     # -- transformations -------------------------------------------------------------------
 
@@ -173,7 +208,9 @@ class Dataset:
         # An unseeded shuffle created inside seed_scope gets its seed from there.
         seed = scoped_seed() if seed is None else _integer("shuffle seed", seed)
         reshuffle = True if reshuffle_each_iteration is None else bool(reshuffle_each_iteration)
-        return Dataset(Shuffle(self._node, size, seed, reshuffle))
+        return self._made(
+            Shuffle(self._node, size, seed, reshuffle), "shuffle", size, seed, reshuffle
+        )
 
     def batch(
         self,
@@ -191,7 +228,9 @@ class Dataset:
         size = _integer("batch_size", batch_size)
         if size < 1:
             raise InputError(f"batch_size must be >= 1; got {batch_size!r}")
-        return Dataset(Batch(self._node, size, bool(drop_remainder)))
+        return self._made(
+            Batch(self._node, size, bool(drop_remainder)), "batch", size, bool(drop_remainder)
+        )
 
     def repeat(self, count: int | None = None, name: str | None = None) -> Dataset:
         """The dataset ``count`` times over, each time a new pass; ``None`` or -1: forever."""
@@ -199,7 +238,9 @@ class Dataset:
             count = _integer("repeat count", count)
             if count < -1:
                 raise InputError(f"repeat count must be >= 0, or -1/None for forever; got {count}")
-        return Dataset(Repeat(self._node, None if count in (None, -1) else count))
+        return self._made(
+            Repeat(self._node, None if count in (None, -1) else count), "repeat", count
+        )
 
     def shard(self, num_shards: int, index: int, name: str | None = None) -> Dataset:
         """Every ``num_shards``-th element starting at ``index`` (``i % num_shards == index``).
@@ -210,22 +251,26 @@ class Dataset:
         shards = _integer("shard num_shards", num_shards)
         position = _integer("shard index", index)
         if shards == SHARD_HINT and position == SHARD_HINT:
-            return Dataset(Shard(self._node, SHARD_HINT, SHARD_HINT))
+            return self._made(
+                Shard(self._node, SHARD_HINT, SHARD_HINT), "shard", SHARD_HINT, SHARD_HINT
+            )
         if shards < 1:
             raise InputError(f"shard num_shards must be >= 1; got {num_shards!r}")
         if not 0 <= position < shards:
             raise InputError(
                 f"shard index must be in [0, {shards}) for num_shards={shards}; got {index!r}"
             )
-        return Dataset(Shard(self._node, shards, position))
+        return self._made(Shard(self._node, shards, position), "shard", shards, position)
 
     def take(self, count: int, name: str | None = None) -> Dataset:
         """The first ``count`` elements (all of them for -1)."""
-        return Dataset(Take(self._node, _count("take", count)))
+        n = _count("take", count)
+        return self._made(Take(self._node, n), "take", n)
 
     def skip(self, count: int, name: str | None = None) -> Dataset:
         """All but the first ``count`` elements (none of them for -1)."""
-        return Dataset(Skip(self._node, _count("skip", count)))
+        n = _count("skip", count)
+        return self._made(Skip(self._node, n), "skip", n)
 
     def map(
         self,
@@ -246,7 +291,7 @@ class Dataset:
         """
         _require_callable("map", map_func)
         if num_parallel_calls is None:
-            return Dataset(Map(self._node, map_func))
+            return self._made(Map(self._node, map_func), "map", map_func)
         calls = _integer("map num_parallel_calls", num_parallel_calls)
         if calls == AUTOTUNE:
             calls = usable_cpus()
@@ -256,13 +301,14 @@ class Dataset:
                 f"{num_parallel_calls!r}"
             )
         if calls == 1:
-            return Dataset(Map(self._node, map_func))
-        return Dataset(ParallelMap(self._node, map_func, calls))
+            return self._made(Map(self._node, map_func), "map", map_func)
+        return self._made(ParallelMap(self._node, map_func, calls), "map", map_func, calls)
 
     def enumerate(self, start: int = 0, name: str | None = None) -> Dataset:
         """``(index, element)`` pairs, ``index`` an int64 scalar counting from ``start``, as in
         TensorFlow. Runs element by element, as ``map`` does."""
-        return Dataset(Enumerate(self._node, _integer("enumerate start", start)))
+        first = _integer("enumerate start", start)
+        return self._made(Enumerate(self._node, first), "enumerate", first)
 
     def filter(self, predicate: Callable[..., Any], name: str | None = None) -> Dataset:
         """The elements for which ``predicate`` (called as ``map_func`` is) returns true.
@@ -270,7 +316,7 @@ class Dataset:
         The cardinality becomes ``UNKNOWN``, as in TensorFlow.
         """
         _require_callable("filter", predicate)
-        return Dataset(Filter(self._node, predicate))
+        return self._made(Filter(self._node, predicate), "filter", predicate)
 
     def prefetch(self, buffer_size: int | None, name: str | None = None) -> Dataset:
         """The same elements, made up to ``buffer_size`` ahead by a background thread while the
@@ -291,7 +337,9 @@ class Dataset:
             raise InputError(f"prefetch buffer_size must be >= -1 (AUTOTUNE); got {buffer_size}")
         size = AUTOTUNE_BUFFER if size == AUTOTUNE else size
         description = "prefetch(AUTOTUNE)" if buffer_size == AUTOTUNE else None
-        return Dataset(Prefetch(self._node, size, description=description))
+        return self._made(
+            Prefetch(self._node, size, description=description), "prefetch", buffer_size
+        )
 
     def apply(self, transformation_func: Callable[[Dataset], Dataset]) -> Dataset:
         """``transformation_func(self)``, which must return a ``Dataset``, as in tf.data (for
@@ -315,7 +363,7 @@ class Dataset:
         upstream is passed through uncached. ``filename`` is accepted for porting; the cache
         stays in memory.
         """
-        return Dataset(Cache(self._node))
+        return self._made(Cache(self._node), "cache")
 
     def with_options(self, options: Options, name: str | None = None) -> Dataset:
         """This dataset with ``options`` (an ``sg.data.Options``) set; they hold for the whole
@@ -324,7 +372,7 @@ class Dataset:
             raise TypeError(
                 f"with_options needs an sg.data.Options; got {options!r} ({type(options).__name__})"
             )
-        return Dataset(WithOptions(self._node, options))
+        return self._made(WithOptions(self._node, options), "with_options", options)
 
     def options(self) -> Options:
         """The options in effect: those set by ``with_options`` anywhere in the pipeline."""
@@ -400,6 +448,55 @@ class Dataset:
                 return None
             node = node.upstream
         return None
+
+    def recipe(self) -> list[tuple[str, tuple[Any, ...]]] | None:
+        """How to make this pipeline again: its source method and each transformation, with the
+        arguments they were given (checked and normalized), in order; None where a stage was
+        made otherwise than by this class's public methods (``reseeded``,
+        ``prefetch_to_device``).
+
+        For the distribute layer: TF2's coordinator sends a dataset to its workers this way
+        (``ClusterCoordinator.create_per_worker_dataset(dataset)``), and each worker makes its
+        own copy with ``from_recipe``. A ``shuffle`` made without a seed has ``None`` there:
+        each copy draws its own.
+        """
+        steps: list[tuple[str, tuple[Any, ...]]] = []
+        dataset: Dataset | None = self
+        while dataset is not None:
+            if dataset._recipe is None:
+                return None
+            dataset, method, args = dataset._recipe
+            steps.append((method, args))
+        steps.reverse()
+        return steps
+
+    @staticmethod
+    def from_recipe(steps: Any) -> Dataset:
+        """The pipeline a ``recipe()`` describes, made anew (for the distribute layer). Only the
+        sources and transformations of this class may be named; their own checks apply."""
+        if not isinstance(steps, list | tuple) or not steps:
+            raise InputError(f"a dataset recipe is a non-empty list of steps; got {steps!r}")
+        dataset: Any = Dataset
+        for position, step in enumerate(steps):
+            if not (
+                isinstance(step, list | tuple)
+                and len(step) == 2
+                and isinstance(step[0], str)
+                and isinstance(step[1], list | tuple)
+            ):
+                raise InputError(
+                    f"step {position} of a dataset recipe is not [method, args]: {step!r}"
+                )
+            method, args = step
+            allowed = RECIPE_SOURCES if position == 0 else RECIPE_STEPS
+            if method not in allowed:
+                raise InputError(
+                    f"step {position} of a dataset recipe names {method!r}, which is not one of "
+                    f"{sorted(allowed)}"
+                )
+            dataset = getattr(dataset, method)(*args)
+        assert isinstance(dataset, Dataset)
+        return dataset
 
     def has_shard_hints(self) -> bool:
         """Whether the pipeline holds ``shard(SHARD_HINT, SHARD_HINT)`` placeholders."""

@@ -32,7 +32,7 @@ import atexit
 import dataclasses
 import functools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,6 +54,9 @@ from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery import scope_hooks
 from stratagem.distribute.machinery.input import (
     InputContext,
+    InputOptions,
+    PerWorkerDistributedDataset,
+    PerWorkerDistributedDatasetsFromFunction,
 )
 from stratagem.distribute.partitioners import Partitioner, Shard
 from stratagem.distribute.ps import chief_reads
@@ -185,6 +188,9 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
             timeout=timeouts.operation,
         )
         self.world = world
+        # A coordinator's worker task: checks, before each push, that the scheduled function
+        # that steps was not cancelled (``CoordinatorSeam.guard_steps``).
+        self.step_guard: Callable[[], None] = lambda: None
         # Parameter -> the (module, name) places it was registered at in scope, until adopted.
         self._registrations: WeakIdKeyDictionary = WeakIdKeyDictionary()
         spec = resolver.cluster_spec()
@@ -229,6 +235,12 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
         return {**super().describe(), "mode": self.client.rule.mode}
 
     # Scope: shards on the ps ------------------------------------------------------------
+
+    @override
+    def capture_variable(self, param: torch.nn.Parameter) -> None:
+        # TF places every variable created in the scope on a ps, a layer's or not: a parameter
+        # on its own (a step counter, torch.nn.Parameter(..., requires_grad=False)) is one too.
+        self._keep_variable(param)
 
     @override
     def capture_parameter(
@@ -298,6 +310,7 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
                 "an evaluator task reads the parameters (strategy.pull()) and evaluates; it "
                 "does not train: optimizer.step() is for the chief and the workers"
             )
+        self.step_guard()
         self.client.push(optimizer)
 
     # Checkpoints: the chief's own write brings the ps's values and optimizer state home -----
@@ -312,6 +325,25 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
         self.client.send_restored(objects)
 
     # Input: each worker its own pipeline --------------------------------------------------
+
+    @override
+    def distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> Iterable[Any]:
+        if self.coordinating:
+            # TF2's coordinator: built on every worker by create_per_worker_dataset, not here.
+            return PerWorkerDistributedDataset(dataset, options)
+        return super().distribute_dataset(dataset, options)
+
+    @override
+    def distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        options: InputOptions | None = None,
+    ) -> Iterable[Any]:
+        if self.coordinating:
+            return PerWorkerDistributedDatasetsFromFunction(dataset_fn, options)
+        return super().distribute_datasets_from_function(dataset_fn, options)
 
     @override
     def _input_context(self) -> InputContext:
@@ -375,6 +407,15 @@ class CoordinatorSeam:
     ) -> torch.Tensor:
         """A worker task: its one copy of the chief's variable in ``shards``."""
         return self._extended.bind_variable(shards, shape, dtype, trainable)[0]
+
+    def guard_steps(self, check: Callable[[], None]) -> None:
+        """A worker task: ``check()`` runs before each optimizer step's push (it raises to
+        stop a scheduled function the chief cancelled)."""
+        self._extended.step_guard = check
+
+    def assign_add(self, changes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A worker task: add these ``(variable, change)`` to the variables on the ps."""
+        self._client.assign_add(changes)
 
     def pull(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """These copies (all by default) as the ps has them now."""

@@ -5,9 +5,12 @@ strategy's ``ClusterCoordinator`` and schedules its train function on the worker
 their own datasets; callbacks run on the chief. As there:
 
 - ``steps_per_epoch`` is required (a worker's dataset repeats: the chief cannot see its end);
-- the training data is a ``DatasetCreator(dataset_fn)`` (each worker calls
-  ``dataset_fn(input_context)``, sharding by its ``input_pipeline_id``), or arrays, which travel
-  to every worker once, each shuffling and sharding its copy and repeating it;
+- the training data is an ``sg.data.Dataset`` (TF's recommended input: it is distributed
+  with ``strategy.experimental_distribute_dataset`` and every worker makes its own copy from
+  its recipe, shuffling it its own way), a distributed dataset made on the chief, a
+  ``DatasetCreator(dataset_fn)`` (each worker calls ``dataset_fn(input_context)``, sharding by
+  its ``input_pipeline_id``), or arrays, which travel to every worker once, each shuffling and
+  sharding its copy and repeating it;
 - one scheduled function runs ``steps_per_execution`` batches;
 - ``evaluate`` sends every batch of a finite dataset with its function, so each is visited
   exactly once (a function lost with its worker runs again elsewhere; its metric totals count
@@ -27,7 +30,11 @@ import torch
 from stratagem import data as sg_data
 from stratagem.distribute import InputContext, InputOptions
 from stratagem.distribute.capabilities import ChiefCoordination
-from stratagem.distribute.coordinator import ClusterCoordinator
+from stratagem.distribute.coordinator import (
+    ClusterCoordinator,
+    PerWorkerDistributedDataset,
+    PerWorkerDistributedDatasetsFromFunction,
+)
 from stratagem.keras.data_adapter import _as_tensor
 
 
@@ -100,6 +107,16 @@ def creator_dataset_fn(strategy: Any, creator: DatasetCreator) -> Callable[[], A
     return made
 
 
+def per_worker_dataset(strategy: Any, x: Any) -> Any:
+    """What ``create_per_worker_dataset`` builds on every worker for fit's ``x`` when it is a
+    dataset (as Keras's: a dataset is distributed first), or None for arrays and creators."""
+    if isinstance(x, PerWorkerDistributedDataset | PerWorkerDistributedDatasetsFromFunction):
+        return x
+    if isinstance(x, sg_data.Dataset):
+        return strategy.experimental_distribute_dataset(x)
+    return None
+
+
 def train_steps(model: Any, iterator: Iterator[Any], steps: int) -> None:
     """Scheduled by ``fit``: ``steps`` batches of the worker's iterator, each a train step on
     the worker (its optimizer step pushes the gradients to the ps)."""
@@ -122,11 +139,19 @@ def check_fit(steps_per_epoch: int | None, x: Any) -> None:
             "`steps_per_epoch` must be specified with ParameterServerStrategy: each worker's "
             "dataset repeats, so the chief cannot see where an epoch ends"
         )
-    if not isinstance(x, DatasetCreator | torch.Tensor) and not hasattr(x, "__array__"):
+    datasets = (
+        DatasetCreator,
+        sg_data.Dataset,
+        PerWorkerDistributedDataset,
+        PerWorkerDistributedDatasetsFromFunction,
+        torch.Tensor,
+    )
+    if not isinstance(x, datasets) and not hasattr(x, "__array__"):
         raise TypeError(
-            "fit under a ClusterCoordinator takes arrays (sent to every worker) or a "
+            "fit under a ClusterCoordinator takes an sg.data.Dataset or a distributed dataset "
+            "(each worker makes its own copy), a "
             "sg.keras.utils.experimental.DatasetCreator(dataset_fn) (each worker makes its own "
-            f"dataset); got {type(x).__name__}"
+            f"dataset) or arrays (sent to every worker); got {type(x).__name__}"
         )
 
 
@@ -135,6 +160,7 @@ __all__ = [
     "check_fit",
     "coordinator_for",
     "creator_dataset_fn",
+    "per_worker_dataset",
     "test_batches",
     "train_steps",
     "worker_dataset_fn",

@@ -565,17 +565,22 @@ class Model(Portable):
                 "worker applies its own gradients on the ps, asynchronously"
             )
         strategy = self.distribute_strategy
-        if isinstance(x, coordinated.DatasetCreator):
-            if y is not None or batch_size is not None:
-                raise ValueError(
-                    "fit(DatasetCreator): y and batch_size must be None; the dataset_fn's "
-                    "dataset carries the targets and is batched"
-                )
-            dataset_fn = coordinated.creator_dataset_fn(strategy, x)
+        dataset = coordinated.per_worker_dataset(strategy, x)
+        is_dataset = isinstance(x, coordinated.DatasetCreator) or dataset is not None
+        if is_dataset and (y is not None or batch_size is not None):
+            raise ValueError(
+                f"fit({type(x).__name__}): y and batch_size must be None; the dataset "
+                "carries the targets and is batched"
+            )
+        if dataset is not None:
+            iterator = iter(coordinator.create_per_worker_dataset(dataset))
         else:
-            size = batch_size or 32
-            dataset_fn = coordinated.worker_dataset_fn(strategy, x, y, size, shuffle)
-        iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+            if isinstance(x, coordinated.DatasetCreator):
+                dataset_fn = coordinated.creator_dataset_fn(strategy, x)
+            else:
+                size = batch_size or 32
+                dataset_fn = coordinated.worker_dataset_fn(strategy, x, y, size, shuffle)
+            iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
         self.history = callbacks_module.History()
         cbs = self._callbacks(callbacks, verbose, epochs=epochs, steps=steps_per_epoch)
         self.stop_training = False
@@ -759,7 +764,13 @@ class Model(Portable):
         strategy = self.distribute_strategy
         _set_training(self.module, False)
         outputs = []
-        for batch in strategy.experimental_distribute_dataset(batches):
+        # A coordinator (the chief) predicts itself: its model reads the ps's values, and a
+        # distributed dataset is built on the workers only (TF's).
+        coordinated_here = coordinated.coordinator_for(strategy) is not None
+        distributed = (
+            batches if coordinated_here else strategy.experimental_distribute_dataset(batches)
+        )
+        for batch in distributed:
             outputs.append(self._predict_batch(batch).cpu())
         if not outputs:
             raise ValueError("predict found no batch: the data is empty")

@@ -10,12 +10,18 @@ from stratagem.distribute.coordinator.values import (
     RemoteValue,
 )
 from stratagem.distribute.coordinator.worker import experimental_get_current_worker_index
+from stratagem.distribute.machinery.input import (
+    PerWorkerDistributedDataset,
+    PerWorkerDistributedDatasetsFromFunction,
+)
 
 __all__ = [
     "CancelledError",
     "ClusterCoordinator",
     "FunctionError",
     "PerWorkerDataset",
+    "PerWorkerDistributedDataset",
+    "PerWorkerDistributedDatasetsFromFunction",
     "PerWorkerIterator",
     "RemoteValue",
     "experimental_get_current_worker_index",

@@ -11,11 +11,21 @@ TF2's parameter-server training: the chief (the coordinator) runs the training l
    queues it and returns a ``RemoteValue`` at once.
 3. Per-worker resources (``create_per_worker_dataset``, ``iter`` of one) are a log every
    worker replays, in order, before its next function: a per-worker iterator passed to
-   ``schedule`` is each worker's own.
+   ``schedule`` is each worker's own. ``create_per_worker_dataset`` takes a dataset function,
+   or, as TF's, an ``sg.data.Dataset`` or a distributed dataset (``strategy.
+   experimental_distribute_dataset`` / ``distribute_datasets_from_function`` on the chief,
+   which are not built there): a dataset travels by its recipe (``Dataset.recipe``: its source
+   data by value, its map functions by reference) and each worker makes its own copy. Unseeded
+   shuffles differ from worker to worker, as in TF (seeded from one draw of the chief's torch
+   generator and the worker's index: ``torch.manual_seed`` makes runs repeat).
 4. Errors, as TF's ``ClosureQueue``: the first error a function (or a per-worker resource)
-   raises is kept, the functions still queued are cancelled, and ``join``, ``done`` or the
-   next ``schedule`` raise it once (then it is cleared). ``fetch`` of the failed function's
-   value raises it; of a cancelled one, a ``CancelledError``.
+   raises is kept, the functions still queued are cancelled, and so are those still running
+   (TF cancels its in-flight functions: each worker is told on a second connection, and the
+   function stops with a ``CancelledError`` at its next ``next()`` of a per-worker iterator or
+   optimizer step; whatever it returns is not taken). ``join``, ``done`` or the next
+   ``schedule`` raise the error once (then it is cleared; ``join`` first waits for the
+   cancelled functions to end). ``fetch`` of the failed function's value raises it; of a
+   cancelled one, a ``CancelledError``.
 5. A worker whose connection is lost (its process ended) gives its in-flight function back to
    the queue: another worker runs it, and its value is set once. When the launcher restarts
    that worker (``stratagem run --restart-workers``), its new incarnation signs in again
@@ -37,6 +47,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from stratagem import data as sg_data
 from stratagem import shipping
 from stratagem.cluster import is_coordinated
 from stratagem.cluster.tasks import restart_workers_of
@@ -50,6 +61,10 @@ from stratagem.distribute.coordinator.values import (
     RemoteValue,
 )
 from stratagem.distribute.machinery import scope_hooks
+from stratagem.distribute.machinery.input import (
+    PerWorkerDistributedDataset,
+    PerWorkerDistributedDatasetsFromFunction,
+)
 from stratagem.errors import CollectiveTimeoutError, PeerLostError
 
 # How often the coordinator looks for a lost worker's next incarnation (a store read and a
@@ -71,6 +86,8 @@ class _Closure:
         self.call = call  # the "run" request's arguments
         self.accumulators = accumulators  # the metrics it sent: their totals come back
         self.value = RemoteValue(name, on_fetch)
+        # Set when an earlier function failed while this one ran: its outcome is not taken.
+        self.cancelled: CancelledError | None = None
 
 
 def _raised_on_worker(error: Any, headline: Callable[[str, str], str]) -> FunctionError:
@@ -134,6 +151,9 @@ class ClusterCoordinator:
         self._lock = threading.Condition()
         self._queue: collections.deque[_Closure] = collections.deque()
         self._inflight = 0
+        self._running: dict[int, tuple[_Closure, int]] = {}  # closure id -> (it, worker rank)
+        self._control: dict[int, Connection] = {}  # per worker rank: where cancels are said
+        self._control_lock = threading.Lock()
         self._error: BaseException | None = None
         self._resources: list[tuple[str, list[Any], str]] = []  # the per-worker log
         self._replayed: dict[int, int] = {}  # per worker rank: how much of the log it made
@@ -182,7 +202,7 @@ class ClusterCoordinator:
         # Variables created in a scope still open are made on the ps before a function uses them.
         self.strategy.extended.adopt_pending()
         name = shipping.source_line(fn)
-        describer = shipping.Describer(special=self._special)
+        describer = self._describer()
         ref = describer.function(fn, what=name)
         call_args = [
             describer.value(a, owner=name, name=f"argument {i}") for i, a in enumerate(args)
@@ -234,16 +254,39 @@ class ClusterCoordinator:
             return {k: self.fetch(v) for k, v in val.items()}
         return val
 
-    def create_per_worker_dataset(self, dataset_fn: Callable[[], Any]) -> PerWorkerDataset:
-        """Have every worker build ``dataset_fn()`` (sent by reference, run on each worker)."""
-        name = shipping.source_line(dataset_fn)
-        describer = shipping.Describer(special=self._special)
-        ref = describer.function(dataset_fn, what=name)
+    def create_per_worker_dataset(self, dataset_fn: Any) -> PerWorkerDataset:
+        """Have every worker build its dataset: ``dataset_fn()`` (sent by reference, run on each
+        worker), or, as TF's, a dataset (each worker makes its own copy from its recipe) or a
+        distributed dataset made on the chief (each worker builds it with its own strategy)."""
+        describer = self._describer()
+        if isinstance(
+            dataset_fn,
+            sg_data.Dataset
+            | PerWorkerDistributedDataset
+            | PerWorkerDistributedDatasetsFromFunction,
+        ):
+            name = repr(dataset_fn)
+            ref = describer.value(dataset_fn, owner="create_per_worker_dataset", name="dataset")
+            call = False
+        elif callable(dataset_fn):
+            name = shipping.source_line(dataset_fn)
+            ref = describer.function(dataset_fn, what=name)
+            call = True
+        else:
+            raise TypeError(
+                "create_per_worker_dataset takes a dataset function, an sg.data.Dataset or a "
+                "distributed dataset (strategy.experimental_distribute_dataset / "
+                f"distribute_datasets_from_function); got {type(dataset_fn).__name__}"
+            )
+        # One draw for this dataset: each worker's unseeded shuffles derive theirs from it and
+        # its index, so they differ between workers (as TF's) and repeat after manual_seed.
+        seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
         with self._lock:
             self._next_id += 1
             dataset_id = self._next_id
-            args = [dataset_id, describer.functions, ref]
-            self._resources.append(("make_dataset", args, f"dataset_fn {name}"))
+            args = [dataset_id, describer.functions, ref, call, seed]
+            what = f"dataset_fn {name}" if call else f"the dataset {name}"
+            self._resources.append(("make_dataset", args, what))
             self._lock.notify_all()
         return PerWorkerDataset(self, dataset_id)
 
@@ -256,9 +299,27 @@ class ClusterCoordinator:
             self._lock.notify_all()
             return PerWorkerIterator(self._next_id)
 
-    def _special(self, value: Any) -> dict[str, Any] | None:
+    def _describer(self) -> shipping.Describer:
+        """A describer whose specials (``_special``) may describe what they hold with it."""
+        describer: shipping.Describer
+
+        def special(value: Any) -> dict[str, Any] | None:
+            return self._special(value, describer)
+
+        describer = shipping.Describer(special=special)
+        return describer
+
+    def _special(self, value: Any, describer: shipping.Describer) -> dict[str, Any] | None:
         if isinstance(value, torch.Tensor):
             return self._tensor(value)
+        if isinstance(value, sg_data.Dataset):
+            return {"recipe": _recipe(value, describer)}
+        if isinstance(value, PerWorkerDistributedDataset):
+            dataset = describer.value(value.dataset, owner=repr(value), name="its dataset")
+            return {"distribute": dataset, "fetch": _fetch_option(value.options)}
+        if isinstance(value, PerWorkerDistributedDatasetsFromFunction):
+            fn = describer.function(value.dataset_fn, what=shipping.source_line(value.dataset_fn))
+            return {"from_function": fn, "fetch": _fetch_option(value.options)}
         if isinstance(value, PerWorkerIterator):
             return {"iterator": value.iterator_id}
         if isinstance(value, PerWorkerDataset):
@@ -307,11 +368,12 @@ class ClusterCoordinator:
         made = all(self._replayed.get(r, 0) == len(self._resources) for r, _ in self._workers)
         return not self._queue and self._inflight == 0 and made
 
-    def _run_ended(self) -> None:
+    def _run_ended(self, closure: _Closure) -> None:
         """A function's run on a worker ended, however (the lock is held): what it pushed is
         on the ps, so the chief's copies of the variables are behind until the next pull."""
         self._inflight -= 1
         self._finished += 1
+        self._running.pop(closure.cid, None)
 
     def refresh(self) -> None:
         """Bring the chief's copies of the ps's variables up to date when a function ended
@@ -347,7 +409,8 @@ class ClusterCoordinator:
             raise error
 
     def _fail(self, error: BaseException) -> None:
-        """Keep the first error; cancel what is still queued (the lock is held)."""
+        """Keep the first error; cancel what is still queued, and what still runs (the lock
+        is held)."""
         if self._error is None:
             self._error = error
         while self._queue:
@@ -358,7 +421,39 @@ class ClusterCoordinator:
                     "Schedule it again"
                 )
             )
+        stop: dict[int, list[int]] = {}  # worker rank -> the closures it is to stop
+        for cid, (closure, rank) in self._running.items():
+            if closure.cancelled is None:
+                closure.cancelled = CancelledError(
+                    f"{closure.name} was cancelled while it ran on {self._world.describe(rank)}: "
+                    f"an earlier function failed ({error}). Schedule it again"
+                )
+                stop.setdefault(rank, []).append(cid)
+        for rank, cids in stop.items():
+            threading.Thread(
+                target=self._tell_to_cancel,
+                args=(rank, cids),
+                name=f"stratagem-cancel-{rank}",
+                daemon=True,
+            ).start()
         self._lock.notify_all()
+
+    def _tell_to_cancel(self, rank: int, cids: list[int]) -> None:
+        """Tell worker ``rank`` to stop these functions (TF's cancellation of in-flight
+        functions), on a connection of its own: the dispatch thread's waits for the run's
+        reply. A worker that is gone, or cannot be reached, has nothing left to stop."""
+        try:
+            with self._control_lock:  # one connection per worker, one cancellation at a time
+                connection = self._control.get(rank)
+                if connection is None or connection.closed:
+                    connection = self._control[rank] = self._connect(rank)
+                self._ask(rank, connection, "cancel", [cids], "a cancellation")
+        except Exception as e:  # the functions' values are cancelled all the same
+            print(
+                f"could not tell {self._world.describe(rank)} to stop the cancelled functions "
+                f"{cids} ({type(e).__name__}: {e}); their outcome is not taken",
+                file=sys.stderr,
+            )
 
     def _start_dispatch(self, rank: int, connection: Connection) -> None:
         """Start worker ``rank``'s dispatch thread (at the start, and when it rejoins)."""
@@ -383,6 +478,7 @@ class ClusterCoordinator:
                 elif self._queue and self._error is None:
                     closure = self._queue.popleft()
                     self._inflight += 1
+                    self._running[closure.cid] = (closure, rank)
                 else:
                     return  # closing, nothing left for this worker
             if closure is None:
@@ -427,13 +523,17 @@ class ClusterCoordinator:
             )
         except (PeerLostError, CollectiveTimeoutError) as e:
             # Ended, or stopped answering (stopped or stuck: no note for the operation
-            # timeout): as TF's, another worker runs the function. A stuck worker that comes
-            # back may still push what it computed, as in TF; its value is not taken (the
-            # connection is closed), and the function's value is set once.
+            # timeout): as TF's, another worker runs the function (unless it was cancelled).
+            # A stuck worker that comes back may still push what it computed, as in TF; its
+            # value is not taken (the connection is closed), and the function's value is set
+            # once.
             connection.close()
             with self._lock:
-                self._run_ended()
-                self._queue.appendleft(closure)
+                self._run_ended(closure)
+                if closure.cancelled is not None:
+                    closure.value.settle(error=closure.cancelled)
+                else:
+                    self._queue.appendleft(closure)
                 self._lock.notify_all()
             self._lost(rank, e)
             return False
@@ -441,14 +541,19 @@ class ClusterCoordinator:
             connection.close()
             error = RuntimeError(f"{closure.name} on {self._world.describe(rank)} failed: {e}")
             with self._lock:
-                self._run_ended()
+                self._run_ended(closure)
                 closure.value.settle(error=error)
                 self._fail(error)
             self._lost(rank, e)
             return False
         with self._lock:
-            self._run_ended()
-            if "error" in outcome:
+            self._run_ended(closure)
+            if closure.cancelled is not None:
+                # Cancelled while it ran (an earlier function failed): whatever it ended with,
+                # its value is the cancellation, and its error (the cancellation itself, as a
+                # rule) is not a new one for join to raise; its metric totals are not taken.
+                closure.value.settle(error=closure.cancelled)
+            elif "error" in outcome:
                 error = _raised_on_worker(
                     outcome["error"],
                     lambda t, m: f"{closure.name} raised {t} on {self._world.describe(rank)}: {m}",
@@ -469,6 +574,10 @@ class ClusterCoordinator:
         return True
 
     def _lost(self, rank: int, error: BaseException) -> None:
+        with self._control_lock:  # a rejoined incarnation gets a connection of its own
+            control = self._control.pop(rank, None)
+        if control is not None:
+            control.close()
         with self._lock:
             self._workers = [(r, c) for r, c in self._workers if r != rank]
             if not self._workers and not self._closing:
@@ -618,3 +727,29 @@ class ClusterCoordinator:
                 pass
             finally:
                 connection.close()
+        with self._control_lock:
+            control, self._control = list(self._control.values()), {}
+        for connection in control:
+            connection.close()
+
+
+def _recipe(dataset: sg_data.Dataset, describer: shipping.Describer) -> list[Any]:
+    """``dataset``'s recipe as plain data: each step's method and its arguments described
+    (tensors by value, functions by reference)."""
+    steps = dataset.recipe()
+    if steps is None:
+        raise TypeError(
+            f"{dataset!r} cannot be sent to the workers: a stage of it was not made by "
+            "sg.data.Dataset's own methods (prefetch_to_device, say), so no worker can make it "
+            "again; build it inside a dataset_fn instead"
+        )
+    return [
+        [method, [describer.value(a, owner=f"dataset.{method}", name=f"argument {i}")
+                  for i, a in enumerate(args)]]
+        for method, args in steps
+    ]  # fmt: skip
+
+
+def _fetch_option(options: Any) -> bool | None:
+    """A distributed dataset's ``InputOptions``, as the one field that travels."""
+    return None if options is None else bool(options.experimental_fetch_to_device)

@@ -6,8 +6,12 @@ client), joins the job's world (the roll call, liveness), and ``join()`` serves 
 says goodbye or ends; then it tells each ps it is done, as a between-graph worker does at exit.
 
 Its method table is fixed: ``hello`` (the chief's program file must hash as this task's own),
-``make_dataset`` / ``make_iterator`` (per-worker datasets), ``run`` (a scheduled function) and
-``goodbye``. Functions arrive as references (``stratagem.shipping``): this task compiles them
+``make_dataset`` / ``make_iterator`` (per-worker datasets), ``run`` (a scheduled function),
+``cancel`` (functions running here that the chief cancelled: an earlier one failed) and
+``goodbye``. A cancelled function stops with a ``CancelledError`` at its next ``next()`` of a
+per-worker iterator or its next optimizer step (TF cancels the ops of an in-flight function).
+
+Functions arrive as references (``stratagem.shipping``): this task compiles them
 from its own copy of the program. A function runs on a thread of its own, so the chief's
 connection keeps getting "waiting" notes while it runs (a long function is not a silent worker).
 What it returns must be plain data; what it raises comes back as its type, message and
@@ -17,13 +21,16 @@ The model, optimizer, loss and metrics a function captures arrive by state and a
 each call. Their parameters are the chief's variables on the ps: this worker keeps one copy of
 each (``bind_variable``, owned by its own ``ParameterServerStrategy``), pulls its current value
 before each call, and an optimizer step inside the function pushes gradients to the ps, which
-applies them (asynchronously, as TF2). A buffer (a BatchNorm's statistics) is this worker's
+applies them (asynchronously, as TF2). What the call changes of a variable it does not train (a
+step counter: ``requires_grad=False``) is sent to the ps as an addition when it ends (TF's
+``assign_add`` on a ps variable). A buffer (a BatchNorm's statistics) is this worker's
 own: it starts from the chief's value and then stays here. A metric starts empty in each call;
 its totals go back with the value, and the chief adds them to its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import traceback
@@ -34,15 +41,20 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from stratagem import data as sg_data
 from stratagem import shipping
 from stratagem.cluster import ClusterResolver
 from stratagem.comm import plain_data
 from stratagem.comm.messages import Later
 from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import rpc_name, serve_and_join
+from stratagem.distribute.coordinator.values import CancelledError
+from stratagem.distribute.machinery.input import InputOptions
 from stratagem.distribute.partitioners import Shard
 
 _current_worker_index: int | None = None
+# The scheduled function the current thread runs (its closure id), for cancellation.
+_running = threading.local()
 
 
 def experimental_get_current_worker_index() -> int:
@@ -105,6 +117,8 @@ class WorkerServer:
         self._classes: dict[tuple, type] = {}  # the program's classes made here, per worker
         self._local_buffers: dict[int, torch.Tensor] = {}  # the chief's buffer key -> this worker's
         self._ready: Future = Future()  # set once the strategy below exists
+        self._cancelled: set[int] = set()  # closure ids the chief cancelled while they ran
+        self._cancel_lock = threading.Lock()
         self._goodbye = threading.Event()
         self.functions_run = 0
         self.server, self.world = serve_and_join(
@@ -121,6 +135,8 @@ class WorkerServer:
         # The strategy scheduled functions see (``strategy`` captured on the chief): one
         # replica, the chief's variables on the ps, pushes applied there.
         self._seam = CoordinatorSeam.for_worker_task(resolver, self.world)
+        # A cancelled function stops at its next optimizer step (a push to the ps).
+        self._seam.guard_steps(self._raise_if_cancelled)
         # Its index among the W workers (its input pipeline), as the strategy reads it.
         self.worker_index = self._seam.worker_index
         _current_worker_index = self.worker_index
@@ -134,8 +150,30 @@ class WorkerServer:
             "make_dataset": self._make_dataset,
             "make_iterator": self._make_iterator,
             "run": self._run,
+            "cancel": self._cancel,
             "goodbye": self._goodbye.set,
         }
+
+    def _cancel(self, closure_ids: Any) -> None:
+        """The chief cancelled these functions (an earlier one failed): each stops at its next
+        ``next()`` of a per-worker iterator or optimizer step, if it still runs here."""
+        if not isinstance(closure_ids, list) or not all(type(c) is int for c in closure_ids):
+            raise ValueError(f"cancel takes a list of closure ids; got {closure_ids!r}")
+        with self._cancel_lock:
+            self._cancelled.update(closure_ids)
+
+    def _raise_if_cancelled(self) -> None:
+        """In a scheduled function's thread: raise ``CancelledError`` if the chief cancelled it."""
+        cid = getattr(_running, "closure_id", None)
+        if cid is None:
+            return
+        with self._cancel_lock:
+            cancelled = cid in self._cancelled
+        if cancelled:
+            raise CancelledError(
+                f"the scheduled function {cid} was cancelled on {self.me}: an earlier function "
+                "failed"
+            )
 
     def _hello(self, program: Any, sha: Any, compression: Any = None) -> Later:
         # The chief may greet this server before its strategy is made (the server listens
@@ -151,7 +189,9 @@ class WorkerServer:
         self._seam.use_compression(compression)
         return {"worker_index": self.worker_index}
 
-    def _resolve(self, entry: dict[str, Any], pull: list[torch.Tensor]) -> Any:
+    def _resolve(
+        self, entry: dict[str, Any], pull: list[torch.Tensor], rebuilder: shipping.Rebuilder
+    ) -> Any:
         if "variable" in entry:
             shards = [Shard(*(int(x) for x in s)) for s in entry["variable"]]
             p = self._seam.bind_variable(
@@ -169,9 +209,29 @@ class WorkerServer:
             # This worker's own from the first call on (TF's local variables).
             return self._local_buffers.setdefault(int(entry["buffer"]), value.clone())
         if "iterator" in entry:
-            return self._iterators[int(entry["iterator"])]
+            return _CancellableIterator(
+                self._iterators[int(entry["iterator"])], self._raise_if_cancelled
+            )
         if "dataset" in entry:
             return self._datasets[int(entry["dataset"])]
+        if "recipe" in entry:  # an sg.data.Dataset: this worker's own copy
+            steps = entry["recipe"]
+            if not isinstance(steps, list) or not all(
+                isinstance(step, list) and len(step) == 2 and isinstance(step[1], list)
+                for step in steps
+            ):
+                raise ValueError(f"a dataset recipe is a list of [method, args]; got {steps!r}")
+            return sg_data.Dataset.from_recipe(
+                [[method, [rebuilder.value(a) for a in args]] for method, args in steps]
+            )
+        if "distribute" in entry:  # experimental_distribute_dataset, built by this worker
+            return self._seam.strategy.experimental_distribute_dataset(
+                rebuilder.value(entry["distribute"]), _input_options(entry)
+            )
+        if "from_function" in entry:  # distribute_datasets_from_function, likewise
+            return self._seam.strategy.distribute_datasets_from_function(
+                rebuilder.value(entry["from_function"]), _input_options(entry)
+            )
         if "strategy" in entry:
             return self._seam.strategy
         if "coordinator" in entry:
@@ -179,12 +239,15 @@ class WorkerServer:
         raise ValueError(f"unknown reference {entry!r}")
 
     def _rebuilder(self, table: Any, pull: list[torch.Tensor]) -> shipping.Rebuilder:
-        return shipping.Rebuilder(
-            table,
-            root=self.root,
-            resolve_special=lambda entry: self._resolve(entry, pull),
-            classes=self._classes,
+        rebuilder: shipping.Rebuilder
+
+        def resolve(entry: dict[str, Any]) -> Any:
+            return self._resolve(entry, pull, rebuilder)
+
+        rebuilder = shipping.Rebuilder(
+            table, root=self.root, resolve_special=resolve, classes=self._classes
         )
+        return rebuilder
 
     def _guarded(self, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         try:
@@ -208,9 +271,24 @@ class WorkerServer:
         ).start()
         return Later(future, lambda: (f"{what} runs on {self.me}", [self.world.name]))
 
-    def _make_dataset(self, ds_id: int, table: Any, key: Any) -> Later:
+    def _make_dataset(
+        self, ds_id: int, table: Any, key: Any, call: Any = True, seed: Any = None
+    ) -> Later:
+        """This worker's per-worker dataset: ``dataset_fn()`` (``call``), or the dataset sent
+        (made here from its recipe). Unseeded shuffles made meanwhile take their seeds from the
+        chief's ``seed`` and this worker's index: each worker its own order, as in TF."""
+        if seed is not None and type(seed) is not int:
+            raise ValueError(f"make_dataset's seed is an int or None; got {seed!r}")
+
         def make() -> dict[str, Any]:
-            self._datasets[int(ds_id)] = self._rebuilder(table, []).value(key)()
+            scope = (
+                contextlib.nullcontext()
+                if seed is None
+                else sg_data.seed_scope(sg_data.derive_seed(seed, self.worker_index))
+            )
+            with scope:
+                made = self._rebuilder(table, []).value(key)
+                self._datasets[int(ds_id)] = made() if call else made
             return {"value": None}
 
         return self._in_thread(make, "dataset_fn")
@@ -232,7 +310,20 @@ class WorkerServer:
             if pull:  # the variables' current values (other workers have pushed since)
                 self._seam.pull(list({id(p): p for p in pull}.values()))
             self.functions_run += 1
-            value = fn(*call_args, **call_kwargs)
+            # The variables it does not train (a step counter): what it changes of them goes
+            # to the ps as an addition (TF's assign_add runs on the ps).
+            fixed = {id(p): (p, p.detach().clone()) for p in pull if not p.requires_grad}
+            _running.closure_id = int(closure_id)
+            try:
+                value = fn(*call_args, **call_kwargs)
+            finally:
+                _running.closure_id = None
+                with self._cancel_lock:
+                    self._cancelled.discard(int(closure_id))
+                changes = [(p, p.detach() - before) for p, before in fixed.values()
+                           if not torch.equal(p.detach(), before)]  # fmt: skip
+                if changes:
+                    self._seam.assign_add(changes)
             return {"value": value, "totals": shipping.totals_of(rebuilder.accumulators)}
 
         return self._in_thread(body, f"the scheduled function {closure_id}")
@@ -255,3 +346,36 @@ class WorkerServer:
                 self._seam.finish()
             finally:
                 self.server.close()
+
+
+class _CancellableIterator:
+    """A per-worker iterator as a scheduled function gets it: each ``next()`` first checks that
+    the chief has not cancelled the function (its other attributes are the iterator's)."""
+
+    def __init__(self, iterator: Iterator[Any], check: Callable[[], None]) -> None:
+        self._iterator = iterator
+        self._check = check
+
+    def __iter__(self) -> _CancellableIterator:
+        return self
+
+    def __next__(self) -> Any:
+        self._check()
+        return next(self._iterator)
+
+    def get_next(self) -> Any:
+        """TF's ``iterator.get_next()``: ``next()``."""
+        return self.__next__()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterator, name)
+
+
+def _input_options(entry: dict[str, Any]) -> Any:
+    """A distributed dataset's ``InputOptions`` as the chief sent it (its one field)."""
+    fetch = entry.get("fetch")
+    if fetch is None:
+        return None
+    if type(fetch) is not bool:
+        raise ValueError(f"experimental_fetch_to_device is a bool; got {fetch!r}")
+    return InputOptions(experimental_fetch_to_device=fetch)

@@ -712,3 +712,51 @@ class _PerReplicaIterator(_AgreedIterator):
 
     def _deliver(self, parts: Any, examples: int | None) -> Any:
         return self._distributor.deliver(parts, None)
+
+
+class PerWorkerDistributedDataset:
+    """``strategy.experimental_distribute_dataset(dataset)`` on a coordinator (the chief of a
+    cluster with a chief, TF2's ``ParameterServerStrategy``): not built here, as TF's
+    ``DistributedDataset`` made outside a function is not; ``create_per_worker_dataset`` builds
+    it on every worker (each ``strategy.experimental_distribute_dataset`` of its own copy of
+    ``dataset``). The chief computes on no worker's data: ``iter()`` here is a ``ValueError``,
+    as in TF."""
+
+    def __init__(self, dataset: Iterable[Any], options: InputOptions | None) -> None:
+        self.dataset = dataset
+        self.options = options
+
+    def __iter__(self) -> Iterator[Any]:
+        raise ValueError(
+            "To use this dataset, you need to pass this dataset to "
+            "ClusterCoordinator.create_per_worker_dataset. (iter() of a distributed dataset on "
+            "the coordinator, the chief: it is built on every worker, not here; got "
+            f"{self!r})"
+        )
+
+    def __repr__(self) -> str:
+        return f"<DistributedDataset, not built on the coordinator, of {self.dataset!r}>"
+
+
+class PerWorkerDistributedDatasetsFromFunction:
+    """``strategy.distribute_datasets_from_function(dataset_fn)`` on a coordinator: not built
+    here (``dataset_fn`` is not called on the chief); ``create_per_worker_dataset`` builds it on
+    every worker, with that worker's input context. ``iter()`` here is a ``ValueError``, as in
+    TF."""
+
+    def __init__(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions | None
+    ) -> None:
+        self.dataset_fn = dataset_fn
+        self.options = options
+
+    def __iter__(self) -> Iterator[Any]:
+        raise ValueError(
+            "You need to use this dataset in ClusterCoordinator.create_per_worker_dataset. "
+            "(iter() of distribute_datasets_from_function's dataset on the coordinator, the "
+            f"chief: {self.dataset_fn!r} runs on every worker, not here)"
+        )
+
+    def __repr__(self) -> str:
+        fn = self.dataset_fn
+        return f"<DistributedDatasetsFromFunction, not built on the coordinator, of {fn!r}>"

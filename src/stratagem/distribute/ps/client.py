@@ -220,7 +220,25 @@ class PsClient:
 
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
-        return t.to(torch.bfloat16) if self.rule.compression == "bf16" else t.contiguous()
+        bf16 = self.rule.compression == "bf16" and t.is_floating_point()
+        return t.to(torch.bfloat16) if bf16 else t.contiguous()
+
+    def assign_add(self, changes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add ``(variable, change)``'s changes to the variables on the ps (TF's
+        ``assign_add``): a coordinator's worker sends what a function changed of a variable it
+        does not train, and concurrent changes from several workers all count."""
+        keys: list[list[server.ShardKey]] = [[] for _ in self._ps_names]
+        deltas: list[list[torch.Tensor]] = [[] for _ in self._ps_names]
+        for p, change in changes:
+            for s in self._shards[id(p)]:
+                keys[s.ps].append((s.variable, s.index))
+                deltas[s.ps].append(_rows(change, s).contiguous())
+        self._ask(
+            "assign_add",
+            "the changes of variables that are not trained",
+            lambda i: [[list(k) for k in keys[i]], deltas[i]],
+            ps=[i for i, k in enumerate(keys) if k],
+        )
 
     def pull(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Bring this worker's copies (or those of ``params``) up to the ps's current values."""

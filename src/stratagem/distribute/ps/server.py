@@ -115,7 +115,10 @@ class ShardStore:
                     f"already applies {self.rule}; one strategy has one rule"
                 )
             for key, value in shards.items():
-                self._shards[key] = value.detach().clone().requires_grad_(True)
+                # A trainable variable's shard takes gradients; an integer one (a step counter,
+                # TF's tf.Variable(0, dtype=tf.int64)) cannot, and needs none.
+                differentiable = value.is_floating_point() or value.is_complex()
+                self._shards[key] = value.detach().clone().requires_grad_(differentiable)
         ready.set_result(None)
 
     def _creation(self, first: int) -> Future:
@@ -148,7 +151,24 @@ class ShardStore:
 
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         assert self.rule is not None
-        return t.to(torch.bfloat16) if self.rule.compression == "bf16" else t
+        bf16 = self.rule.compression == "bf16" and t.is_floating_point()  # not a counter
+        return t.to(torch.bfloat16) if bf16 else t
+
+    def assign_add(self, keys: Sequence[ShardKey], deltas: Sequence[torch.Tensor]) -> None:
+        """Add a worker's changes to these shards (TF's ``assign_add`` on a ps variable: what
+        a scheduled function changed of a variable that is not trained, a step counter)."""
+        self._check_keys(keys)
+        if len(deltas) != len(keys):
+            raise ValueError(f"assign_add: {len(keys)} shards and {len(deltas)} changes")
+        with self._lock, torch.no_grad():
+            for key, delta in zip(keys, deltas):
+                shard = self._shards[key]
+                if not isinstance(delta, torch.Tensor) or delta.shape != shard.shape:
+                    raise ValueError(
+                        f"assign_add: shard {key} is {tuple(shard.shape)} {shard.dtype}; the "
+                        f"change sent is {delta!r:.80}"
+                    )
+                shard.add_(delta.to(shard.dtype))
 
     # --- pushes -----------------------------------------------------------------------
 
@@ -568,6 +588,7 @@ def methods(store: ShardStore, worker_names: list[str]) -> dict[str, Callable[..
         "fetch": fetch,
         "push": push,
         "read": lambda keys: store.read(_keys(keys)),
+        "assign_add": lambda keys, deltas: store.assign_add(_keys(keys), list(deltas)),
         "optimizer_state": lambda keys: pairs(store.optimizer_state(_keys(keys))),
         "load": lambda values, states: store.load(_pairs(values), _pairs(states)),
         "loaded": loaded,

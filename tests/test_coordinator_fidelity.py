@@ -1,0 +1,109 @@
+"""The coordinator as TF specifies it (TF's ``cluster_coordinator_test.py``), in one real job
+(1 chief, 2 workers, 1 ps: ``workers/coordinator_fidelity.py``) shared by the tests below, and
+a dataset's recipe in one process."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import stratagem as sg
+from cluster_utils import WORKERS, Process, child_env
+from stratagem.data.options import Options
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fidelity")
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "--chief", "-n", "2", "--ps", "1"]
+    argv += [str(WORKERS / "coordinator_fidelity.py"), str(out)]
+    result = Process(argv, child_env(), out, "launcher", merge_output=True).wait(timeout=300)
+    assert result.returncode == 0, result.stdout
+    assert "coordinator fidelity done" in result.stdout, result.stdout
+    return json.loads((out / "result.json").read_text())
+
+
+def _part(job, name):
+    part = job[name]
+    assert "error" not in part, f"{part['error']}\n{part['traceback']}"
+    return part["value"]
+
+
+@pytest.mark.multiprocess
+def test_create_per_worker_dataset_takes_a_dataset_and_a_distributed_dataset(job):
+    got = _part(job, "datasets")
+    assert got["dataset"] == [1, 2, 3, 4]  # TF: range(1, 11).batch(4) passed as it is
+    assert got["mapped"] == 10  # its map function travels by reference
+    assert got["distributed"] == [1, 2, 3, 4]  # experimental_distribute_dataset on the chief
+    assert got["from_function"] == [1, 2, 3, 4]  # distribute_datasets_from_function likewise
+    # Each worker shuffles its own copy its own way (TF's testDatasetsShuffledDifferently).
+    (w0, batch0), (w1, batch1) = got["shuffled"]
+    assert [w0, w1] == [0, 1]
+    assert sorted(batch0) == sorted(batch1) == list(range(100))
+    assert batch0 != batch1
+
+
+@pytest.mark.multiprocess
+def test_coordinated_fit_takes_a_dataset_as_tfs_tutorial_passes_it(job):
+    got = _part(job, "keras")
+    assert got["dataset"] == {"epochs": 2, "steps": 8}, got
+    assert got["creator"] == {"epochs": 2, "steps": 8}, got
+
+
+@pytest.mark.multiprocess
+def test_iter_of_a_distributed_dataset_on_the_coordinator_is_a_value_error(job):
+    got = _part(job, "iter")
+    assert "you need to pass this dataset to ClusterCoordinator.create_per_worker_dataset" in (
+        got["distributed"] or ""
+    ), got
+    assert "You need to use this dataset in ClusterCoordinator.create_per_worker_dataset" in (
+        got["from_function"] or ""
+    ), got
+
+
+@pytest.mark.multiprocess
+def test_an_int64_variable_made_in_scope_lives_on_the_ps(job):
+    got = _part(job, "int64")
+    # TF's testInputFunction: each function reads 1 and assign_adds it on the ps; the
+    # coordinator reads 2.
+    assert got["values"] == [1, 1] and got["chief_reads"] == 2, got
+    assert got["dtype"] == "torch.int64" and got["in_scope"], got
+
+
+@pytest.mark.multiprocess
+def test_a_failure_cancels_the_functions_still_running_and_join_is_clean_after(job):
+    got = _part(job, "cancel")
+    assert "the failure that cancels the rest" in (got["join"] or ""), got
+    assert "the failure that cancels the rest" in (got["failed"] or ""), got
+    # In flight when the other failed: cancelled, and stopped on its worker at its next read.
+    assert "was cancelled while it ran" in (got["running"] or ""), got
+    assert got["stopped_by"] == "CancelledError", got
+    assert got["done"] and got["after"] == [0, 2, 4], got
+
+
+def test_a_dataset_is_made_again_from_its_recipe():
+    x, y = torch.arange(12.0).reshape(6, 2), torch.arange(6)
+    made = (
+        sg.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(6, seed=3)
+        .repeat(2)
+        .map(lambda a, b: (a * 2, b))
+        .batch(4)
+        .prefetch(2)
+    )
+    again = sg.data.Dataset.from_recipe(made.recipe())
+    for a, b in zip(made, again, strict=True):
+        torch.testing.assert_close(a, b)
+    assert [m for m, _ in made.recipe()] == [
+        "from_tensor_slices", "shuffle", "repeat", "map", "batch", "prefetch",
+    ]  # fmt: skip
+    # Made otherwise than by its methods: no recipe, and a worker could not make it again.
+    assert made.reseeded(1).recipe() is None
+    with pytest.raises(sg.errors.InputError, match=r"names '__init__', which is not one of"):
+        sg.data.Dataset.from_recipe([["range", [3]], ["__init__", []]])
+    with pytest.raises(sg.errors.InputError, match="is not one of"):
+        sg.data.Dataset.from_recipe([["shuffle", [3]]])
+    assert sg.data.Dataset.range(3).with_options(Options()).recipe()[-1][0] == "with_options"

@@ -1,0 +1,222 @@
+"""TF's documented coordinator behaviour, each part ported from TF's own tests
+(``cluster_coordinator_test.py``): `stratagem run --chief -n 2 --ps 1 THIS OUT`.
+
+- datasets: ``Model.fit`` takes a dataset (TF's tutorial), ``create_per_worker_dataset`` takes
+  a dataset (``testPassDatasetToCreatePerWorker
+  Dataset``, ``testInputFunctionWithMap``), a distributed dataset made on the chief
+  (``testPassDistributedDatasetToCreatePerWorkerDataset``), and each worker shuffles its copy
+  its own way (``testDatasetsShuffledDifferently``); ``iter()`` of a distributed dataset on the
+  coordinator is a ``ValueError`` (TF's ``DistributedDataset.__iter__`` when not built);
+- a non-float variable made in the scope lives on the ps (``testInputFunction``: an int64
+  ``tf.Variable`` that workers ``assign_add`` to and the coordinator reads);
+- cancellation (``testCancellation``): a function still running when another fails is
+  cancelled (its ``fetch`` raises ``CancelledError``; it stopped on its worker), ``join`` raises
+  the failure once, and the coordinator is used again after.
+
+Each part's outcome (or the error it ended with) goes to OUT/result.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import stratagem as sg
+
+OUT = Path(sys.argv[1])
+
+resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
+if resolver.task_type in ("worker", "ps"):
+    sg.distribute.Server(resolver).join()
+    sys.exit(0)
+
+strategy = sg.distribute.ParameterServerStrategy(resolver)
+coordinator = sg.distribute.coordinator.ClusterCoordinator(strategy)
+with strategy.scope():
+    # TF's tf.Variable(initial_value=0, dtype=tf.int64), made in the scope: a ps variable.
+    counter = torch.nn.Parameter(torch.tensor(0, dtype=torch.int64), requires_grad=False)
+
+
+def one_one():
+    return sg.data.Dataset.range(1, 2)
+
+
+def endless():
+    return sg.data.Dataset.range(10).repeat()
+
+
+def first(iterator):
+    return next(iterator)
+
+
+def add_ten(x):
+    return x + 10
+
+
+def range_fn(input_context):
+    return sg.data.Dataset.range(1, 11).batch(4)
+
+
+def both_read(iterator, barrier: str):
+    """Each worker's first batch, read while the other worker holds one too (one each)."""
+    me = sg.distribute.coordinator.experimental_get_current_worker_index()
+    batch = next(iterator)
+    Path(barrier, f"worker-{me}").touch()
+    deadline = time.monotonic() + 120
+    while len(list(Path(barrier).glob("worker-*"))) < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other worker never read its batch")
+        time.sleep(0.02)
+    return [me, batch.tolist()]
+
+
+def count(iterator):
+    x = next(iterator)
+    counter.add_(x)  # TF's v.assign_add(x)
+    return int(x)
+
+
+def read_until_cancelled(iterator, started: str, seen: str):
+    """Reads its worker's dataset until cancelled (at most 60 s); writes what stopped it."""
+    Path(started).touch()
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            next(iterator)
+            time.sleep(0.02)
+    except BaseException as e:
+        Path(seen).write_text(type(e).__name__)
+        raise
+    Path(seen).write_text("ran to its end")
+    return "not cancelled"
+
+
+def fail_once_started(started: str):
+    deadline = time.monotonic() + 60
+    while not Path(started).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other function never started")
+        time.sleep(0.02)
+    raise ValueError("the failure that cancels the rest")
+
+
+def double(x):
+    return 2 * x
+
+
+def outcome(part):
+    """``part()``'s value, or the error it raised (type, message), for the test to judge."""
+    try:
+        return {"value": part()}
+    except Exception as e:  # the test says which part failed, and how
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
+def raised(error_type, call):
+    try:
+        call()
+    except error_type as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def datasets():
+    result = {}
+    dataset = sg.data.Dataset.range(1, 11).batch(4)
+    per_worker = coordinator.create_per_worker_dataset(dataset)
+    result["dataset"] = coordinator.schedule(first, args=(iter(per_worker),)).fetch().tolist()
+    mapped = coordinator.create_per_worker_dataset(sg.data.Dataset.range(0, 10).map(add_ten))
+    result["mapped"] = int(coordinator.schedule(first, args=(iter(mapped),)).fetch())
+    distributed = strategy.experimental_distribute_dataset(dataset)
+    from_function = strategy.distribute_datasets_from_function(range_fn)
+    for name, made in (("distributed", distributed), ("from_function", from_function)):
+        per_worker = coordinator.create_per_worker_dataset(made)
+        result[name] = coordinator.schedule(first, args=(iter(per_worker),)).fetch().tolist()
+    shuffled = sg.data.Dataset.range(0, 100).shuffle(100).batch(100)
+    iterator = iter(coordinator.create_per_worker_dataset(shuffled))
+    barrier = OUT / "barrier"
+    barrier.mkdir()
+    reads = [coordinator.schedule(both_read, args=(iterator, str(barrier))) for _ in range(2)]
+    result["shuffled"] = sorted(coordinator.fetch(reads))
+    return result
+
+
+def iter_on_the_coordinator():
+    dataset = sg.data.Dataset.range(1, 11).batch(4)
+    return {
+        "distributed": raised(
+            ValueError, lambda: iter(strategy.experimental_distribute_dataset(dataset))
+        ),
+        "from_function": raised(
+            ValueError, lambda: iter(strategy.distribute_datasets_from_function(range_fn))
+        ),
+    }
+
+
+def int64_variable():
+    per_worker = coordinator.create_per_worker_dataset(one_one)
+    values = [coordinator.schedule(count, args=(iter(per_worker),)).fetch() for _ in range(2)]
+    return {
+        "values": values,
+        "chief_reads": int(counter),
+        "dtype": str(counter.dtype),
+        "in_scope": strategy.extended.variable_created_in_scope(counter),
+    }
+
+
+def cancellation():
+    started, seen = OUT / "started", OUT / "seen"
+    iterator = iter(coordinator.create_per_worker_dataset(endless))
+    running = coordinator.schedule(read_until_cancelled, args=(iterator, str(started), str(seen)))
+    failing = coordinator.schedule(fail_once_started, args=(str(started),))
+    result = {
+        "join": raised(sg.distribute.coordinator.FunctionError, coordinator.join),
+        "failed": raised(sg.distribute.coordinator.FunctionError, failing.fetch),
+        "running": raised(sg.distribute.coordinator.CancelledError, running.fetch),
+        # join waited for the cancelled function to end: what stopped it on its worker.
+        "stopped_by": seen.read_text() if seen.exists() else None,
+    }
+    coordinator.join()  # the error was raised once, and the cancelled function's is no new one
+    result["done"] = coordinator.done()
+    result["after"] = [coordinator.schedule(double, args=(i,)).fetch() for i in range(3)]
+    return result
+
+
+def fit_data(input_context=None):
+    x = torch.linspace(-1, 1, 64).reshape(32, 2)
+    y = (x.sum(dim=1) > 0).long()
+    return sg.data.Dataset.from_tensor_slices((x, y)).shuffle(32).repeat().batch(8)
+
+
+def keras_fit():
+    """Model.fit under the coordinator on a dataset, as TF's tutorial passes it (and on a
+    DatasetCreator, as its older version did)."""
+    result = {}
+    creator = sg.keras.utils.experimental.DatasetCreator(fit_data)
+    for name, data in (("dataset", fit_data().prefetch(2)), ("creator", creator)):
+        with strategy.scope():
+            model = sg.keras.Model(torch.nn.Linear(2, 2))
+            model.compile(
+                sg.keras.optimizers.SGD(0.1),
+                loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                steps_per_execution=2,
+            )
+        history = model.fit(data, epochs=2, steps_per_epoch=4, verbose=0)
+        result[name] = {"epochs": len(history.history["loss"]), "steps": model.optimizer.iterations}
+    return result
+
+
+result = {
+    "keras": outcome(keras_fit),
+    "iter": outcome(iter_on_the_coordinator),
+    "datasets": outcome(datasets),
+    "int64": outcome(int64_variable),
+    "cancel": outcome(cancellation),
+}
+(OUT / "result.json").write_text(json.dumps(result))
+print("coordinator fidelity done", flush=True)
