@@ -132,6 +132,46 @@ def test_a_worker_refuses_a_changed_file_changed_code_and_a_module_it_may_not_im
     assert "tabnanny" not in sys.modules
 
 
+def test_a_worker_calls_only_the_programs_functions_and_stratagems_scheduled_steps():
+    """What a worker is told to call gets arguments from the wire: a table naming a library
+    function (builtins.exec, or subprocess's code rebuilt with the table's globals) is refused
+    before anything is made; the program's functions and Keras's scheduled steps are called."""
+    import subprocess as subprocess_module
+
+    from stratagem.keras import coordinated
+
+    _, factorial, *_ = make_functions()
+    describer = shipping.Describer(root=HERE)
+    program_fn = describer.function(factorial, what="test")
+    steps = describer.function(coordinated.train_steps, what="fit")
+    library_code = describer.function(  # a library function rebuilt from its module's code
+        lambda: None, what="x"
+    )
+    table = dict(describer.functions)
+    getoutput = {
+        **table[library_code["ref"]],
+        "module": "subprocess",
+        "qualname": "getoutput",
+        "where": {
+            "import": "subprocess",
+            "sha": shipping.file_hash(Path(subprocess_module.__file__)),
+        },
+    }
+    table["forged"] = getoutput
+    rebuilder = shipping.Rebuilder(table, root=HERE)
+    assert rebuilder.entry_point(program_fn, "the scheduled function")(5) == 120
+    assert rebuilder.entry_point(steps, "the scheduled function") is coordinated.train_steps
+    for forged, named in (
+        ({"k": "named", "module": "builtins", "qualname": "exec"}, "builtins.exec"),
+        ({"k": "named", "module": "os", "qualname": "system"}, "os.system"),
+        ({"k": "function", "ref": "forged"}, "subprocess.getoutput"),
+        ({"k": "value", "v": "print"}, "'v': 'print'"),
+    ):
+        with pytest.raises(ValueError, match="must be a function of the program") as refused:
+            rebuilder.entry_point(forged, "the scheduled function")
+        assert named in str(refused.value)
+
+
 def test_what_cannot_be_sent_is_named_with_its_type():
     lock = threading.Lock()
 

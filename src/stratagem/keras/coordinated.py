@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from stratagem import data as sg_data
+from stratagem import shipping
 from stratagem.distribute import InputContext, InputOptions
 from stratagem.distribute.capabilities import ChiefCoordination
 from stratagem.distribute.coordinator import (
@@ -117,6 +118,7 @@ def per_worker_dataset(strategy: Any, x: Any) -> Any:
     return None
 
 
+@shipping.entry_point  # a worker calls it: the coordinator sends it
 def train_steps(model: Any, iterator: Iterator[Any], steps: int) -> None:
     """Scheduled by ``fit``: ``steps`` batches of the worker's iterator, each a train step on
     the worker (its optimizer step pushes the gradients to the ps)."""
@@ -125,6 +127,7 @@ def train_steps(model: Any, iterator: Iterator[Any], steps: int) -> None:
         strategy.run(model.train_step, args=(next(iterator),))
 
 
+@shipping.entry_point  # a worker calls it: the coordinator sends it
 def test_batches(model: Any, batches: list[Any]) -> None:
     """Scheduled by ``evaluate``: these batches (sent with the function) through test steps."""
     strategy = model.distribute_strategy
@@ -165,3 +168,9 @@ __all__ = [
     "train_steps",
     "worker_dataset_fn",
 ]
+
+
+# The dataset functions fit sends to create_per_worker_dataset: a worker calls them.
+shipping.nested_entry_points(
+    __name__, "worker_dataset_fn.<locals>.dataset_fn", "creator_dataset_fn.<locals>.made"
+)

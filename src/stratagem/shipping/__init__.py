@@ -12,6 +12,7 @@ only ``portable``.
 """
 
 from stratagem.shipping.describe import Describer, Special
+from stratagem.shipping.entry_points import entry_point, nested_entry_points
 from stratagem.shipping.portable import Portable, add_totals, totals_of
 from stratagem.shipping.program import (
     code_hash,
@@ -33,7 +34,9 @@ __all__ = [
     "code_hash",
     "compute_code_hash",
     "dtype_named",
+    "entry_point",
     "file_hash",
+    "nested_entry_points",
     "program_file",
     "program_root",
     "source_line",

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from stratagem.shipping import by_attributes
+from stratagem.shipping.entry_points import is_entry_point
 from stratagem.shipping.portable import MODULE_DEFAULTS, Portable, accumulates, set_state
 from stratagem.shipping.program import (
     class_body,
@@ -109,6 +110,35 @@ class Rebuilder:
         if kind == "class":
             return self.cls(str(entry["ref"]))
         raise ValueError(f"unknown capture kind {kind!r}")
+
+    def entry_point(self, entry: Any, what: str) -> Callable[..., Any]:
+        """The function ``entry`` names, for this worker to call (``what``: "the scheduled
+        function"): a function of the program's files, or a library function stratagem marked
+        (``entry_points``); anything else is refused before it is made."""
+        if isinstance(entry, dict) and entry.get("k") == "function":
+            desc = self.table[str(entry["ref"])]
+            module, qualname = str(desc["module"]), str(desc["qualname"])
+            if "file" in desc.get("where", {}) or self._registered(module, qualname):
+                return self.function(str(entry["ref"]))
+            named = f"{module}.{qualname}"
+        elif isinstance(entry, dict) and entry.get("k") == "named":
+            module, qualname = str(entry.get("module")), str(entry.get("qualname"))
+            if self._registered(module, qualname):
+                return self.value(entry)
+            named = f"{module}.{qualname}"
+        else:
+            named = repr(entry)[:200]
+        raise ValueError(
+            f"{what} must be a function of the program (or one of stratagem's scheduled "
+            f"steps); the chief named {named}, which this worker does not call"
+        )
+
+    def _registered(self, module: str, qualname: str) -> bool:
+        """Whether stratagem marks ``module.qualname`` as an entry point; only stratagem's own
+        modules are imported to learn it (their import registers their entry points)."""
+        if module.split(".")[0] == "stratagem" and module not in sys.modules:
+            self._module(module)
+        return is_entry_point(module, qualname)
 
     def object(self, key: str) -> Any:
         """The object ``key`` of the table: ``cls.__new__(cls)`` of a module, optimizer or

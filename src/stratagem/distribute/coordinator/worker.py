@@ -287,8 +287,12 @@ class WorkerServer:
                 else sg_data.seed_scope(sg_data.derive_seed(seed, self.worker_index))
             )
             with scope:
-                made = self._rebuilder(table, []).value(key)
-                self._datasets[int(ds_id)] = made() if call else made
+                rebuilder = self._rebuilder(table, [])
+                if call:
+                    made = rebuilder.entry_point(key, "create_per_worker_dataset's dataset_fn")()
+                else:
+                    made = rebuilder.value(key)
+                self._datasets[int(ds_id)] = made
             return {"value": None}
 
         return self._in_thread(make, "dataset_fn")
@@ -304,7 +308,7 @@ class WorkerServer:
         def body() -> dict[str, Any]:
             pull: list[torch.Tensor] = []
             rebuilder = self._rebuilder(table, pull)
-            fn = rebuilder.value(key)
+            fn = rebuilder.entry_point(key, "the scheduled function")
             call_args = [rebuilder.value(a) for a in args]
             call_kwargs = {k: rebuilder.value(v) for k, v in kwargs.items()}
             if pull:  # the variables' current values (other workers have pushed since)
