@@ -134,3 +134,10 @@ def test_a_save_is_complete_on_every_worker_when_it_returns(outs):
     assert b["manager_restored"] == 2.0
     assert b["save_restored"] == 4.0
     assert b["write_restored"] == 6.0
+
+
+def test_optimizer_iterations_count_a_custom_loops_steps(outs):
+    """Keras: ``optimizer.iterations`` counts every step (``apply_gradients``), a custom
+    loop's as ``fit``'s; under a strategy one per step, not one per replica."""
+    _, (a, b) = outs
+    assert a["custom_loop_iterations"] == b["custom_loop_iterations"] == 3

@@ -182,4 +182,20 @@ saved_slowly(lambda: plain.write("written"))
 if task == 1:
     out["write_restored"] = restored("written")
 
+# optimizer.iterations counts a custom loop's steps, one per step ------------------------------
+with strategy.scope():
+    keras_model = sg.keras.Model(torch.nn.Linear(2, 1))
+    keras_model.compile(sg.keras.optimizers.SGD(0.1), loss="mse")
+
+
+def custom_step():
+    loss = keras_model(torch.ones(2, 2)).sum()
+    keras_model.optimizer.zero_grad()
+    loss.backward()
+    keras_model.optimizer.step()
+
+
+for _ in range(3):
+    strategy.run(custom_step)
+out["custom_loop_iterations"] = keras_model.optimizer.iterations
 torch.save(out, f"result-{task}.pt")
