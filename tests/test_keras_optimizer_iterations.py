@@ -10,14 +10,16 @@ import pytest
 import torch
 
 import stratagem as sg
+from in_turn_strategy import InTurnStrategy
 
 LOCAL_STRATEGIES = pytest.mark.parametrize(
     "make",
     [
         lambda: sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"]),
         lambda: sg.distribute.experimental.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+        lambda: InTurnStrategy(2),  # replicas one after another: no merge call to meet in
     ],
-    ids=["mirrored", "central_storage"],
+    ids=["mirrored", "central_storage", "in_turn"],
 )
 
 

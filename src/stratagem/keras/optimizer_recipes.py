@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from stratagem.distribute import get_replica_context
+from stratagem.distribute import capabilities, get_replica_context
 from stratagem.errors import UnavailableOptimizerError
 from stratagem.shipping.portable import Portable
 
@@ -332,13 +332,19 @@ class BoundOptimizer(Portable):
         """Count one step (Keras's ``iterations.assign_add(1)``): ``step`` calls it, and ``fit``
         for a step taken where ``step`` is not called (a pipeline's stages, a coordinator's
         workers). Once per step on each process, as Keras's iterations, a variable updated by
-        the first replica only: inside ``strategy.run`` the local replicas meet in a merge call
-        and one counts, after every replica has read the count for the step."""
+        one replica only, and after every local replica has read the count for the step
+        (``_updates_now``): replicas that run at once (threads) meet in a merge call and one
+        counts; replicas that run in turn leave it to the last."""
         ctx = get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
             self._batches += 1
             return
-        ctx.strategy.extended.merge_call("optimizer.iterations", self._add_one)
+        extended = ctx.strategy.extended
+        local = len(extended.worker_devices)
+        if local > 1 and isinstance(extended, capabilities.MergesReplicas):
+            extended.merge_call("optimizer.iterations", self._add_one)
+        elif ctx.local_replica_id == local - 1:
+            self._add_one()
 
     def _add_one(self) -> None:
         self._batches += 1
