@@ -122,3 +122,23 @@ def test_only_the_chief_writes_the_shared_checkpoint(outs):
     meta = json.loads((workdir / "shared_ckpt" / "ckpt-1" / "meta.json").read_text())
     assert meta["distribution"]["strategy"] == "MultiWorkerMirroredStrategy"
     assert meta["distribution"]["world_size"] == 2
+
+
+def test_a_save_is_complete_on_every_worker_when_it_returns(outs):
+    """TF: under MultiWorkerMirroredStrategy a save is collective (every worker calls it), and
+    when the workers return from it the checkpoint is complete. Worker 1 restores what the
+    chief wrote right after each save (``CheckpointManager.save`` then its
+    ``latest_checkpoint``; ``Checkpoint.save`` then ``latest_checkpoint(dir)``, which reads the
+    index; ``write`` over an earlier write): it reads the saved weights, not the earlier
+    save's (1, 3, 5) nor an error for a checkpoint not there yet."""
+    _, (_, b) = outs
+    assert b["manager_restored"] == 2.0
+    assert b["save_restored"] == 4.0
+    assert b["write_restored"] == 6.0
+
+
+def test_optimizer_iterations_count_a_custom_loops_steps(outs):
+    """Keras: ``optimizer.iterations`` counts every step (``apply_gradients``), a custom
+    loop's as ``fit``'s; under a strategy one per step, not one per replica."""
+    _, (a, b) = outs
+    assert a["custom_loop_iterations"] == b["custom_loop_iterations"] == 3

@@ -77,6 +77,23 @@ def test_a_plain_module_saves_and_loads_callable_with_a_serving_signature(tmp_pa
     assert not isinstance(loaded, sg.keras.Model)  # TF: the low-level API gives no Keras model
 
 
+def test_a_signature_runs_without_a_tape_but_the_loaded_call_is_differentiable(tmp_path):
+    """TF: a signature's outputs are plain tensors, no tape records its run (``.numpy()``
+    works on them); the loaded object's own call is a restored function, which carries its
+    gradient (``function_deserialization.py``): fine-tuning a loaded model goes through it."""
+    module = _module()
+    sg.saved_model.save(module, str(tmp_path / "m"), signatures=X[:2])
+    loaded = sg.saved_model.load(str(tmp_path / "m"))
+    x = X.clone().requires_grad_(True)
+    out = loaded.signatures["serving_default"](x)["output_0"]
+    assert not out.requires_grad and out.grad_fn is None, out
+    np.testing.assert_allclose(out.numpy(), module(X).detach().numpy(), atol=1e-6)
+    called = loaded(x)
+    assert called.requires_grad
+    called.sum().backward()
+    assert x.grad is not None and all(v.grad is not None for v in loaded.trainable_variables)
+
+
 def test_signatures_as_a_dict_and_outputs_of_several_tensors(tmp_path):
     """TF: ``signatures={"serving_default": fn}``; tuple outputs are ``output_0``,
     ``output_1``."""

@@ -1,5 +1,7 @@
 """A worker that exercises the cross-worker API; writes what it observed to result-<task>.pt."""
 
+import time
+
 import torch
 
 import stratagem as sg
@@ -108,4 +110,92 @@ manager = sg.train.CheckpointManager(
     sg.train.Checkpoint(model=model, epoch=epoch), "shared_ckpt", 2
 )
 out["saved_path"] = manager.save()
+
+
+# a save is collective: worker 1 restores what the chief wrote right after each save ----------
+class SlowToSave:
+    """A trackable the chief (only the writer reads it) takes ``delay`` seconds to read: a save
+    that were not collective would let worker 1 reach its restore before the chief's write.
+    The delay only widens that gap, so that such a save fails this check; a collective save
+    passes whatever the delay."""
+
+    delay = 0.0
+
+    def state_dict(self):
+        time.sleep(self.delay)
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+slow = SlowToSave()
+with strategy.scope():
+    layer = torch.nn.Linear(2, 1)
+
+
+def fill(value):
+    with torch.no_grad():
+        layer.weight.fill_(value)
+        layer.bias.fill_(value)
+
+
+def saved_slowly(save):
+    slow.delay = 0.5
+    try:
+        return save()
+    finally:
+        slow.delay = 0.0
+
+
+def restored(path):
+    """Worker 1: its weights spoiled, then ``path`` restored: the weight it holds (or why not)."""
+    fill(-1.0)
+    try:
+        sg.train.Checkpoint(layer=layer, slow=slow).restore(path)
+    except Exception as e:  # the result names it: a checkpoint not there yet
+        return f"{type(e).__name__}: {e}"
+    return layer.weight.flatten()[0].item()
+
+
+# Each time a first value is saved before, so an old checkpoint is there to be read instead.
+collective = sg.train.CheckpointManager(
+    sg.train.Checkpoint(layer=layer, slow=slow), "collective", max_to_keep=None
+)
+fill(1.0)
+collective.save()
+fill(2.0)
+saved_slowly(collective.save)
+if task == 1:
+    out["manager_restored"] = restored(collective.latest_checkpoint)
+plain = sg.train.Checkpoint(layer=layer, slow=slow)
+fill(3.0)
+plain.save("plain/ckpt")
+fill(4.0)
+saved_slowly(lambda: plain.save("plain/ckpt"))
+if task == 1:
+    out["save_restored"] = restored(sg.train.latest_checkpoint("plain"))
+fill(5.0)
+plain.write("written")
+fill(6.0)
+saved_slowly(lambda: plain.write("written"))
+if task == 1:
+    out["write_restored"] = restored("written")
+
+# optimizer.iterations counts a custom loop's steps, one per step ------------------------------
+with strategy.scope():
+    keras_model = sg.keras.Model(torch.nn.Linear(2, 1))
+    keras_model.compile(sg.keras.optimizers.SGD(0.1), loss="mse")
+
+
+def custom_step():
+    loss = keras_model(torch.ones(2, 2)).sum()
+    keras_model.optimizer.zero_grad()
+    loss.backward()
+    keras_model.optimizer.step()
+
+
+for _ in range(3):
+    strategy.run(custom_step)
+out["custom_loop_iterations"] = keras_model.optimizer.iterations
 torch.save(out, f"result-{task}.pt")

@@ -440,10 +440,11 @@ class Model(Portable):
         pipeline = self._pipelined(batch)
         if pipeline is not None:
             pipeline.train_batch(batch)
+            assert self.optimizer is not None
+            self.optimizer.count_step()  # the stages stepped their own torch optimizers
         else:
+            # The step counts itself (optimizer.step: iterations), as a custom loop's does.
             self.distribute_strategy.run(self.train_step, args=(batch,))
-        assert self.optimizer is not None
-        self.optimizer.finish_batch()
 
     def _test_batch(self, batch: Any) -> None:
         pipeline = self._pipelined(batch)
@@ -596,7 +597,7 @@ class Model(Portable):
                 cbs.on_train_batch_begin(step)
                 coordinator.schedule(coordinated.train_steps, args=(self, iterator, k))
                 for _ in range(k):
-                    self.optimizer.finish_batch()  # iterations: batches scheduled
+                    self.optimizer.count_step()  # iterations: batches scheduled
                 step += k
                 # As TF's: batch logs would wait for the workers; the epoch's come at its end.
                 cbs.on_train_batch_end(step - 1, {})

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from stratagem.distribute import capabilities, get_replica_context
 from stratagem.errors import UnavailableOptimizerError
 from stratagem.shipping.portable import Portable
 
@@ -272,12 +273,14 @@ class BoundOptimizer(Portable):
     ) -> None:
         self.torch_optimizer = optimizer
         self.gradient_accumulation_steps = _check_steps(gradient_accumulation_steps)
-        self._batches = 0  # Keras's ``_iterations``: batches seen by fit, micro-batches included
+        # Keras's ``_iterations``: calls of ``step`` (its ``apply``), micro-batches included,
+        # whoever calls it: ``fit``, or a custom loop.
+        self._batches = 0
 
     @property
     def iterations(self) -> int:
-        """Optimizer steps applied by ``fit`` (Keras's: batches, divided by k when
-        accumulating)."""
+        """Optimizer steps taken (Keras's: every ``apply_gradients``, ``fit``'s or a custom
+        loop's, once per step whatever the replicas; divided by k when accumulating)."""
         k = self.gradient_accumulation_steps
         return self._batches // k if k else self._batches
 
@@ -319,13 +322,31 @@ class BoundOptimizer(Portable):
             (loss / k).backward()
 
     def step(self) -> None:
-        """The update, on every batch, or on the last micro-batch of each accumulated step."""
+        """The update, on every batch, or on the last micro-batch of each accumulated step;
+        counted in ``iterations`` (Keras's ``apply_gradients``)."""
         if self._updates_now():
             self.torch_optimizer.step()
+        self.count_step()
 
-    def finish_batch(self) -> None:
-        """Count one batch of ``fit`` (after every replica ran it: in the cross-replica
-        context, so that replica threads all see the same count during the batch)."""
+    def count_step(self) -> None:
+        """Count one step (Keras's ``iterations.assign_add(1)``): ``step`` calls it, and ``fit``
+        for a step taken where ``step`` is not called (a pipeline's stages, a coordinator's
+        workers). Once per step on each process, as Keras's iterations, a variable updated by
+        one replica only, and after every local replica has read the count for the step
+        (``_updates_now``): replicas that run at once (threads) meet in a merge call and one
+        counts; replicas that run in turn leave it to the last."""
+        ctx = get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            self._batches += 1
+            return
+        extended = ctx.strategy.extended
+        local = len(extended.worker_devices)
+        if local > 1 and isinstance(extended, capabilities.MergesReplicas):
+            extended.merge_call("optimizer.iterations", self._add_one)
+        elif ctx.local_replica_id == local - 1:
+            self._add_one()
+
+    def _add_one(self) -> None:
         self._batches += 1
 
     @property

@@ -32,13 +32,20 @@ def named_outputs(outputs: Any) -> dict[str, Any]:
 
 
 class ServingFunction:
-    """A serving signature: the module's forward pass returning a dict of named outputs."""
+    """A serving signature: the module's forward pass returning a dict of named outputs.
+
+    It runs without autograd, as TensorFlow's signature runs with no tape watching: its
+    outputs are plain values (``requires_grad`` False, ``.numpy()`` works) and no graph of the
+    forward pass is kept. ``no_grad`` rather than ``inference_mode``: an output may still feed
+    a model that trains. The loaded object's own ``__call__`` stays differentiable, as TF's
+    restored functions are (fine-tuning a loaded model goes through it)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = module
 
     def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return named_outputs(self._module(*args, **kwargs))
+        with torch.no_grad():
+            return named_outputs(self._module(*args, **kwargs))
 
     def __repr__(self) -> str:
         return f"ServingFunction({type(self._module).__name__})"

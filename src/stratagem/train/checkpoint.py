@@ -15,7 +15,7 @@ from typing import Any, Protocol, Union, runtime_checkable
 
 import torch
 
-from stratagem.distribute import StrategyExtended, strategy_for
+from stratagem.distribute import StrategyExtended, capabilities, strategy_for
 from stratagem.errors import CheckpointError, CheckpointMatchError
 from stratagem.train import sharded
 from stratagem.train.restore import (
@@ -200,6 +200,7 @@ class Checkpoint:
         written = write_numbered(self, lambda number: f"{prefix}-{number}")
         if is_writer(self):
             record_in_index(os.path.dirname(written) or ".", os.path.basename(written))
+        complete_save(self, "Checkpoint.save")
         return written
 
     def write(self, file_path: PathLike) -> str:
@@ -209,16 +210,27 @@ class Checkpoint:
         is the checkpoint; other processes would only race it for the same path. They create the
         parent directory (so code that removes a per-worker temporary directory afterwards, as
         TensorFlow's multi-worker tutorial does, works) and return the same path without
-        writing or waiting for anyone: a save is never a synchronisation point. The exceptions
-        hold state that differs between processes: a checkpoint of weights laid out on a mesh
-        (``sg.dtensor``), where every process writes its own shards, collectively
-        (``sharded.py``); and a model split into pipeline stages, whose stages first bring their
-        layers to every process (a collective hook), so the chief writes the whole model.
+        writing. The exceptions hold state that differs between processes: a checkpoint of
+        weights laid out on a mesh (``sg.dtensor``), where every process writes its own shards,
+        collectively (``sharded.py``); and a model split into pipeline stages, whose stages
+        first bring their layers to every process (a collective hook), so the chief writes the
+        whole model.
+
+        Under a strategy whose processes train in step (every one but a parameter server's), a
+        save is collective, as TensorFlow's is: every process calls it, and each returns once
+        the checkpoint is complete, so any of them can restore it next (``complete_save``).
 
         Which process is the chief, and what state must be brought home first (a parameter
         server's), is the business of the strategy that distributes the tracked objects
         (``strategy.extended``: ``should_checkpoint``, ``before_checkpoint_write``).
         """
+        path = self._write(file_path)
+        complete_save(self, "Checkpoint.write")
+        return path
+
+    def _write(self, file_path: PathLike) -> str:
+        """``write`` without waiting for the other processes: the callers that go on to update
+        an index first (``save``, the manager's) complete the save after it."""
         path = os.fspath(file_path)
         if not os.path.basename(path):
             raise ValueError(f"checkpoint path {path!r} names a directory, expected a file name")
@@ -435,10 +447,34 @@ def write_numbered(checkpoint: Checkpoint, path_for: Callable[[int], str]) -> st
     counter = checkpoint.save_counter
     counter.add_(1)
     try:
-        return checkpoint.write(path_for(int(counter)))
+        return checkpoint._write(path_for(int(counter)))
     except BaseException:
         counter.sub_(1)
         raise
+
+
+def write_recorded(checkpoint: Checkpoint, path: PathLike) -> str:
+    """``checkpoint.write(path)``, recorded as the latest in the ``checkpoint`` index of its
+    directory (the chief), complete on every process when it returns (``ModelCheckpoint``'s
+    save: ``latest_checkpoint`` of the directory finds it on any worker)."""
+    written = checkpoint._write(path)
+    if is_writer(checkpoint):
+        record_in_index(os.path.dirname(written) or ".", os.path.basename(written))
+    complete_save(checkpoint, "the save of " + os.path.basename(written))
+    return written
+
+
+def complete_save(checkpoint: Checkpoint, what: str) -> None:
+    """The end of a save on every process: wait until the chief has written it (and its
+    index), so that a restore of it right after, on any worker, reads it. TensorFlow's save is
+    collective under a multi-worker strategy: when every worker has returned from it, the
+    checkpoint is complete. Not under a parameter-server strategy (``ChiefCoordination``): its
+    chief saves alone while the workers train on (or serve it), so there is nobody to wait for.
+    """
+    extended = checkpoint._extended()
+    if isinstance(extended, capabilities.ChiefCoordination):
+        return
+    extended.barrier(what)
 
 
 def is_writer(checkpoint: Checkpoint) -> bool:

@@ -21,7 +21,13 @@ from typing import Any
 import torch
 
 from stratagem.errors import CheckpointError
-from stratagem.train.checkpoint import Checkpoint, PathLike, is_writer, write_numbered
+from stratagem.train.checkpoint import (
+    Checkpoint,
+    PathLike,
+    complete_save,
+    is_writer,
+    write_numbered,
+)
 from stratagem.train.manifest import DamagedSaveError, FellBackWarning
 from stratagem.train.storage import (
     DEFAULT_INDEX_FILENAME,
@@ -130,7 +136,9 @@ class CheckpointManager:
     ``keep_checkpoint_every_n_hours``, which leaves the managed list but stays on disk. With
     ``checkpoint_interval``, ``save()`` writes only once ``step_counter`` has advanced that many
     steps since the last save. Only the chief writes, deletes or updates the index; other
-    processes create the directory and keep the same list in memory.
+    processes create the directory and keep the same list in memory. Under a multi-worker
+    strategy ``save()`` is collective, as TF's: every worker calls it and returns once the
+    checkpoint and the index are written (``Checkpoint.write``).
     """
 
     def __init__(
@@ -348,6 +356,9 @@ class CheckpointManager:
             write_index(self._directory, self._entries, self._latest, self._last_preserved)
             for old in removed:
                 self._delete(old)
+        # Collective: every process returns with the checkpoint and the index written, so any
+        # worker may restore latest_checkpoint now.
+        complete_save(self._checkpoint, "CheckpointManager.save")
         if step is not None:
             self._last_checkpoint_step = step
         return path

@@ -11,8 +11,7 @@ from stratagem.keras.callbacks.callback import Logs, is_chief
 from stratagem.keras.callbacks.monitor import MonitorCallback
 from stratagem.keras.callbacks.save_schedule import BatchSchedule, check_save_freq
 from stratagem.train import Checkpoint
-from stratagem.train.checkpoint import is_writer
-from stratagem.train.storage import record_in_index
+from stratagem.train.checkpoint import write_recorded
 
 
 class ModelCheckpoint(MonitorCallback):
@@ -110,13 +109,12 @@ class ModelCheckpoint(MonitorCallback):
         path = self._file_path(epoch, batch, logs)
         if not self._should_save(epoch, logs, path):
             return
-        checkpoint = self._checkpoint()
-        checkpoint.write(path)
-        if is_writer(checkpoint):
-            record_in_index(os.path.dirname(path) or ".", os.path.basename(path))
+        # Collective, as TF's save: every worker returns with the save (and the index naming it)
+        # complete, so any of them may load it next.
+        write_recorded(self._checkpoint(), path)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        # The one synchronisation: code after fit (load_weights of the latest save) on any
-        # worker must see the chief's last write.
+        # Code after fit (load_weights of the latest save) on any worker must see the chief's
+        # last write: each save is collective already; this also covers a fit that saved none.
         assert self.model is not None
         self.model.distribute_strategy.extended.barrier("ModelCheckpoint's last save")

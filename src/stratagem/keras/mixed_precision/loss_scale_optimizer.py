@@ -156,14 +156,19 @@ class LossScaleOptimizer(optimizer_recipes.BoundOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> None:
         """Unscale the gradients in place, and step unless they overflowed on some replica.
 
-        Call it after ``get_scaled_loss(loss).backward()`` (``Model.fit`` does)."""
+        Call it after ``get_scaled_loss(loss).backward()`` (``Model.fit`` does). A skipped step
+        still counts in ``iterations``, as Keras's (tf-keras's ``do_not_apply_fn`` increments
+        the inner optimizer's iterations itself)."""
         if closure is not None:
             raise ValueError("LossScaleOptimizer.step takes no closure (the loss must be scaled)")
         optimizer = self._bound()
         # A bound optimizer that accumulates gradients over several batches updates on some
         # of them only; the gradients are unscaled and checked when it does.
-        if not getattr(self, "_updates_now", lambda: True)():
-            return
+        if self._updates_now():
+            self._step_unscaled(optimizer)
+        self.count_step()
+
+    def _step_unscaled(self, optimizer: torch.optim.Optimizer) -> None:
         nonfinite = self._unscale(optimizer)
         if not self.dynamic:
             optimizer.step()
