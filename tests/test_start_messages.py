@@ -126,6 +126,9 @@ def test_a_local_strategy_says_its_start_at_debug(monkeypatch, capsys):
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("[stratagem] this process: MirroredStrategy started in ")
     assert line.endswith(": 2 replicas in sync, devices cpu:0, cpu:1, backend none")
+    sg.distribute.MirroredStrategy(["cpu:0"])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith(": 1 replica in sync, devices cpu:0, backend none")
 
 
 START = """\

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -208,7 +209,9 @@ def test_study_of_multiworker_trials(multiworker_study):
     job = multiworker_study
     assert str(job.state) == "JOB_STATE_SUCCEEDED"
     trials = job.trials
-    assert [t.id for t in trials] == ["1", "2", "3", "4"]
+    # Optuna's numbers, as optuna-dashboard shows them; each trial's folder has its number.
+    assert [t.id for t in trials] == ["0", "1", "2", "3"]
+    assert [t.job_dir.name for t in trials] == ["0", "1", "2", "3"]
     assert len({tuple(t.parameters.values()) for t in trials}) == 4
     cpus = launcher.usable_cpus()
     assert job.threads_per_task() == max(1, cpus // (2 * 2))
@@ -306,6 +309,7 @@ def test_median_rule_stops_bad_trials(tmp_path):
     # The dashboards read the study as it is. optuna-dashboard: Optuna's own API sees every trial
     # with its parameters, intermediate values and state.
     study = optuna.load_study(study_name="prune", storage=job.storage_url)
+    assert study.metric_names == ["accuracy"]  # the dashboard's name for the objective
     stored = study.get_trials()
     complete, pruned = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED
     assert [t.state for t in stored] == [complete] * 3 + [pruned] * 2
@@ -314,14 +318,19 @@ def test_median_rule_stops_bad_trials(tmp_path):
         expected = {0: 0.3, 1: 0.6, 2: 0.9} if frozen.state == complete else {0: 0.1 / 3}
         assert frozen.intermediate_values == pytest.approx(expected)
         # TensorBoard's HParams plugin: each trial's parameters and objective beside its scalars.
-        _check_hparams_events(trial, frozen)
+        _check_hparams_events(job, trial, frozen)
+    # TensorBoard's runs are the trials by the same number: trial-0 .. trial-4.
+    runs = sorted(p.name for p in (job.study_dir / "tensorboard").iterdir())
+    assert runs == [f"trial-{n}" for n in range(5)]
 
 
-def _check_hparams_events(trial, frozen):
+def _check_hparams_events(job, trial, frozen):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    events = EventAccumulator(str(trial.job_dir / "tensorboard"))
+    run = job.study_dir / "tensorboard" / f"trial-{trial.id}"
+    assert json.loads((trial.job_dir / "job.json").read_text())["tensorboard_log_dir"] == str(run)
+    events = EventAccumulator(str(run))
     events.Reload()
     steps = [(e.step, e.value) for e in events.Scalars("trial/accuracy")]
     assert steps == [(s, pytest.approx(v)) for s, v in sorted(frozen.intermediate_values.items())]
@@ -336,7 +345,8 @@ def _check_hparams_events(trial, frozen):
     assert hparams["x"].number_value == pytest.approx(frozen.params["x"])
     assert hparams["y"].number_value == frozen.params["y"]
     assert hparams["kind"].string_value == frozen.params["kind"]
-    final = [e.value for e in events.Scalars("hparam/accuracy")]
+    assert hparams["trial_state"].string_value == str(trial.state)  # STOPPED ones are marked
+    final = [e.value for e in events.Scalars("accuracy")]  # the objective's own name
     assert final == [pytest.approx(list(frozen.intermediate_values.values())[-1])]
 
 
@@ -449,7 +459,7 @@ def test_tuner_killed_mid_study_resumes_to_max_trial_count(tmp_path):
     tuner = Process(tune_command(spec), child_env(), tmp_path, "tuner1")
     orphans = []
     try:
-        # Trial 1 ends at once; trials 2 and 3 hold until released: two trials in flight.
+        # Trial 0 ends at once; trials 1 and 2 hold until released: two trials in flight.
         wait_until(
             lambda: counts().get(states.COMPLETE) == 1 and counts().get(states.RUNNING) == 2,
             "one trial finished and two running",
@@ -476,12 +486,12 @@ def test_tuner_killed_mid_study_resumes_to_max_trial_count(tmp_path):
     assert "(resuming after 3 trials)" in result.stderr
     database = tmp_path / "studies" / "killed" / "study.db"
     assert f"[stratagem] watch it with: optuna-dashboard sqlite:///{database}\n" in result.stderr
-    trials_dir = tmp_path / "studies" / "killed" / "trials"
-    assert f"[stratagem] watch it with: tensorboard --logdir {trials_dir}\n" in result.stderr
+    runs_dir = tmp_path / "studies" / "killed" / "tensorboard"
+    assert f"[stratagem] watch it with: tensorboard --logdir {runs_dir}\n" in result.stderr
     trials = load_tuning_job(spec).trials
     assert trials[0] == before and str(before.state) == "SUCCEEDED"
     interrupted = [t for t in trials if str(t.state) == "FAILED"]
-    assert [t.id for t in interrupted] == ["2", "3"]
+    assert [t.id for t in interrupted] == ["1", "2"]
     for trial in interrupted:
         assert trial.error.startswith("the tuner stopped while this trial ran")
     succeeded = [t for t in trials if str(t.state) == "SUCCEEDED"]
@@ -590,3 +600,92 @@ def test_two_parallel_trials_on_two_gpus_see_one_distinct_gpu_each(tmp_path, mon
     assert [s["cuda_visible_devices"] for s in seen] == ["0", "1"]
     assert {s["cuda_device_order"] for s in seen} == {"PCI_BUS_ID"}
     assert all(str(t.state) == "SUCCEEDED" for t in job.trials)
+
+
+# --- the live table ---------------------------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _screen(text: str) -> list[str]:
+    """What a terminal shows after ``text``: lines, with cursor-up (ESC[nA) and clear-below
+    (ESC[J), the only codes the table writes."""
+    lines, row = [""], 0
+    for token in re.split(r"(\x1b\[\d*[AJ]|\n)", text):
+        if token == "\n":
+            row += 1
+            if row == len(lines):
+                lines.append("")
+        elif token.startswith("\x1b[") and token.endswith("A"):
+            row -= int(token[2:-1])
+        elif token == "\x1b[J":
+            del lines[row + 1 :]
+            lines[row] = ""
+        elif token:
+            lines[row] += token
+    return [line for line in lines if line]
+
+
+def _trial(number: int, state: str, accuracy=None):
+    from stratagem.tune.trials import Measurement, Metric, Trial, TrialState
+
+    metrics = () if accuracy is None else (Metric("accuracy", accuracy),)
+    return Trial(str(number), {"x": 0.5}, TrialState[state], Measurement(0, metrics))
+
+
+def test_the_table_refreshes_in_place_in_a_terminal_and_appends_elsewhere():
+    events = [
+        ("started", _trial(0, "ACTIVE")),
+        ("started", _trial(1, "ACTIVE")),
+        ("ended", _trial(1, "SUCCEEDED", 0.5)),
+        ("started", _trial(2, "ACTIVE")),
+        ("ended", _trial(0, "SUCCEEDED", 0.75)),
+    ]
+    terminal = _Terminal()
+    table = sg.tune.TrialTable("accuracy", "maximize", ["x"], out=terminal)
+    for event, trial in events:
+        table(event, trial)
+    assert "\x1b[" in terminal.getvalue()  # redrawn, not appended
+    shown = [re.sub(r"\s+", " ", line).strip() for line in _screen(terminal.getvalue())]
+    assert shown == [
+        "trial state accuracy x",
+        "1 SUCCEEDED 0.5 0.5",  # ended rows stay, in the order the trials ended
+        "0 SUCCEEDED 0.75 0.5",
+        "2 ACTIVE - 0.5",  # the trial still running, below them
+        "best so far: trial 0, accuracy=0.75",
+    ]
+    pipe = io.StringIO()
+    table = sg.tune.TrialTable("accuracy", "maximize", ["x"], out=pipe)
+    for event, trial in events:
+        table(event, trial)
+    assert "\x1b" not in pipe.getvalue()
+    assert len(pipe.getvalue().splitlines()) == 1 + len(events) + 2  # a row per event, 2 bests
+
+
+@pytest.mark.e2e
+def test_the_example_study_file_runs(tmp_path):
+    """examples/study.json, the file `stratagem tune` reads: it loads as it is, and runs cut to
+    one trial of one epoch (the same file otherwise)."""
+    example = REPO / "examples" / "study.json"
+    job = load_tuning_job(example, tmp_path / "as_is")
+    assert (job.display_name, job.max_trial_count, job.metric_id) == (
+        "digits_search",
+        20,
+        "accuracy",
+    )
+    assert job.custom_job.script_path == REPO / "examples" / "tune_trial.py"
+    spec = json.loads(example.read_text())
+    spec["custom_job"]["script_path"] = str(REPO / "examples" / "tune_trial.py")
+    spec["custom_job"]["args"] = ["--epochs", "1"]
+    spec["max_trial_count"] = 1
+    (tmp_path / "study.json").write_text(json.dumps(spec))
+    command = [*tune_command(tmp_path / "study.json"), "--base-output-dir", str(tmp_path / "out")]
+    result = subprocess.run(
+        command, env=child_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert re.search(r"^best trial 0: accuracy=", result.stdout, re.MULTILINE), result.stdout
+    assert (tmp_path / "out" / "digits_search" / "trials" / "0" / "model").is_dir()

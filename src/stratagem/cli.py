@@ -395,7 +395,7 @@ def _tune(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     )
     from stratagem.tune.hparams import dashboard_commands
 
-    for command in dashboard_commands(job.storage_url, job.study_dir / "trials"):
+    for command in dashboard_commands(job.storage_url, job.study_dir / "tensorboard"):
         print(f"[stratagem] watch it with: {command}", file=sys.stderr)
     # SIGTERM, as Ctrl-C: stop the trials in flight and record them, rather than orphan them.
     previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)

@@ -6,9 +6,9 @@ score = 1 - (x - 0.3)^2 - (y - 4)^2 / 100 - (0.2 if kind == "b" else 0), reporte
 - ``ok``: as above;
 - ``crash``: exit 3 when x > --crash_above;
 - ``silent``: report nothing; ``wrong_tag``: report "loss" only;
-- ``prune``: trials 1..3 score 0.9, later ones 0.1 and, after their first report, wait (up to
+- ``prune``: trials 0..2 score 0.9, later ones 0.1 and, after their first report, wait (up to
   60 s, then exit 4) for the tuner's median rule to stop them;
-- ``hold``: trial 1 ends at once, later ones wait (up to 60 s) for a file ``release`` in
+- ``hold``: trial 0 ends at once, later ones wait (up to 60 s) for a file ``release`` in
   --sync_dir before they report.
 Every task writes what it was handed to ``$STRATAGEM_JOB_DIR/seen-<type>-<index>``.
 """
@@ -70,13 +70,13 @@ if args.mode == "wrong_tag":
     sg.tune.report_hyperparameter_tuning_metric("loss", 1 - score, 1)
     sys.exit(0)
 if args.mode == "prune":
-    score = 0.9 if trial <= 3 else 0.1
-if args.mode == "hold" and trial > 1:
+    score = 0.9 if trial <= 2 else 0.1  # trials 0, 1, 2 (Optuna's numbers)
+if args.mode == "hold" and trial > 0:
     wait_for(lambda: (Path(args.sync_dir) / "release").exists())
 for step in range(args.steps):
     value = score * (step + 1) / args.steps
     sg.tune.report_hyperparameter_tuning_metric(
         hyperparameter_metric_tag="accuracy", metric_value=value, global_step=step
     )
-    if args.mode == "prune" and trial > 3:
+    if args.mode == "prune" and trial > 2:
         wait_for(lambda: False)  # only the tuner's median rule ends this trial in time

@@ -221,9 +221,14 @@ def _open_terminal(out: TextIO, prefix: str) -> tuple[int, int]:
     ``\r\n``), and has the launcher's terminal's size less the prefix, for tools that fit
     their bars to it."""
     master, slave = pty.openpty()
-    attrs = termios.tcgetattr(slave)
-    attrs[1] &= ~termios.OPOST
-    termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    try:
+        attrs = termios.tcgetattr(slave)
+        attrs[1] &= ~termios.OPOST
+        termios.tcsetattr(slave, termios.TCSANOW, attrs)
+    except (OSError, termios.error):
+        os.close(master)
+        os.close(slave)
+        raise OSError("cannot set up the pty") from None
     try:
         size = fcntl.ioctl(out.fileno(), termios.TIOCGWINSZ, b"\0" * 8)
         rows, cols, *_ = struct.unpack("HHHH", size)
@@ -333,10 +338,16 @@ class Job:
 
     def _spawn(self, task: Task, env: dict[str, str], incarnation: int = 1) -> _Running:
         prefix = f"[{task.name}] "
+        terminal = None
         if self.console.is_terminal and self._is_chief(task):
             # A terminal for the chief, as it would have without the launcher: its progress
             # bar is drawn live (a pipe would make it print the finished line only).
-            master, slave = _open_terminal(self.console.out, prefix)
+            try:
+                terminal = _open_terminal(self.console.out, prefix)
+            except OSError as e:  # no pty left on this machine: a pipe, as for the others
+                self.console.log(f"no terminal for {task.name} ({e}); its output is piped")
+        if terminal is not None:
+            master, slave = terminal
             try:
                 proc = subprocess.Popen(
                     [self.python, *self.target],

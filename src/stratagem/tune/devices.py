@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from stratagem.cluster import launcher
 from stratagem.cluster.slurm import count_gpus
 from stratagem.tune.errors import TuningConfigError
 
@@ -40,7 +41,8 @@ def device_groups(
         )
         raise TuningConfigError(
             f"{parallel_trials} parallel trial(s) x devices_per_trial={devices_per_trial} need "
-            f"{parallel_trials * devices_per_trial} GPU(s); this machine has {len(gpus)} "
+            f"{launcher.plural(parallel_trials * devices_per_trial, 'GPU')}; this machine has "
+            f"{len(gpus)} "
             f"({source}). Lower parallel_trial_count or devices_per_trial"
         )
     return groups

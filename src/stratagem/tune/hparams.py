@@ -1,11 +1,13 @@
 """Each trial in TensorBoard's HParams plugin, beside the trial's own scalars.
 
-When a trial ends, its parameters and final objective go to its TensorBoard folder (the one its
-script writes its scalars to, ``STRATAGEM_TENSORBOARD_LOG_DIR``) with
-``SummaryWriter.add_hparams``, and its reported objective values as the scalar series
-``trial/<metric>``; ``tensorboard --logdir <study>/trials`` then lists every trial in the
-HParams tab. The study itself is Optuna's SQLite storage, which ``optuna-dashboard`` opens as it
-is (``dashboard_commands``).
+A trial's TensorBoard folder (the one its script writes its scalars to,
+``STRATAGEM_TENSORBOARD_LOG_DIR``) is ``<study>/tensorboard/trial-<n>``, so that
+``tensorboard --logdir <study>/tensorboard`` names each run ``trial-<n>``, the number the table
+and optuna-dashboard show. When a trial ends, its parameters, its state (``trial_state``:
+SUCCEEDED, STOPPED by the median rule, FAILED) and its final objective, under the objective's
+own name, go there with ``SummaryWriter.add_hparams``, and its reported objective values as the
+scalar series ``trial/<metric>``. The study itself is Optuna's SQLite storage, which
+``optuna-dashboard`` opens as it is (``dashboard_commands``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,14 @@ from typing import Any
 
 from stratagem.tune.report import Report
 
+#: The hyperparameter that holds the trial's state, unless a parameter has that name.
+STATE_HPARAM = "trial_state"
+
+
+def trial_run_name(number: int) -> str:
+    """The trial's run in TensorBoard (its folder under ``<study>/tensorboard``)."""
+    return f"trial-{number}"
+
 
 def write_trial_hparams(
     log_dir: Path,
@@ -23,8 +33,10 @@ def write_trial_hparams(
     reports: Sequence[Report],
     metric_id: str,
     final_value: float | None,
+    state: str,
 ) -> None:
-    """Write one trial's hyperparameters, its objective's steps and final value to ``log_dir``."""
+    """Write one trial's hyperparameters, its state, its objective's steps and final value to
+    ``log_dir``."""
     from torch.utils.tensorboard import SummaryWriter
 
     steps = []
@@ -33,13 +45,13 @@ def write_trial_hparams(
             step = report.global_step if report.global_step is not None else i
             writer.add_scalar(f"trial/{metric_id}", report.value, step)
             steps.append(step)
-        metrics = {f"hparam/{metric_id}": final_value} if final_value is not None else {}
+        metrics = {metric_id: final_value} if final_value is not None else {}
+        hparams = dict(params)
+        hparams.setdefault(STATE_HPARAM, state)  # a stopped trial is told from a finished one
         # run_name ".": in the trial's own folder, so that the plugin shows it with its scalars.
-        writer.add_hparams(
-            dict(params), metrics, run_name=".", global_step=max(steps) if steps else 0
-        )
+        writer.add_hparams(hparams, metrics, run_name=".", global_step=max(steps) if steps else 0)
 
 
-def dashboard_commands(storage_url: str, trials_dir: Path) -> list[str]:
+def dashboard_commands(storage_url: str, tensorboard_dir: Path) -> list[str]:
     """The commands that show a study live: optuna-dashboard, and TensorBoard's HParams tab."""
-    return [f"optuna-dashboard {storage_url}", f"tensorboard --logdir {trials_dir}"]
+    return [f"optuna-dashboard {storage_url}", f"tensorboard --logdir {tensorboard_dir}"]

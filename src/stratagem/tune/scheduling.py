@@ -23,7 +23,7 @@ from stratagem.jobs.custom_job import CustomJob, JobResult, failed_task_log
 from stratagem.jobs.directories import JobDirectories
 from stratagem.jobs.state import JobState
 from stratagem.tune.errors import TuningError
-from stratagem.tune.hparams import write_trial_hparams
+from stratagem.tune.hparams import trial_run_name, write_trial_hparams
 from stratagem.tune.parameter_specs import ParameterSpec, distributions, format_value
 from stratagem.tune.report import METRIC_FILE_VARIABLE, Report, ReportReader, final_measurement
 from stratagem.tune.study import counted, requeue
@@ -31,6 +31,16 @@ from stratagem.tune.trials import Trial, study_trial, trial_id
 
 if TYPE_CHECKING:
     import optuna
+
+
+class TrialDirectories(JobDirectories):
+    """A trial's job folders (``<study>/trials/<n>``), but for TensorBoard's: the study's
+    ``tensorboard/trial-<n>``, so that TensorBoard names the run by the trial."""
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root.parent.parent / "tensorboard" / trial_run_name(int(self.root.name))
+
 
 # How often the tuner reads the trials' metric files when no trial has ended meanwhile.
 _POLL_S = 0.05
@@ -155,7 +165,7 @@ class TrialScheduler:
     def _start_trial(self, space: Mapping[str, Any]) -> RunningTrial:
         job = self.job
         trial = self.study.ask(dict(space))
-        directories = JobDirectories(job.study_dir / "trials" / trial_id(trial.number))
+        directories = TrialDirectories(job.study_dir / "trials" / trial_id(trial.number))
         directories.create()
         metric_file = directories.root / "metrics.jsonl"
         metric_file.unlink(missing_ok=True)  # a folder left by an interrupted run
@@ -236,12 +246,15 @@ class TrialScheduler:
         final = final_measurement(r.reports, job.metric_id, job.goal, job.measurement_selection)
         if final is not None:
             trial.set_user_attr("final_measurement", final)
+        value = final["metrics"].get(job.metric_id) if final is not None else None
+        if r.stopped is not None:
+            state = "STOPPED"
+        elif result.state is JobState.JOB_STATE_SUCCEEDED and value is not None:
+            state = "SUCCEEDED" if math.isfinite(value) else "FAILED"
+        else:
+            state = "FAILED"
         write_trial_hparams(
-            r.directories.tensorboard,
-            trial.params,
-            r.reports,
-            job.metric_id,
-            final["metrics"].get(job.metric_id) if final is not None else None,
+            r.directories.tensorboard, trial.params, r.reports, job.metric_id, value, state
         )
         if r.stopped is not None:
             trial.set_user_attr("error", r.stopped)

@@ -70,8 +70,12 @@ def open_study(
     direction: str,
     pruner: optuna.pruners.BasePruner,
     space: Mapping[str, Any],
+    metric_id: str,
 ) -> optuna.Study:
-    """Create the study, or open the stored one if it searches the same ``space``."""
+    """Create the study, or open the stored one if it searches the same ``space``; its
+    objective is named ``metric_id`` (optuna-dashboard shows "Objective 0" otherwise)."""
+    import warnings
+
     import optuna
 
     storage = optuna.storages.RDBStorage(
@@ -92,6 +96,10 @@ def open_study(
             f"study {display_name!r} in {study_dir} was created with {stored}, "
             f"not {space}; give this search another display_name or base_output_dir"
         )
+    if study.metric_names != [metric_id]:
+        with warnings.catch_warnings():  # "experimental" in Optuna 3.2 to 5: stable enough here
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study.set_metric_names([metric_id])
     return study
 
 

@@ -60,12 +60,14 @@ class Trial:
     measurements: tuple[Measurement, ...] = ()  # the intermediate reports of the objective
     job_dir: Path | None = None  # the trial's job directory: logs/, model/, job.json
     error: str | None = None  # why a trial failed or was stopped
-    number: int = field(default=0, repr=False)  # Optuna's trial number (id - 1)
+    number: int = field(default=0, repr=False)  # Optuna's trial number (the id, as an int)
 
 
 def trial_id(number: int) -> str:
-    """Vertex AI numbers trials from 1, Optuna from 0."""
-    return str(number + 1)
+    """A trial's id: Optuna's trial number, from 0, which optuna-dashboard shows. Vertex AI
+    numbers from 1; one numbering everywhere (the table, the logs, the trial's folder,
+    TensorBoard's run, the dashboard) matters more (the README's porting table says so)."""
+    return str(number)
 
 
 def trial_from_optuna(frozen: FrozenTrial, metric_id: str, notes: Mapping[str, str]) -> Trial:

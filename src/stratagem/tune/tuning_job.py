@@ -218,7 +218,12 @@ class HyperparameterTuningJob:
                 self.median_stopping_warmup_steps,
             )
             study = open_study(
-                self.study_dir, self.display_name, self.goal, pruner, self._space_json()
+                self.study_dir,
+                self.display_name,
+                self.goal,
+                pruner,
+                self._space_json(),
+                self.metric_id,
             )
             seed = resumed_seed(self.seed, study)
             study.sampler = make_sampler(self.search_algorithm, seed, self.max_trial_count)

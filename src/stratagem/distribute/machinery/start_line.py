@@ -57,9 +57,10 @@ def start_line(extended: Any, seconds: float) -> str:
     extra = "".join(f", {k} {facts[k]}" for k in _EXTRA_FACTS if k in facts)
     age = process_age()
     since = f" ({age:.1f}s since the process started)" if age is not None else ""
+    replicas = facts["num_replicas_in_sync"]
     return (
         f"{who}: {facts['strategy']} started in {seconds:.1f}s{since}: "
-        f"{facts['num_replicas_in_sync']} replicas in sync, devices {devices}, "
+        f"{replicas} replica{'' if replicas == 1 else 's'} in sync, devices {devices}, "
         f"backend {_backend(facts)}{extra}"
     )
 
