@@ -24,6 +24,8 @@ import pytest
 from .browser import Browser, PageVisit, find_or_install_chromium
 
 pytest.importorskip("websocket", reason="websocket-client is not installed (the test extra)")
+# A machine without Chromium installs it first (apt-get, as root): minutes, once per machine.
+pytestmark = pytest.mark.timeout(900)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
