@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import websocket
-
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 START_TIMEOUT_S = 30.0
 CALL_TIMEOUT_S = 30.0
@@ -100,6 +98,9 @@ class Browser:
         )
         try:
             port = self._wait_for_port(user_data_dir / "DevToolsActivePort")
+            # Imported here: where websocket-client is missing, the test skips before this.
+            import websocket
+
             self._socket = websocket.create_connection(
                 self._page_socket_url(port), timeout=CALL_TIMEOUT_S, suppress_origin=True
             )
