@@ -84,7 +84,7 @@ def test_troubleshooting_explains_every_error_class():
     assert not missing, f"docs/troubleshooting.md has no section for: {missing}"
 
 
-@pytest.mark.parametrize("document", ["docs"])
+@pytest.mark.parametrize("document", ["README.md", "docs"])
 def test_no_document_speaks_of_issues_or_unfinished_work_by_number(document: str):
     paths = sorted((REPO / document).rglob("*.md")) if document == "docs" else [REPO / document]
     pattern = re.compile(r"\bissues?\b|\bthis task\b|\bthis session\b", re.IGNORECASE)
@@ -95,3 +95,12 @@ def test_no_document_speaks_of_issues_or_unfinished_work_by_number(document: str
         if pattern.search(line)
     ]
     assert not offenders, offenders
+
+
+def test_the_readme_links_point_at_files_of_the_repository():
+    readme = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", readme)
+    local = [link for link in links if "://" not in link]
+    assert len(local) >= 10, local  # the README is mostly a way into the docs
+    missing = [link for link in local if not (REPO / link).exists()]
+    assert not missing, missing

@@ -1,5 +1,6 @@
-"""The example the docs' home and getting-started pages include (examples/quickstart.py) runs
-and learns: two MirroredStrategy replicas of one CPU, Keras's fit on the digits."""
+"""The example of the README and of the docs' home and getting-started pages
+(examples/quickstart.py) runs and learns: two MirroredStrategy replicas of one CPU, Keras's fit
+on the digits. The docs include the file; the README holds a copy, which must stay the same."""
 
 from __future__ import annotations
 
@@ -30,3 +31,11 @@ def test_the_quickstart_example_learns_the_digits(tmp_path):
     assert len(accuracy) == 1, output[-3000:]
     # 5 epochs of an MLP on 8x8 digits: about 0.90 (0.897 and 0.900 in two runs); chance is 0.1.
     assert float(accuracy[0]) >= 0.8, output[-3000:]
+
+
+def test_the_readme_shows_the_quickstart_example_as_it_is():
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.DOTALL)
+    # The file less its docstring: the code a reader copies.
+    code = QUICKSTART.read_text().split('"""', 2)[2].lstrip("\n")
+    assert code in blocks, "README.md's python block differs from examples/quickstart.py"
