@@ -1,7 +1,7 @@
 """The benchmarks still run: a smoke run of each, checking the shape of what they report.
 
 The figures themselves are not asserted (a shared 2-core machine is too noisy for timed tests);
-they are measured by hand and quoted in the README.
+they are measured by hand and quoted in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_allreduce_benchmark_smoke_run_reports_every_row(tmp_path):
     for row in rows:
         assert row["samples_per_s"] and min(row["samples_per_s"]) > 0, row
         assert math.isfinite(row["ratio_of_medians"]) and row["ratio_of_medians"] > 0, row
-    # The table printed for the README has the same rows.
+    # The table printed for docs/benchmarks.md has the same rows.
     table = [line for line in output.splitlines() if line.startswith("| ")]
     assert len(table) == 2 + len(rows), output  # header, rule, rows
 

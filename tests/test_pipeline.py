@@ -288,7 +288,7 @@ def test_example_pipedream_on_two_stages_reaches_90_percent(tmp_path):
 
 @pytest.mark.e2e
 def test_example_on_four_stages_writes_every_stage(tmp_path):
-    # One epoch only (4 processes on a 2-core machine); the full run's accuracy is in the README.
+    # One epoch only (4 processes on a 2-core machine); the full run: docs/guides/pipelines.md.
     ckpt = tmp_path / "ckpt"
     output = _run_example(tmp_path, 4, ["--epochs", "1", "--checkpoint-dir", str(ckpt)])
     assert sorted(p.name for p in ckpt.iterdir()) == [f"stage-{s}.pt" for s in range(4)]

@@ -527,7 +527,7 @@ def test_cli_refuses_a_bad_study_file(tmp_path, capsys):
 
 @pytest.mark.e2e
 def test_the_seed_search_example_smoke_run(tmp_path):
-    # The seed's search space on digits, cut to 2 trials of 1 epoch (the full run: README).
+    # The seed's search space on digits, 2 trials of 1 epoch (the full run: docs/guides/tuning.md).
     argv = [sys.executable, str(REPO / "examples" / "tune.py"), "--max-trial-count", "2"]
     argv += ["--epochs", "1", "--output-dir", str(tmp_path / "out")]
     result = Process(argv, child_env(), tmp_path, "example", merge_output=True).wait(timeout=300)

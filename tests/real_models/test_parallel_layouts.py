@@ -17,7 +17,7 @@ slices' gradients (``resnet_reference``), and a negative control shows the diffe
 Running statistics: each replica updates its own, as TF's replica-local moving statistics; the
 model a process holds, checkpoints and evaluates with afterwards has the chief's (replica 0's,
 Mirrored's primary's, DDP's convention). TF reads a synchronised-on-read mean over the replicas
-there instead; the README's porting table says so.
+there instead; the porting table (docs/porting.md) says so.
 
 Two jobs, module-scoped, each running every check of its size once
 (``tests/workers/hf_parallel_checks.py``): 2 processes and 4 processes.

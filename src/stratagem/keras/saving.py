@@ -1,6 +1,6 @@
 """``model.save(path)`` and ``sg.keras.models.load_model(path)``: a self-describing directory.
 
-    <path>/model.safetensors   the module's state_dict (loads in plain PyTorch, see the README);
+    <path>/model.safetensors   the module's state_dict (loads in plain PyTorch: docs/porting.md);
                                a tied tensor (two names, one parameter) once, under its first
                                name, its other names in the metadata (``stratagem.tied``), and
                                ``load_model`` ties them again

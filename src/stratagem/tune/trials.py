@@ -3,7 +3,7 @@
 
 Vertex AI returns protobuf messages; these are plain frozen dataclasses built from Optuna's
 stored trials, so they read the same and print readably. ``parameters`` is a dict name -> value
-(Vertex AI's is a list of ``parameter_id``/``value`` pairs; the README's porting table says so).
+(Vertex AI's is a list of ``parameter_id``/``value`` pairs; docs/porting.md says so).
 Also here: the best trial of a study, and a trial's entry in ``study.json``.
 """
 
