@@ -129,3 +129,33 @@ def test_a_clean_run_exits_0_without_warnings(tmp_path):
         r.check("worker")
         assert "done" in r.stdout
         assert r.stderr == ""
+
+
+def test_the_first_task_lost_is_named_and_those_that_ended_after_it_are_told_apart():
+    """When worker 2 dies, workers 0 and 3 fail in the same collective and end too; worker 1,
+    probing a moment later, finds three ports refused. A peer ending because it lost others
+    answers 'lost' with their ranks while it exits: worker 1 then names worker 2 alone as the
+    failure and the others as having ended after it (real liveness servers, probed)."""
+    from stratagem.comm.liveness import LOST, LivenessServer, first_lost, probe_all
+
+    def server(status: str = "running", position: str = "#3") -> LivenessServer:
+        made = LivenessServer("127.0.0.1")
+        made.status, made.position = status, position
+        return made
+
+    dead, witness, also_dead = server(), server(LOST, "2"), server()
+    alive = server()
+    addresses = {0: also_dead.address, 2: dead.address, 3: witness.address, 4: alive.address}
+    dead.close("error")  # the first failure: its port refuses
+    also_dead.close("error")  # worker 0 ended too, before worker 1 asked
+    try:
+        answers = probe_all(addresses)
+        assert answers[2] is None and answers[0] is None
+        assert first_lost(answers) == ([2], [0, 3])
+        # Without a witness nothing tells the ended peers apart: every one is named.
+        assert first_lost({0: None, 2: None, 4: answers[4]}) == ([0, 2], [])
+        # Nobody ended: nothing to name.
+        assert first_lost({4: answers[4]}) == ([], [])
+    finally:
+        for s in (witness, alive):
+            s.close("ok")

@@ -84,6 +84,9 @@ class LivenessServer:
 # What ``probe`` returns for a peer whose port accepts but which does not answer: the kernel
 # completes the connection for a process that is alive but stopped (SIGSTOP) or frozen.
 SILENT = "silent"
+# The status of a process that found peers gone during a collective and is ending for it; its
+# position then names the ranks it found gone (``"2"``, ``"2,3"``).
+LOST = "lost"
 
 
 def probe(address: str, timeout: float) -> PeerState | None:
@@ -133,6 +136,28 @@ def probe_all(addresses: dict[int, str], timeout: float = 1.5) -> dict[int, Peer
     with ThreadPoolExecutor(max_workers=min(32, len(addresses))) as pool:
         answers = pool.map(lambda a: probe(a, timeout), addresses.values())
         return dict(zip(addresses, answers))
+
+
+def first_lost(answers: dict[int, PeerState | None]) -> tuple[list[int], list[int]]:
+    """Of the peers that ended, those to name as the failure, and those that ended after it.
+
+    When one task dies, the others fail in the same collective and end too; a survivor that
+    probes a little later finds several peers gone and cannot tell the first from the rest by
+    its port alone. A peer that ended because it lost others says so while it exits (status
+    ``LOST``, the ranks it found gone): the peers that some such witness names are the failure,
+    and the witnesses, and the other ended peers no witness names, ended after it. Without any
+    witness every ended peer is named, as nothing tells them apart. Returns (first, after),
+    each in rank order; ([], []) when no peer ended."""
+    ended = {r for r, a in answers.items() if a is None or a.status in ("ok", "error", LOST)}
+    witnesses = {r for r, a in answers.items() if a is not None and a.status == LOST}
+    named: set[int] = set()
+    for r in witnesses:
+        position = answers[r].position  # type: ignore[union-attr]
+        named.update(int(x) for x in position.split(",") if x.strip().isdigit())
+    first = sorted((named & ended) - witnesses)
+    if not first:  # no witness, or none names a peer that ended: name every ended one
+        first = sorted(ended - witnesses) or sorted(ended)
+    return first, sorted(ended - set(first))
 
 
 def advertised_host(rendezvous_host: str) -> str:

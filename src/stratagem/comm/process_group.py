@@ -32,7 +32,14 @@ from stratagem.comm import error_report
 from stratagem.comm.adopted_group import exchange_over_group
 from stratagem.comm.binding import pin_transport_interfaces
 from stratagem.comm.communicator import Communicator, LocalCommunicator, PendingOp
-from stratagem.comm.liveness import SILENT, LivenessServer, advertised_host, probe_all
+from stratagem.comm.liveness import (
+    LOST,
+    SILENT,
+    LivenessServer,
+    advertised_host,
+    first_lost,
+    probe_all,
+)
 from stratagem.comm.peer_check import check_peers
 from stratagem.comm.reduce_op import ReduceOp
 from stratagem.comm.rendezvous import Member, open_store, roll_call
@@ -243,16 +250,31 @@ class ProcessGroupCommunicator(Communicator):
         """Turn a failed collective into an error naming the lost or lagging peer."""
         op = f"{name} of {what} (operation #{self._seq})"
         answers = probe_all(self._peers)
-        gone = {r: a for r, a in answers.items() if a is None or a.status in ("ok", "error")}
-        if gone:
-            why = {None: "", "error": " (it exited with an error)", "ok": " (it had finished)"}
+        first, after = first_lost(answers)
+        if first:
+            why = {
+                None: "",
+                "error": " (it exited with an error)",
+                "ok": " (it had finished)",
+                LOST: " (it had lost a peer itself)",
+            }
             who = ", ".join(
-                f"{self.peer_name(r)}{why[a.status if a else None]}"
-                for r, a in sorted(gone.items())
+                f"{self.peer_name(r)}{why[getattr(answers[r], 'status', None)]}" for r in first
             )
-            lost = [self.peer_name(r) for r in sorted(gone)]
+            them = "it" if len(first) == 1 else "them"
+            also = (
+                f" ({', '.join(self.peer_name(r) for r in after)} ended after {them}, having "
+                f"lost {them} too)"
+                if after
+                else ""
+            )
+            lost = [self.peer_name(r) for r in first]
+            # Peers probing this process from now on hear whom it lost, not just that it ended
+            # with an error: that tells them it is not the first failure.
+            self._liveness.position = ",".join(str(r) for r in first)
+            self._liveness.status = LOST
             return PeerLostError(
-                f"{who} was lost during {op} on {self._me}. Underlying error: "
+                f"{who} was lost during {op} on {self._me}{also}. Underlying error: "
                 f"{underlying_error(error, lost)}. Its own output says why it ended; "
                 "`stratagem run --max-restarts N` restarts a job from its last checkpoint"
             )
