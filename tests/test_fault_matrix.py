@@ -23,6 +23,9 @@ pytestmark = pytest.mark.multiprocess
 CASES = [
     ("mesh", "kill", 1),
     ("mesh", "stop", 0),
+    # A mesh job's own loop: DTensor's collectives outside stratagem's operations.
+    ("mesh_loop", "kill", 0),
+    ("mesh_loop", "stop", 1),
     ("pipeline", "kill", 0),
 ]
 

@@ -32,6 +32,17 @@ _OURS = str(Path(__file__).resolve().parent.parent)  # src/stratagem
 _NOT_USERS = (_OURS, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"])
 _state = {"failing": False, "me": ""}
 _previous_hook: Any = None
+# The live connection's diagnosis of an error that was not one of ours: a collective that failed
+# outside stratagem's own operations (DTensor's in a mesh job's own loop, the script's own
+# torch.distributed calls) becomes the same named error (a lost or stopped peer); None when the
+# error is no transport failure. Set by the communicator while it is connected.
+_diagnose: Any = None
+
+
+def set_diagnosis(diagnose: Any) -> None:
+    """``diagnose(error) -> StratagemError | None`` for uncaught errors; None to stop."""
+    global _diagnose
+    _diagnose = diagnose
 
 
 def failing() -> bool:
@@ -63,6 +74,13 @@ def _debug() -> bool:
 
 def _hook(kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
     _state["failing"] = True
+    if not isinstance(error, StratagemError) and _diagnose is not None and not _debug():
+        try:
+            named = _diagnose(error)
+        except Exception:  # a diagnosis that fails must not hide the error itself
+            named = None
+        if isinstance(named, StratagemError):
+            error = named
     if not isinstance(error, StratagemError) or _debug():
         (_previous_hook or sys.__excepthook__)(kind, error, tb)
         return

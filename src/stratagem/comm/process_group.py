@@ -219,7 +219,19 @@ class ProcessGroupCommunicator(Communicator):
         """Say at exit how this process ends (``shutdown``), "error" after an uncaught one; and
         report an error of ours as one block (``comm.error_report``)."""
         error_report.install(self._me)
+        error_report.set_diagnosis(self._diagnose_uncaught)
         atexit.register(self.shutdown)
+
+    def _diagnose_uncaught(self, error: BaseException) -> BaseException | None:
+        """An uncaught error of a collective that ran outside our operations (DTensor's in a
+        mesh job's own training loop, the script's own ``torch.distributed`` calls), named as
+        ours are: the lost or stopped peer. None when it is no transport failure."""
+        if not is_communication_failure(error):
+            return None
+        after = f"operation #{self._seq}" if self._seq else "the start"
+        op = f"a collective of the script's own (DTensor's or torch's, after {after})"
+        named = self._diagnose("", "", error, op=op)
+        return None if named is error else named
 
     def _release_group(self) -> None:
         """Destroy the default group this communicator started."""
@@ -246,9 +258,12 @@ class ProcessGroupCommunicator(Communicator):
                 raise
             raise self._diagnose(name, what, e) from e
 
-    def _diagnose(self, name: str, what: str, error: BaseException) -> BaseException:
-        """Turn a failed collective into an error naming the lost or lagging peer."""
-        op = f"{name} of {what} (operation #{self._seq})"
+    def _diagnose(
+        self, name: str, what: str, error: BaseException, *, op: str | None = None
+    ) -> BaseException:
+        """Turn a failed collective into an error naming the lost or lagging peer (``op``: the
+        operation in words, when not ours: ``name of what (operation #n)``)."""
+        op = op or f"{name} of {what} (operation #{self._seq})"
         answers = probe_all(self._peers)
         first, after = first_lost(answers)
         if first:
@@ -390,6 +405,7 @@ class ProcessGroupCommunicator(Communicator):
             return
         self._closed = True
         atexit.unregister(self.shutdown)
+        error_report.set_diagnosis(None)
         self._liveness.close(
             "error" if error_report.failing() or sys.exc_info()[0] is not None else "ok"
         )
