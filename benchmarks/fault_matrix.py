@@ -1,5 +1,6 @@
 """The fault matrix: kill -9 and SIGSTOP of each task of a 2-task job, under each strategy whose
-tasks run collectives together (MultiWorkerMirrored, a DTensor mesh, a 2-stage pipeline).
+tasks run collectives together (MultiWorkerMirrored, a DTensor mesh under strategy.run and in
+the script's own loop, a 2-stage pipeline).
 
 For each cell: whether the survivor's report names the fault as expected (``PeerLostError``
 for a killed task, ``CollectiveTimeoutError`` for a stopped one), names the victim and the
@@ -10,7 +11,7 @@ The operation timeout is 5 s, so a stopped peer's report is due by 5 s + the liv
 Worker 0 is the chief and hosts the rendezvous store; worker 1 is an ordinary task (a mesh
 process; the pipeline's second stage). Parameter servers are measured by their own tests.
 
-    python benchmarks/fault_matrix.py              # 12 cells, about 3 minutes on 2 cores
+    python benchmarks/fault_matrix.py              # 16 cells, about 4 minutes on 2 cores
     python benchmarks/fault_matrix.py --quick      # 2 cells
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fault_injection import EXPECTED, inject
 
-STRATEGIES = ("mwms", "mesh", "pipeline")
+STRATEGIES = ("mwms", "mesh", "mesh_loop", "pipeline")
 
 
 def main() -> None:

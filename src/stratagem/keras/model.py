@@ -415,6 +415,21 @@ class Model(Portable):
             # Two rows: torch.export specialises a dimension of size 1.
             self._example_input = x[:1].detach().cpu().repeat(2, *([1] * (x.dim() - 1)))
 
+    def _agreed_batch_logs(self, mine: bool) -> bool:
+        """Whether any worker's callbacks need the per-step logs: computing them is a collective
+        per step under a multi-worker strategy, so every worker must compute them or none, and
+        workers' callbacks may differ (the chief's progress bar on a terminal, a ``verbose`` of
+        0 on the others). One tiny all-reduce per fit or evaluate, on every worker alike."""
+        extended = self.distribute_strategy.extended
+        if isinstance(extended, capabilities.ChiefCoordination) and extended.coordinating:
+            return mine  # the chief alone runs fit: its workers run scheduled functions
+        communicator = getattr(extended, "communicator", None)
+        if communicator is None or getattr(communicator, "world_size", 1) <= 1:
+            return mine
+        flag = torch.tensor([1.0 if mine else 0.0])
+        communicator.all_reduce(flag, ReduceOp.SUM, what="whether any worker needs step logs")
+        return bool(flag.item() > 0)
+
     def _pipelined(self, batch: Any) -> KerasPipeline | None:
         """On a pipeline, this model's stages and their steps (cut on first use); else None:
         the strategy runs the steps."""
@@ -499,7 +514,7 @@ class Model(Portable):
         cbs = self._callbacks(callbacks, verbose, epochs=epochs, steps=steps)
         self.stop_training = False
         _set_training(self.module, True)
-        batch_logs = any(cb.needs_batch_logs for cb in cbs.callbacks)
+        batch_logs = self._agreed_batch_logs(any(cb.needs_batch_logs for cb in cbs.callbacks))
         self._fit_data, self._initial_epoch, self._initial_step = data, initial_epoch, 0
         cbs.on_train_begin()  # BackupAndRestore may move the start on (see resume_fit)
         logs: Logs = {}
@@ -720,7 +735,9 @@ class Model(Portable):
         self._reset_metrics()
         # Running metrics for on_test_batch_end only where a callback reads them (each is a
         # collective under MultiWorkerMirroredStrategy).
-        batch_logs = cbs is not None and any(cb.needs_test_batch_logs for cb in cbs.callbacks)
+        batch_logs = cbs is not None and self._agreed_batch_logs(
+            any(cb.needs_test_batch_logs for cb in cbs.callbacks)
+        )
         if cbs is not None:
             cbs.on_test_begin()
         count = 0

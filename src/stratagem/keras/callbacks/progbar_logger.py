@@ -13,10 +13,6 @@ import sys
 import time
 from typing import Any
 
-import torch
-
-from stratagem.distribute import ReduceOp
-from stratagem.distribute.capabilities import ChiefCoordination
 from stratagem.keras.callbacks.callback import Callback, Logs, is_chief
 
 _WIDTH = 20  # Keras 3's bar width
@@ -54,29 +50,14 @@ class ProgbarLogger(Callback):
     @property
     def needs_batch_logs(self) -> bool:
         # Batch logs are a collective per step under multi-worker strategies: only a bar drawn
-        # in place shows them, and every worker must compute them or none. Only the chief
-        # draws, and its output may be a terminal where the others' is a pipe (`stratagem
-        # run` in a terminal): the chief's answer is every worker's.
-        return self._agreed(self.verbose == 1 and self._tty() and is_chief(self.model))
+        # in place shows them. Only the chief draws, and its output may be a terminal where the
+        # others' is a pipe (`stratagem run` in a terminal): the model agrees on every worker's
+        # answer once per fit or evaluate (``Model._agreed_batch_logs``).
+        return self.verbose == 1 and self._tty() and is_chief(self.model)
 
     @property
     def needs_test_batch_logs(self) -> bool:
         return not self._in_fit and self.needs_batch_logs
-
-    def _agreed(self, mine: bool) -> bool:
-        """Whether any worker's answer is True: one small collective, once per fit or
-        evaluate (where the hook logs are decided)."""
-        if self.model is None:
-            return mine
-        extended = self.model.distribute_strategy.extended
-        if isinstance(extended, ChiefCoordination) and extended.coordinating:
-            return mine  # the chief alone runs fit: its workers run scheduled functions
-        communicator = getattr(extended, "communicator", None)
-        if communicator is None or getattr(communicator, "world_size", 1) <= 1:
-            return mine
-        flag = torch.tensor([1.0 if mine else 0.0])
-        communicator.all_reduce(flag, ReduceOp.SUM, what="whether the chief draws a live bar")
-        return bool(flag.item() > 0)
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._in_fit = True
