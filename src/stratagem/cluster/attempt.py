@@ -544,6 +544,10 @@ class Job:
             and r not in self._lost
             and (r.incarnation == 1 or r.status is not None)
         ]
+        if not any(r.task.type in ("chief", "worker") for r in self._running):
+            # A node of a multi-node job with ps or evaluator tasks only: they end on their own
+            # (a ps when every worker said goodbye, an evaluator after its last evaluation).
+            leaders = list(self._running)
         if all(r.status == 0 for r in leaders):
             lost = f" ({plural(len(self._lost), 'worker')} lost)" if self._lost else ""
             return Outcome(0, f"{count_tasks(r.task for r in leaders)} exited 0{lost}")
