@@ -10,6 +10,7 @@ so runs side by side never meet. The fixture always deletes what it made, also o
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -19,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -188,17 +189,17 @@ def _why_no_namespaces() -> str | None:
     return None
 
 
-@pytest.fixture
-def hosts(tmp_path) -> Iterator[callable]:
-    """``hosts(n)``: n namespaces on one bridge, deleted at the end of the test whatever
-    happened (their processes killed first)."""
+@contextlib.contextmanager
+def _namespaces(workdir: Path) -> Iterator[Callable[[int], Hosts]]:
+    """``make(n)``: n namespaces on one bridge, all deleted on leaving (their processes killed
+    first), whatever happened; skips the test when namespaces cannot be made here."""
     why = _why_no_namespaces()
     if why is not None:
         pytest.skip(why)
     made: list[Hosts] = []
 
     def make(count: int) -> Hosts:
-        h = Hosts(f"{os.getpid()}x{next(_runs)}", count, tmp_path)
+        h = Hosts(f"{os.getpid()}x{next(_runs)}", count, workdir)
         made.append(h)
         h.create()
         return h
@@ -208,6 +209,12 @@ def hosts(tmp_path) -> Iterator[callable]:
     finally:
         for h in made:
             h.delete()
+
+
+@pytest.fixture
+def hosts(tmp_path) -> Iterator[Callable[[int], Hosts]]:
+    with _namespaces(tmp_path) as make:
+        yield make
 
 
 def _ok(results: list[Result]) -> str:
@@ -239,44 +246,137 @@ def test_two_hosts_train_with_multiworker_mirrored(hosts):
     )
 
 
-def test_a_parameter_server_job_with_chief_and_evaluator_over_three_hosts(hosts):
-    """``--chief --ps 2 --evaluator --evaluator-node 2``: the chief, worker 0 and ps 0 on node
-    0, worker 1 and ps 1 on node 1, the evaluator alone on node 2 (-n 0). The chief fits under
-    ParameterServerStrategy and checkpoints; the evaluator evaluates that checkpoint; node 2's
-    launcher waits for its evaluator to end on its own."""
-    h = hosts(3)
-    roles = ["--chief", "--ps", "2", "--evaluator", "--evaluator-node", "2"]
-    results = h.run({0: ["-n", "1", *roles], 1: ["-n", "1", *roles], 2: ["-n", "0", *roles]}, "ps")
-    out = _ok(results)
-    out0, out1, out2 = (r.stdout for r in results)
-    assert (
-        "all 3 nodes arrived: node 0 (10.77.0.1: 1 chief, 1 worker and 1 ps), node 1 "
-        "(10.77.0.2: 1 worker and 1 ps), node 2 (10.77.0.3: 1 evaluator)" in out0
-    )
-    assert "[chief] fit done: loss " in out0, out
-    assert re.search(r"\[evaluator\] evaluated ckpt-1 step \S+ logs .*accuracy", out2), out2
-    assert "[stratagem] evaluator exited 0" in out2 and "job finished: 1 evaluator exited 0" in out2
-    for name, node_out in (("ps 0", out0), ("ps 1", out1), ("worker 1", out1)):
-        assert f"[stratagem] {name} pid " in node_out, node_out
-    # Every task holds the whole job: its cluster names each node's address.
-    config = re.search(r"\[stratagem\] ps 1 pid \d+ at (\S+)", out1)
-    assert config is not None and config.group(1).startswith("10.77.0.2:"), out1
+@pytest.fixture(scope="module")
+def ps_job(tmp_path_factory) -> list[Result]:
+    """One parameter-server job over three hosts, for the tests below: ``--chief --chief-node 1
+    --ps 2 --evaluator --evaluator-node 2``, node 2 with -n 0. Placement: worker 0 and ps 0 on
+    node 0; the chief, worker 1 and ps 1 on node 1; the evaluator alone on node 2."""
+    with _namespaces(tmp_path_factory.mktemp("ps_job")) as make:
+        h = make(3)
+        roles = [
+            "--chief",
+            "--chief-node",
+            "1",
+            "--ps",
+            "2",
+            "--evaluator",
+            "--evaluator-node",
+            "2",
+        ]
+        options = {0: ["-n", "1", *roles], 1: ["-n", "1", *roles], 2: ["-n", "0", *roles]}
+        results = h.run(options, "ps")
+    _ok(results)
+    return results
 
 
-def test_a_cluster_coordinator_job_over_two_hosts(hosts):
-    """``--chief --chief-node 1 --ps 2``: the chief on node 1 schedules functions that run on
-    worker 0 (node 0) and worker 1 (node 1), and training steps on variables held by ps 0 (node
-    0) and ps 1 (node 1)."""
-    h = hosts(2)
-    roles = ["-n", "1", "--chief", "--chief-node", "1", "--ps", "2"]
-    results = h.run({0: roles, 1: roles}, "coordinator")
-    out = _ok(results)
-    assert (
-        "all 2 nodes arrived: node 0 (10.77.0.1: 1 worker and 1 ps), node 1 (10.77.0.2: "
-        "1 chief, 1 worker and 1 ps)" in results[0].stdout
+def test_a_parameter_server_job_places_every_role_over_three_hosts(ps_job):
+    out0, out1, out2 = (r.stdout for r in ps_job)
+    arrived = (
+        "all 3 nodes arrived: node 0 (10.77.0.1: 1 worker and 1 ps), node 1 (10.77.0.2: "
+        "1 chief, 1 worker and 1 ps), node 2 (10.77.0.3: 1 evaluator)"
     )
-    (line,) = [line for line in results[1].stdout.splitlines() if "[chief] RESULT " in line]
+    assert all(arrived in out for out in (out0, out1, out2)), out0
+    for name, out, host in (
+        ("worker 0", out0, "10.77.0.1"),
+        ("ps 0", out0, "10.77.0.1"),
+        ("chief", out1, "10.77.0.2"),
+        ("worker 1", out1, "10.77.0.2"),
+        ("ps 1", out1, "10.77.0.2"),
+        ("evaluator", out2, "10.77.0.3"),
+    ):
+        assert re.search(rf"\[stratagem\] {name} pid \d+ at {re.escape(host)}:\d+\n", out), out
+    # Every task holds the whole job (the chief's start line counts it), and every node's
+    # launcher ends when its own tasks did: node 2's when its evaluator ended on its own.
+    assert "[chief] [stratagem] chief of 1 chief, 2 workers, 2 ps, 1 evaluator (TF_CONFIG)" in out1
+    assert "job finished: 1 worker exited 0" in out0
+    assert "job finished: 1 chief and 1 worker exited 0" in out1
+    assert "job finished: 1 evaluator exited 0" in out2
+
+
+def test_a_cluster_coordinator_schedules_on_workers_of_both_hosts(ps_job):
+    """The chief (node 1) schedules one function that runs on each worker (nodes 0 and 1), and
+    training steps on variables held by ps 0 (node 0) and ps 1 (node 1)."""
+    out = ps_job[1].stdout
+    (line,) = [line for line in out.splitlines() if "[chief] RESULT " in line]
     result = json.loads(line.split("RESULT ", 1)[1])
     assert result["workers"] == [0, 1], out
     assert len(result["losses"]) == 4 and all(loss >= 0 for loss in result["losses"]), result
     assert result["after"] != result["before"], result
+
+
+def test_model_fit_on_the_chief_and_a_sidecar_evaluator_on_another_host(ps_job):
+    """Model.fit under ParameterServerStrategy on the chief writes ckpt/ckpt-1 (the hosts
+    share a file system); the evaluator on node 2 evaluates it and ends."""
+    assert "[chief] fit done: loss " in ps_job[1].stdout, ps_job[1].stdout
+    out2 = ps_job[2].stdout
+    assert re.search(r"\[evaluator\] evaluated ckpt-1 step \S+ logs .*accuracy", out2), out2
+    assert "[stratagem] evaluator exited 0" in out2, out2
+
+
+OP_TIMEOUT_S = 5  # STRATAGEM_OP_TIMEOUT: how long a collective waits for a silent peer
+
+
+def _training(h: Hosts) -> list[Process]:
+    """Both nodes' launchers running the all-reduce loop, once node 1's worker has done three
+    steps (so the job is past its start)."""
+    env = {"STRATAGEM_OP_TIMEOUT": str(OP_TIMEOUT_S)}
+    nodes = [h.launch(r, "-n", "1", "--grace-period", "30", mode="loop", env=env) for r in (0, 1)]
+    deadline = time.monotonic() + 90
+    while "[worker 1] step 3 " not in nodes[1].output_so_far():
+        for p in nodes:
+            assert p.proc.poll() is None, p.output_so_far()
+        assert time.monotonic() < deadline, "the job did not reach step 3 in 90 s"
+        time.sleep(0.05)
+    return nodes
+
+
+def _named(result: Result, survivor: str, lost: str, errors: tuple[str, ...]) -> str:
+    """The survivor's launcher failed, its task's last word one block naming one of ``errors``
+    and the lost task; the block's text."""
+    out = result.stdout
+    assert result.returncode != 0, out
+    lines = out.splitlines()
+    first = [i for i, line in enumerate(lines) if line.startswith(f"[{survivor}] stratagem: ")]
+    assert first, out
+    head = lines[first[0]]
+    assert any(
+        head.startswith(f"[{survivor}] stratagem: {e} on {survivor} (10.77.0.") for e in errors
+    ), out
+    # The block: its first line and the indented ones after it.
+    indented = f"[{survivor}]   "
+    block = "\n".join(
+        [head, *itertools.takewhile(lambda line: line.startswith(indented), lines[first[0] + 1 :])]
+    )
+    assert lost in block and " during all_reduce of " in block, out
+    assert "Traceback" not in out, out
+    assert f"[stratagem] job failed: {survivor} failed: exit code 1" in out, out
+    return block
+
+
+def test_a_killed_host_is_named_by_the_other_within_the_operation_timeout(hosts):
+    """Node 1's machine dies (every process in its namespace killed at once): node 0's worker
+    names worker 1 as lost, and its launcher ends the job, well within the operation timeout."""
+    h = hosts(2)
+    node0, node1 = _training(h)
+    h.kill(1)
+    result = node0.wait(OP_TIMEOUT_S + 30)
+    node1.wait(30)
+    block = _named(result, "worker 0", "worker 1 (10.77.0.2:", ("PeerLostError",))
+    assert "Connection reset by peer" in block or "Connection closed by peer" in block, block
+
+
+def test_a_cut_link_is_named_on_both_sides_within_the_operation_timeout(hosts):
+    """Node 1's link goes down mid-training (no FIN, no RST: the peer just falls silent): each
+    side's worker names the other after the operation timeout, and both launchers end. (The
+    peer's liveness port cannot be reached either, so the report says "lost" with the timed-out
+    operation, as for a dead machine; "does not answer" is for a peer that is reached.)"""
+    h = hosts(2)
+    node0, node1 = _training(h)
+    h.cut(1)
+    results = [node0.wait(OP_TIMEOUT_S + 60), node1.wait(OP_TIMEOUT_S + 60)]
+    for result, survivor, lost in (
+        (results[0], "worker 0", "worker 1 (10.77.0.2:"),
+        (results[1], "worker 1", "worker 0 (10.77.0.1:"),
+    ):
+        block = _named(result, survivor, lost, ("PeerLostError", "CollectiveTimeoutError"))
+        assert f"Timed out waiting {OP_TIMEOUT_S * 1000}ms" in block, block

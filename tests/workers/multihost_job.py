@@ -7,12 +7,11 @@ argv: MODE, with the shared folder (the namespaces share the file system) as the
   and prints the job-wide sum with the cluster it was given.
 - ``loop``: MultiWorkerMirroredStrategy all-reducing until stopped; prints ``step N`` after
   each (a node is killed or its link cut mid-training).
-- ``ps``: ``Model.fit`` on the chief under ParameterServerStrategy (its workers and ps tasks
-  serve), writing ``ckpt/ckpt-1``; the evaluator runs ``SidecarEvaluator`` on it and prints
-  what it evaluated.
-- ``coordinator``: the chief schedules functions through a ClusterCoordinator: one on each
-  worker (each waits until both ran, so both take work), then training steps on variables that
-  live on the ps tasks; it prints what it saw as ``RESULT {json}``.
+- ``ps``: a chief's job under ParameterServerStrategy (its workers and ps tasks serve). The
+  chief schedules functions through a ClusterCoordinator: one on each worker (each waits until
+  both ran, so both take work), then training steps on variables that live on the ps tasks,
+  and prints what it saw as ``RESULT {json}``; then ``Model.fit``, writing ``ckpt/ckpt-1``.
+  The evaluator runs ``SidecarEvaluator`` on that checkpoint and prints what it evaluated.
 """
 
 from __future__ import annotations
@@ -59,6 +58,7 @@ def mwms(loop: bool) -> None:
             return
         step += 1
         print(f"step {step} sum {total.item()}", flush=True)
+        time.sleep(0.05)  # a few lines a second, not thousands
 
 
 def serve() -> None:
@@ -75,22 +75,6 @@ def evaluate() -> None:
     evaluator.start()
     for e in evaluator.evaluations:
         print(f"evaluated {Path(e.path).name} step {e.step} logs {json.dumps(e.logs)}", flush=True)
-
-
-def fit() -> None:
-    strategy = sg.distribute.ParameterServerStrategy(resolver)
-    torch.manual_seed(0)
-    with strategy.scope():
-        model = keras_model()
-    history = model.fit(
-        *data(),
-        batch_size=16,
-        epochs=1,
-        steps_per_epoch=4,
-        verbose=0,
-        callbacks=[sg.keras.callbacks.ModelCheckpoint("ckpt/ckpt-{epoch}")],
-    )
-    print(f"fit done: loss {history.history['loss'][-1]:.4f}", flush=True)
 
 
 def ran_on_both(folder: str) -> int:
@@ -134,6 +118,16 @@ def coordinate() -> None:
     }
     print("RESULT " + json.dumps(result), flush=True)
 
+    # Model.fit on the chief schedules its steps on the workers too; its checkpoint is the
+    # evaluator's to evaluate.
+    with strategy.scope():
+        model = keras_model()
+    checkpoint = sg.keras.callbacks.ModelCheckpoint("ckpt/ckpt-{epoch}")
+    history = model.fit(
+        *data(), batch_size=16, epochs=1, steps_per_epoch=4, verbose=0, callbacks=[checkpoint]
+    )
+    print(f"fit done: loss {history.history['loss'][-1]:.4f}", flush=True)
+
 
 if MODE in ("mwms", "loop"):
     mwms(loop=MODE == "loop")
@@ -141,7 +135,5 @@ elif resolver.task_type == "evaluator":
     evaluate()
 elif resolver.task_type in ("worker", "ps"):
     serve()
-elif MODE == "ps":
-    fit()
 else:
     coordinate()
