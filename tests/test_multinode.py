@@ -357,3 +357,25 @@ def test_a_node_with_ps_tasks_only_waits_for_them_to_end_on_their_own(tmp_path):
     assert outcome is not None and outcome.exit_code == 0, err.getvalue()
     assert outcome.reason == "1 ps exited 0" and served.exists(), err.getvalue()
     assert "ps 0 exited 0" in err.getvalue()
+
+
+def test_with_the_chief_on_another_node_worker_0_is_a_worker_that_may_be_lost():
+    """--tolerate-worker-loss on a node whose worker 0 is not the chief (the job's chief runs on
+    another node, as its TF_CONFIG says): its loss is tolerated, not the job's end."""
+    import io
+
+    from stratagem.cluster.attempt import Console, Job
+    from stratagem.cluster.launcher import Task, build_tf_configs
+
+    cluster = {"chief": ["10.0.0.2:1"], "worker": ["10.0.0.1:2"], "ps": ["10.0.0.1:3"]}
+    config = build_tf_configs(cluster)["worker", 0]
+    task = Task("worker", 0, "10.0.0.1:2", child_env({"TF_CONFIG": config}))
+    out, err = io.StringIO(), io.StringIO()
+    job = Job([task], ["-c", "raise SystemExit(3)"], grace_period=0, console=Console(out, err),
+              tolerate_worker_loss=True)  # fmt: skip
+    with job:
+        job.start()
+        outcome = job.wait()
+    assert outcome is not None, err.getvalue()
+    assert (outcome.exit_code, outcome.reason) == (0, "no task left (1 worker lost)")
+    assert "worker 0 was lost: exit code 3; the job goes on without it" in err.getvalue()
