@@ -94,10 +94,10 @@ class Hosts:
 
     def kill(self, rank: int) -> None:
         """Node ``rank``'s machine dies: SIGKILL every process in its namespace (its launcher
-        and its tasks, which run in their own process groups), all started by this test."""
+        and its tasks, which run in their own process groups), all started by this test. A
+        namespace that is not there (its making failed) has none."""
         pids = subprocess.run(
             [IP, "netns", "pids", self.namespace(rank)],
-            check=True,
             capture_output=True,
             text=True,
             timeout=30,
