@@ -79,7 +79,9 @@ def test_two_nodes_on_two_loopback_addresses_train_as_one_job(tmp_path):
     assert w0.startswith("127.0.0.1:") and w1.startswith("127.0.0.2:")
     assert "[worker 0] cluster" in out0 and "sum 3.0" in out0
     assert "[worker 1] cluster" in out1 and "sum 3.0" in out1
-    assert "[stratagem] all 2 nodes arrived: node 0 (127.0.0.1, 1 task), node 1 (127.0.0.2" in out0
+    assert (
+        "[stratagem] all 2 nodes arrived: node 0 (127.0.0.1: 1 worker), node 1 (127.0.0.2" in out0
+    )
     # Each launcher says how long it waits for the others when it starts waiting.
     assert "[stratagem] node 0 waiting up to 300 s (--join-timeout) at 127.0.0.1:" in out0
     assert "[stratagem] node 1 of 2 waiting up to 300 s (--join-timeout) for node 0's" in out1
@@ -101,8 +103,16 @@ NODE0 = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"]
         (["--nnodes", "2", "--node-rank", "0"], "--nnodes needs --master-addr"),
         (["--node-rank", "1", "--master-addr", "h"], "--node-rank and --master-addr need --nnodes"),
         (
-            [*NODE0, "--ps", "1"],
-            "--nnodes runs worker tasks only, got --ps",
+            [*NODE0, "--chief-node", "1"],
+            "--chief-node places a task the job does not have: it needs --chief",
+        ),
+        ([*NODE0, "--chief", "--chief-node", "2"], "--chief-node 2 is out of range for --nnodes 2"),
+        ([*NODE0, "--ps", "2", "--ps-nodes", "0,x"], "--ps-nodes expects node ranks separated by"),
+        ([*NODE0, "--ps", "2", "--ps-nodes", "1,3"], "--ps-nodes 1,3 names node 3, out of range"),
+        ([*NODE0, "--ps", "2", "--ps-nodes", "1,1"], "--ps-nodes 1,1 names a node twice"),
+        (
+            [*NODE0, "--chief", "--ps", "1", "--restart-workers", "1"],
+            "--nnodes cannot restart a worker alone yet (got --restart-workers 1)",
         ),
         (
             [*NODE0, "--max-restarts", "1"],
@@ -225,3 +235,147 @@ def test_a_multinode_job_needs_a_secret_and_every_node_the_same(tmp_path):
     # Node 0's answer (its refusal) is signed with the job's secret: node 1 cannot trust it.
     assert errors[1].startswith("node 0's answer at 127.0.0.1:"), errors[1]
     assert "fails the job secret's check" in errors[1]
+
+
+def _meet(options: dict[int, dict], workers: dict[int, int] | None = None) -> dict[int, object]:
+    """Two nodes' launchers meeting in threads, each with its own role options (keyword
+    arguments of make_node_tasks); what each got: its tasks or its error."""
+    (port,) = free_ports(1)
+    got: dict[int, object] = {}
+
+    def node(rank: int) -> None:
+        extra = dict(options[rank])
+        placement = {
+            k: extra.pop(k) for k in ("ps_nodes", "chief_node", "evaluator_node") if k in extra
+        }
+        nodes = Nodes(2, rank, "127.0.0.1", port, timeout_s=60, **placement)
+        try:
+            got[rank] = make_node_tasks(
+                nodes, (workers or {}).get(rank, 1), host="127.0.0.1", restart=0, base_env=SECRET,
+                omp_threads=1, log=lambda _: None, **extra,
+            )  # fmt: skip
+        except LaunchError as e:
+            got[rank] = str(e)
+
+    threads = [threading.Thread(target=node, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    return got
+
+
+@pytest.mark.parametrize(
+    "node0, node1, expected",
+    [
+        (
+            {"ps": 2},
+            {"ps": 1},
+            "node 1 was started with --ps 1 but node 0 of 2 with --ps 2; "
+            "every node needs the same --ps",
+        ),
+        ({"chief": True}, {}, "node 1 was started without --chief but node 0 of 2 with --chief"),
+        (
+            {"chief": True, "evaluator": True},
+            {"chief": True, "evaluator": True, "evaluator_node": 1},
+            "node 1 was started with --evaluator-node 1 but node 0 of 2 with --evaluator-node 0",
+        ),
+        (
+            {"ps": 2, "ps_nodes": (1,)},
+            {"ps": 2},
+            "node 1 was started without --ps-nodes but node 0 of 2 with --ps-nodes 1",
+        ),
+    ],
+)
+def test_nodes_started_with_different_role_options_are_refused_naming_option_and_nodes(
+    node0, node1, expected
+):
+    got = _meet({0: node0, 1: node1})
+    assert isinstance(got[0], str) and expected in got[0], got[0]
+    assert isinstance(got[1], str) and got[1].startswith(f"node 0 refused node 1 of 2: {expected}")
+
+
+def test_every_node_builds_the_same_cluster_from_the_documented_placement():
+    """--chief --ps 3 --evaluator --evaluator-node 1 over two nodes, node 1 with -n 2: the
+    chief on node 0, ps j on node j mod 2, the evaluator on node 1, workers in node order; every
+    task of both nodes holds the same cluster."""
+    options = {"ps": 3, "chief": True, "evaluator": True, "evaluator_node": 1}
+    got = _meet({0: options, 1: options}, workers={0: 1, 1: 2})
+    tasks = {rank: got[rank] for rank in (0, 1)}
+    assert all(isinstance(t, list) for t in tasks.values()), got
+    names = {rank: [t.name for t in tasks[rank]] for rank in (0, 1)}
+    assert names[0] == ["chief", "worker 0", "ps 0", "ps 2"]
+    assert names[1] == ["worker 1", "worker 2", "ps 1", "evaluator"]
+    configs = [json.loads(t.env["TF_CONFIG"]) for rank in (0, 1) for t in tasks[rank]]
+    assert all(c["cluster"] == configs[0]["cluster"] for c in configs)
+    address = {t.name: t.address for rank in (0, 1) for t in tasks[rank]}
+    assert configs[0]["cluster"] == {
+        "chief": [address["chief"]],
+        "worker": [address["worker 0"], address["worker 1"], address["worker 2"]],
+        "ps": [address["ps 0"], address["ps 1"], address["ps 2"]],
+        "evaluator": [address["evaluator"]],
+    }
+    # Each task's own entry, as TF_CONFIG names it.
+    assert [c["task"] for c in configs[4:]] == [
+        {"type": "worker", "index": 1},
+        {"type": "worker", "index": 2},
+        {"type": "ps", "index": 1},
+        {"type": "evaluator", "index": 0},
+    ]
+
+
+def test_a_node_with_ps_tasks_only_and_a_job_without_workers():
+    """-n 0 makes a node for ps tasks (--ps-nodes 1); a node given no task at all is refused
+    before the meeting, and a job whose nodes all have -n 0 and no chief once they met."""
+    only = {"ps": 1, "ps_nodes": (1,)}
+    got = _meet({0: only, 1: only}, {0: 1, 1: 0})
+    assert [t.name for t in got[1]] == ["ps 0"], got
+    nodes = Nodes(2, 0, "127.0.0.1", free_ports(1)[0], timeout_s=60, ps_nodes=(1,))
+    with pytest.raises(LaunchError, match="node 0 of 2 would run no task: -n 0 and none of"):
+        make_node_tasks(nodes, 0, host="127.0.0.1", restart=0, base_env=SECRET, omp_threads=1,
+                        log=print, ps=1)  # fmt: skip
+    got = _meet({0: {"ps": 2}, 1: {"ps": 2}}, {0: 0, 1: 0})
+    for rank in (0, 1):
+        assert "the job has no worker and no chief: every node was started with -n 0" in got[rank]
+
+
+def test_a_node_with_ps_tasks_only_waits_for_them_to_end_on_their_own(tmp_path):
+    """On a node without chief or workers, nothing local says the job is done: the ps (which
+    serves until every worker said goodbye) is waited for, not stopped after the grace period."""
+    import io
+
+    from stratagem.cluster.attempt import Console, Job
+    from stratagem.cluster.launcher import Task
+
+    served = tmp_path / "served"
+    code = f"import time; time.sleep(0.5); open({str(served)!r}, 'w').close()"
+    task = Task("ps", 0, "127.0.0.1:1", child_env())
+    out, err = io.StringIO(), io.StringIO()
+    with Job([task], ["-c", code], grace_period=0, console=Console(out, err)) as job:
+        job.start()
+        outcome = job.wait()
+    assert outcome is not None and outcome.exit_code == 0, err.getvalue()
+    assert outcome.reason == "1 ps exited 0" and served.exists(), err.getvalue()
+    assert "ps 0 exited 0" in err.getvalue()
+
+
+def test_with_the_chief_on_another_node_worker_0_is_a_worker_that_may_be_lost():
+    """--tolerate-worker-loss on a node whose worker 0 is not the chief (the job's chief runs on
+    another node, as its TF_CONFIG says): its loss is tolerated, not the job's end."""
+    import io
+
+    from stratagem.cluster.attempt import Console, Job
+    from stratagem.cluster.launcher import Task, build_tf_configs
+
+    cluster = {"chief": ["10.0.0.2:1"], "worker": ["10.0.0.1:2"], "ps": ["10.0.0.1:3"]}
+    config = build_tf_configs(cluster)["worker", 0]
+    task = Task("worker", 0, "10.0.0.1:2", child_env({"TF_CONFIG": config}))
+    out, err = io.StringIO(), io.StringIO()
+    job = Job([task], ["-c", "raise SystemExit(3)"], grace_period=0, console=Console(out, err),
+              tolerate_worker_loss=True)  # fmt: skip
+    with job:
+        job.start()
+        outcome = job.wait()
+    assert outcome is not None, err.getvalue()
+    assert (outcome.exit_code, outcome.reason) == (0, "no task left (1 worker lost)")
+    assert "worker 0 was lost: exit code 3; the job goes on without it" in err.getvalue()

@@ -62,6 +62,9 @@ RUN_OPTIONS_WITH_VALUE = (
     "--master-addr",
     "--master-port",
     "--join-timeout",
+    "--ps-nodes",
+    "--chief-node",
+    "--evaluator-node",
 )
 # What the launcher's exit code says (shown by `stratagem run --help`, and in the README).
 RUN_EPILOG = f"""\
@@ -80,9 +83,20 @@ A task's own code can be any of these: the launcher's last line (job failed: ...
 
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "-n", "--workers", type=int, default=1, metavar="N", help="worker tasks (default 1)"
+        "-n",
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker tasks (default 1; with --nnodes, this node's)",
     )
-    parser.add_argument("--ps", type=int, default=0, metavar="K", help="ps tasks (default 0)")
+    parser.add_argument(
+        "--ps",
+        type=int,
+        default=0,
+        metavar="K",
+        help="ps tasks (default 0; with --nnodes, the whole job's)",
+    )
     parser.add_argument("--evaluator", action="store_true", help="add one evaluator task")
     parser.add_argument(
         "--chief", action="store_true", help="add a chief task (without it, worker 0 is the chief)"
@@ -125,8 +139,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     nodes = parser.add_argument_group(
         "multi-node jobs",
-        "run the same command on every machine, each with its --node-rank: this launcher\n"
-        "starts its -n workers of the job's nnodes x n (TF_CONFIG for the whole job)",
+        "run the same command on every machine, each with its --node-rank and the same\n"
+        "STRATAGEM_JOB_SECRET; every task gets the TF_CONFIG of the whole job. Placement:\n"
+        "  workers    -n on each node (node R's follow those of nodes 0..R-1; -n may differ,\n"
+        "             -n 0: a machine for ps or evaluator tasks only)\n"
+        "  ps         --ps K in all, ps j on node j mod N (or in turn on the --ps-nodes)\n"
+        "  chief      on node 0 (or --chief-node R)\n"
+        "  evaluator  on node 0 (or --evaluator-node R)\n"
+        "every node must be given the same --ps, --chief, --evaluator and placement options",
     )
     nodes.add_argument("--nnodes", type=int, default=None, metavar="N", help="machines in the job")
     nodes.add_argument(
@@ -153,6 +173,23 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a node's launcher waits for the others, said when it starts waiting"
         f" (default {launcher.DEFAULT_TIMEOUT_S:g}; torchrun's --rdzv-conf join_timeout); past"
         f" it the launcher exits {launcher.JOIN_TIMEOUT_EXIT_CODE}",
+    )
+    nodes.add_argument(
+        "--ps-nodes",
+        default=None,
+        metavar="R,R...",
+        help="the nodes that take the ps tasks in turn: ps j on the (j mod count)-th node listed"
+        " (default every node: ps j on node j mod N)",
+    )
+    nodes.add_argument(
+        "--chief-node", type=int, default=None, metavar="R", help="the chief's node (default 0)"
+    )
+    nodes.add_argument(
+        "--evaluator-node",
+        type=int,
+        default=None,
+        metavar="R",
+        help="the evaluator's node (default 0)",
     )
     parser.add_argument(
         "--tolerate-worker-loss",
@@ -227,6 +264,9 @@ def _nodes(
             ("--node-rank", args.node_rank),
             ("--master-addr", args.master_addr),
             ("--join-timeout", args.join_timeout),
+            ("--ps-nodes", args.ps_nodes),
+            ("--chief-node", args.chief_node),
+            ("--evaluator-node", args.evaluator_node),
         )
         if value is not None
     ]
@@ -242,9 +282,23 @@ def _nodes(
     ]
     if missing:
         parser.error(f"--nnodes needs {' and '.join(missing)}")
+    for flag, value, needs, wanted in (
+        ("--ps-nodes", args.ps_nodes, "--ps", args.ps),
+        ("--chief-node", args.chief_node, "--chief", args.chief),
+        ("--evaluator-node", args.evaluator_node, "--evaluator", args.evaluator),
+    ):
+        if value is not None and not wanted:
+            parser.error(f"{flag} places a task the job does not have: it needs {needs}")
     timeout = launcher.DEFAULT_TIMEOUT_S if args.join_timeout is None else args.join_timeout
     nodes = launcher.Nodes(
-        args.nnodes, args.node_rank, args.master_addr, args.master_port, timeout_s=timeout
+        args.nnodes,
+        args.node_rank,
+        args.master_addr,
+        args.master_port,
+        timeout_s=timeout,
+        ps_nodes=_node_list(parser, "--ps-nodes", args.ps_nodes),
+        chief_node=0 if args.chief_node is None else args.chief_node,
+        evaluator_node=0 if args.evaluator_node is None else args.evaluator_node,
     )
     host = args.host
     if host is None:
@@ -252,6 +306,16 @@ def _nodes(
             args.master_addr if args.node_rank == 0 else launcher.address_towards(args.master_addr)
         )
     return nodes, host
+
+
+def _node_list(parser: argparse.ArgumentParser, flag: str, value: str | None) -> tuple[int, ...]:
+    """``"0,2"`` as (0, 2); () when not given."""
+    if value is None:
+        return ()
+    try:
+        return tuple(int(part) for part in value.split(","))
+    except ValueError:
+        parser.error(f"{flag} expects node ranks separated by commas, as 0,2; got {value!r}")
 
 
 # --- stratagem job run -------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import fcntl
+import json
 import math
 import os
 import pty
@@ -279,6 +280,18 @@ def _wait_without_reaping(proc: subprocess.Popen[bytes]) -> int:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
+def _cluster_has_chief(tasks: Sequence[Task]) -> bool:
+    """Whether the tasks' cluster (their TF_CONFIG, which the launcher wrote) has a chief; the
+    tasks themselves say so when they carry none."""
+    for task in tasks:
+        try:
+            cluster = json.loads(task.env.get("TF_CONFIG", "")).get("cluster", {})
+        except (ValueError, AttributeError):
+            continue
+        return isinstance(cluster, dict) and "chief" in cluster
+    return any(t.type == "chief" for t in tasks)
+
+
 class Job:
     """One attempt at running every task: start, stream output, watch, stop what remains.
 
@@ -315,6 +328,9 @@ class Job:
         self._running: list[_Running] = []
         self._first_failure: _Running | None = None
         self._stopped = False
+        # Whether the job has a chief, perhaps on another node of a multi-node job: then no
+        # worker here is the chief, whatever this launcher's own tasks are.
+        self._has_chief = _cluster_has_chief(self.tasks)
 
     def __enter__(self) -> Job:
         return self
@@ -333,8 +349,7 @@ class Job:
         """The task that prints the job's progress: the chief, else worker 0."""
         if task.type == "chief":
             return True
-        has_chief = any(t.type == "chief" for t in self.tasks)
-        return task.type == "worker" and task.index == 0 and not has_chief
+        return task.type == "worker" and task.index == 0 and not self._has_chief
 
     def _spawn(self, task: Task, env: dict[str, str], incarnation: int = 1) -> _Running:
         prefix = f"[{task.name}] "
@@ -537,24 +552,28 @@ class Job:
             return Outcome(exit_code_of(failed.status), reason)
         # A restarted worker does not hold the job's end: it rejoined a running chief, and it
         # stops when the chief says goodbye (or ends), within the grace period.
+        active = [r for r in self._running if r not in self._lost]
         leaders = [
             r
-            for r in self._running
-            if r.task.type in ("chief", "worker")
-            and r not in self._lost
-            and (r.incarnation == 1 or r.status is not None)
+            for r in active
+            if r.task.type in ("chief", "worker") and (r.incarnation == 1 or r.status is not None)
         ]
+        if not any(r.task.type in ("chief", "worker") for r in active):
+            # A node of a multi-node job without chief or workers (or whose workers were all
+            # lost): its ps and evaluator tasks end on their own (a ps when every worker said
+            # goodbye, an evaluator after its last evaluation); the chief is another node's.
+            leaders = active
         if all(r.status == 0 for r in leaders):
             lost = f" ({plural(len(self._lost), 'worker')} lost)" if self._lost else ""
-            return Outcome(0, f"{count_tasks(r.task for r in leaders)} exited 0{lost}")
+            done = f"{count_tasks(r.task for r in leaders)} exited 0" if leaders else "no task left"
+            return Outcome(0, f"{done}{lost}")
         return None
 
     def _may_lose(self, r: _Running) -> bool:
         """Whether a failed task is a worker the job may go on without: never the chief."""
         if not self.tolerate_worker_loss or r.task.type != "worker" or r.stopped:
             return False
-        has_chief = any(t.type == "chief" for t in self.tasks)
-        return has_chief or r.task.index != 0
+        return self._has_chief or r.task.index != 0
 
     @staticmethod
     def _names(running: Iterable[_Running]) -> str:

@@ -39,6 +39,7 @@ from stratagem.cluster.nodes import (
     JOIN_TIMEOUT_EXIT_CODE,
     JoinTimeoutError,
     Nodes,
+    Placement,
     address_towards,
     make_node_tasks,
 )
@@ -73,6 +74,7 @@ __all__ = [  # the launcher's parts, used by jobs, tuning and tests through this
     "LaunchError",
     "Nodes",
     "Outcome",
+    "Placement",
     "Task",
     "address_towards",
     "build_tf_configs",
@@ -105,6 +107,7 @@ def check_arguments(
     host: str,
     chief: bool = False,
     restart_workers: int = 0,
+    multinode: bool = False,
 ) -> None:
     """Raise ``LaunchError`` for arguments ``launch`` cannot run; it starts nothing before this.
 
@@ -112,8 +115,10 @@ def check_arguments(
     ``restart_workers`` needs a chief and ps tasks: only a ClusterCoordinator's worker can
     rejoin a running job (a collective group cannot take a member back).
     """
-    if workers < (0 if chief else 1):
-        if chief:
+    # A node of a multi-node job may run no worker (a ps or evaluator machine): the job's
+    # workers are counted when the nodes meet.
+    if workers < (0 if chief or multinode else 1):
+        if chief or multinode:
             raise LaunchError(f"the number of workers must be 0 or more, got {workers}")
         raise LaunchError(f"the number of workers must be at least 1, got {workers}")
     if ps < 0:
@@ -183,8 +188,9 @@ def launch(
     anything.
 
     ``quiet``: the tasks do not report their start (``STRATAGEM_LOG_LEVEL=warning`` in each).
-    ``nodes``: this launcher runs node ``nodes.node_rank``'s ``workers`` tasks of a job over
-    ``nodes.nnodes`` machines (``stratagem.cluster.nodes``).
+    ``nodes``: this launcher runs node ``nodes.node_rank``'s tasks of a job over
+    ``nodes.nnodes`` machines: its ``workers``, and the ``ps``, ``chief`` and ``evaluator``
+    tasks of the whole job that ``Placement`` puts on it (``stratagem.cluster.nodes``).
     """
     base_env = None
     if quiet:
@@ -243,10 +249,23 @@ def run_job(
         host=host,
         chief=chief,
         restart_workers=restart_workers,
+        multinode=nodes is not None,
     )
-    if nodes is not None:
-        _check_nodes(nodes, ps=ps, evaluator=evaluator, chief=chief, max_restarts=max_restarts)
-    counts = {"chief": int(chief), "worker": workers, "ps": ps, "evaluator": int(evaluator)}
+    if nodes is None:
+        counts = {"chief": int(chief), "worker": workers, "ps": ps, "evaluator": int(evaluator)}
+    else:
+        _check_nodes(
+            nodes,
+            ps=ps,
+            evaluator=evaluator,
+            chief=chief,
+            max_restarts=max_restarts,
+            restart_workers=restart_workers,
+        )
+        # This node's own tasks share its CPUs.
+        counts = Placement(nodes, ps=ps, chief=chief, evaluator=evaluator).counts_on(
+            nodes.node_rank, workers
+        )
     num_tasks = sum(counts.values())
     base_env = dict(os.environ if base_env is None else base_env)
     # Only this launcher's own setting: the tasks' coordinator waits for restarted workers.
@@ -284,6 +303,9 @@ def run_job(
                     omp_threads=omp_threads,
                     log=console.log,
                     stopped=lambda: interrupts.signum is not None,
+                    ps=ps,
+                    chief=chief,
+                    evaluator=evaluator,
                 )
                 if met is None:  # a signal while waiting for the other nodes
                     assert interrupts.signum is not None
@@ -327,22 +349,37 @@ def run_job(
             console.log(f"restarting the job (restart {attempt} of {max_restarts})")
 
 
-def _check_nodes(nodes: Nodes, *, ps: int, evaluator: bool, chief: bool, max_restarts: int) -> None:
-    """A job over several machines runs workers only, once: what else it would need (a ps or
-    chief on one node, restarts agreed by every node) is not built yet; say so before starting."""
+def _check_nodes(
+    nodes: Nodes,
+    *,
+    ps: int,
+    evaluator: bool,
+    chief: bool,
+    max_restarts: int,
+    restart_workers: int,
+) -> None:
+    """A job over several machines runs once, and its workers are not restarted alone: both
+    would have to be agreed by every node, which is not built yet; say so before starting."""
     nodes.check()
-    extra = [
-        name
-        for name, wanted in (("--ps", ps), ("--evaluator", evaluator), ("--chief", chief))
-        if wanted
-    ]
-    if extra:
-        raise LaunchError(
-            f"--nnodes runs worker tasks only, got {', '.join(extra)}; "
-            "start a job with ps, chief or evaluator tasks on one machine, or by TF_CONFIG"
+    moved = [
+        (flag, needs)
+        for flag, given, needs, wanted in (
+            ("--ps-nodes", bool(nodes.ps_nodes), "--ps", ps),
+            ("--chief-node", nodes.chief_node != 0, "--chief", chief),
+            ("--evaluator-node", nodes.evaluator_node != 0, "--evaluator", evaluator),
         )
+        if given and not wanted
+    ]
+    if moved:
+        flag, needs = moved[0]
+        raise LaunchError(f"{flag} places a task the job does not have: it needs {needs}")
     if max_restarts:
         raise LaunchError(
             f"--nnodes cannot restart the job yet (got --max-restarts {max_restarts}): "
             "restarts would have to be agreed by every node"
+        )
+    if restart_workers:
+        raise LaunchError(
+            f"--nnodes cannot restart a worker alone yet (got --restart-workers "
+            f"{restart_workers}): its node's launcher would have to rejoin the others"
         )

@@ -1,11 +1,16 @@
 """A job over several machines from one command: ``stratagem run --nnodes N --node-rank R``.
 
-The user runs the same command on every machine. Each node's launcher picks free ports for its
-own K workers, then the launchers meet at ``--master-addr:--master-port``, where node 0's
-launcher listens: each node sends its address and ports, node 0 answers every node with the
-whole job's worker list, and every launcher builds the TF_CONFIG of its own tasks from it (node
-R's tasks are workers R*K .. R*K+K-1). The meeting is plain JSON lines over TCP, size-limited
-and checked field by field (nothing is unpickled), so the launcher still imports no torch.
+The user runs the same command on every machine. Every launcher computes the same placement of
+the job's tasks from the command (``Placement``): its own ``-n`` workers, the ps tasks round-robin
+over the nodes (ps j on node j mod N, or on the ``--ps-nodes`` listed), the chief and the
+evaluator on node 0 (or ``--chief-node``, ``--evaluator-node``). Each node's launcher picks free
+ports for its own tasks, then the launchers meet at ``--master-addr:--master-port``, where node
+0's launcher listens: each node sends its address, its ports by role and its role options; node
+0 checks that every node was given the same role options and answers every node with all the
+entries, from which every launcher builds the same cluster ({chief, worker, ps, evaluator}
+addresses; node R's workers follow those of nodes 0..R-1) and the TF_CONFIG of its own tasks.
+The meeting is plain JSON lines over TCP, size-limited and checked field by field (nothing is
+unpickled), so the launcher still imports no torch.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import json
 import math
 import socket
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +34,7 @@ from stratagem.cluster.job_secret import (
     key_for,
 )
 from stratagem.cluster.tasks import (
+    TASK_TYPES,
     LaunchError,
     Task,
     build_tf_configs,
@@ -65,6 +71,11 @@ class Nodes:
     master_addr: str
     master_port: int = DEFAULT_MASTER_PORT
     timeout_s: float = DEFAULT_TIMEOUT_S
+    #: Where the job's tasks other than workers go (the same on every node): the nodes that take
+    #: the ps tasks in turn (empty: every node, 0..N-1), the chief's node, the evaluator's node.
+    ps_nodes: tuple[int, ...] = ()
+    chief_node: int = 0
+    evaluator_node: int = 0
 
     def check(self) -> None:
         """Raise ``LaunchError`` for values no job can run with."""
@@ -85,6 +96,25 @@ class Nodes:
             raise LaunchError(
                 f"--join-timeout must be a number of seconds above 0, got {self.timeout_s}"
             )
+        last = self.nnodes - 1
+        for flag, rank in (
+            ("--chief-node", self.chief_node),
+            ("--evaluator-node", self.evaluator_node),
+        ):
+            if not 0 <= rank <= last:
+                raise LaunchError(
+                    f"{flag} {rank} is out of range for --nnodes {self.nnodes}; expected 0..{last}"
+                )
+        bad = [r for r in self.ps_nodes if not 0 <= r <= last]
+        if bad:
+            raise LaunchError(
+                f"--ps-nodes {_ranks(self.ps_nodes)} names node {bad[0]}, out of range for "
+                f"--nnodes {self.nnodes}; expected node ranks 0..{last}"
+            )
+        if len(set(self.ps_nodes)) != len(self.ps_nodes):
+            raise LaunchError(
+                f"--ps-nodes {_ranks(self.ps_nodes)} names a node twice; expected each node once"
+            )
 
     @property
     def name(self) -> str:
@@ -103,6 +133,68 @@ def address_towards(master_addr: str) -> str:
     return "localhost" if address.startswith("127.") else address
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the job's tasks go, computed alike by every node from the role options that every
+    node is given (and checks at the meeting): ``ps`` tasks in all, placed in turn on
+    ``nodes.ps_nodes`` (default every node: ps j on node j mod N); a ``chief`` on
+    ``nodes.chief_node`` and an ``evaluator`` on ``nodes.evaluator_node`` (default node 0).
+    Workers are each node's own ``-n``."""
+
+    nodes: Nodes
+    ps: int = 0
+    chief: bool = False
+    evaluator: bool = False
+
+    def options(self) -> dict[str, Any]:
+        """The role options as sent at the meeting, by flag: every node must hold the same."""
+        n = self.nodes
+        return {
+            "--ps": self.ps,
+            "--ps-nodes": list(n.ps_nodes),
+            "--chief": self.chief,
+            "--chief-node": n.chief_node,
+            "--evaluator": self.evaluator,
+            "--evaluator-node": n.evaluator_node,
+        }
+
+    @property
+    def ps_nodes(self) -> tuple[int, ...]:
+        return self.nodes.ps_nodes or tuple(range(self.nodes.nnodes))
+
+    def ps_node(self, index: int) -> int:
+        """The node of ps ``index``."""
+        return self.ps_nodes[index % len(self.ps_nodes)]
+
+    def counts_on(self, rank: int, workers: int) -> dict[str, int]:
+        """How many tasks of each type node ``rank`` runs, given its ``workers``."""
+        n = self.nodes
+        return {
+            "chief": int(self.chief and n.chief_node == rank),
+            "worker": workers,
+            "ps": sum(1 for j in range(self.ps) if self.ps_node(j) == rank),
+            "evaluator": int(self.evaluator and n.evaluator_node == rank),
+        }
+
+    def cluster(self, everyone: list[dict]) -> dict[str, list[tuple[int, str]]]:
+        """The whole job's tasks by type, each as (node rank, address), in TF_CONFIG order."""
+        ports = {e["node_rank"]: {t: iter(e["ports"][t]) for t in TASK_TYPES} for e in everyone}
+        hosts = {e["node_rank"]: e["host"] for e in everyone}
+
+        def take(rank: int, job: str) -> tuple[int, str]:
+            return rank, f"{hosts[rank]}:{next(ports[rank][job])}"
+
+        n = self.nodes
+        return {
+            "chief": [take(n.chief_node, "chief")] if self.chief else [],
+            "worker": [
+                take(e["node_rank"], "worker") for e in everyone for _ in e["ports"]["worker"]
+            ],
+            "ps": [take(self.ps_node(j), "ps") for j in range(self.ps)],
+            "evaluator": [take(n.evaluator_node, "evaluator")] if self.evaluator else [],
+        }
+
+
 def make_node_tasks(
     nodes: Nodes,
     workers: int,
@@ -113,9 +205,13 @@ def make_node_tasks(
     omp_threads: int | None,
     log: Callable[[str], None],
     stopped: Callable[[], bool] = lambda: False,
+    ps: int = 0,
+    chief: bool = False,
+    evaluator: bool = False,
 ) -> list[Task] | None:
-    """This node's ``workers`` tasks, with the TF_CONFIG of the whole job (all nodes' workers);
-    None when ``stopped()`` turned true while the nodes met (the launcher got a signal)."""
+    """This node's tasks (its ``workers``, and the ps, chief and evaluator tasks ``Placement``
+    puts on it), with the TF_CONFIG of the whole job; None when ``stopped()`` turned true while
+    the nodes met (the launcher got a signal)."""
     # Every node's tasks must hold one secret, which only the user can give them all (each
     # launcher alone would make its own); it also signs the launchers' meeting.
     secret = given_secret(base_env)
@@ -127,27 +223,43 @@ def make_node_tasks(
             f"{SECRET_FILE_VARIABLE}, or {INSECURE_VARIABLE}=1 to let anyone who can reach "
             "the job's ports join it"
         )
-    ports = free_ports(workers, listen_address(host))
-    mine = {"node_rank": nodes.node_rank, "nnodes": nodes.nnodes, "host": host, "ports": ports}
+    placement = Placement(nodes, ps=ps, chief=chief, evaluator=evaluator)
+    counts = placement.counts_on(nodes.node_rank, workers)
+    if not any(counts.values()):
+        raise LaunchError(
+            f"{nodes.name} would run no task: -n 0 and none of the job's ps, chief or evaluator "
+            f"is placed on it (--ps-nodes, --chief-node, --evaluator-node); give it workers "
+            "or leave it out of the job"
+        )
+    free = iter(free_ports(sum(counts.values()), listen_address(host)))
+    ports = {job: [next(free) for _ in range(counts[job])] for job in TASK_TYPES}
+    mine = {
+        "node_rank": nodes.node_rank,
+        "nnodes": nodes.nnodes,
+        "host": host,
+        "ports": ports,
+        "roles": placement.options(),
+    }
     meeting = _Meeting(secret)
     try:
         if nodes.node_rank == 0:
-            everyone = _host_meeting(nodes, mine, log, stopped, meeting)
+            everyone = _host_meeting(nodes, mine, log, stopped, meeting, placement)
         else:
-            everyone = _join_meeting(nodes, mine, log, stopped, meeting)
+            everyone = _join_meeting(nodes, mine, log, stopped, meeting, placement)
     except _Stopped:
         return None
-    addresses = [f"{n['host']}:{p}" for n in everyone for p in n["ports"]]
-    configs = build_tf_configs({"worker": addresses})
-    first = sum(len(n["ports"]) for n in everyone[: nodes.node_rank])
-    return [
-        Task(
-            "worker",
-            i,
-            addresses[i],
-            task_env(base_env, configs["worker", i], restart, omp_threads),
+    cluster = placement.cluster(everyone)
+    if not cluster["worker"] and not cluster["chief"]:
+        raise LaunchError(
+            "the job has no worker and no chief: every node was started with -n 0; give some "
+            "node workers (-n) or add --chief"
         )
-        for i in range(first, first + workers)
+    configs = build_tf_configs({job: [a for _, a in tasks] for job, tasks in cluster.items()})
+    return [
+        Task(job, i, address, task_env(base_env, configs[job, i], restart, omp_threads))
+        for job in TASK_TYPES
+        for i, (rank, address) in enumerate(cluster[job])
+        if rank == nodes.node_rank
     ]
 
 
@@ -195,6 +307,7 @@ def _host_meeting(
     log: Callable[[str], None],
     stopped: Callable[[], bool],
     meeting: _Meeting,
+    placement: Placement,
 ) -> list[dict]:
     """Node 0: listen, collect every node's entry, answer each with all of them (or an error)."""
     address = listen_address(nodes.master_addr)
@@ -239,7 +352,7 @@ def _host_meeting(
             except TimeoutError:
                 continue
             try:
-                entry = _read_entry(conn, nodes, deadline, meeting)
+                entry = _read_entry(conn, nodes, deadline, meeting, placement)
             except LaunchError as e:
                 meeting.send(conn, {"error": str(e)})
                 conn.close()
@@ -272,6 +385,7 @@ def _join_meeting(
     log: Callable[[str], None],
     stopped: Callable[[], bool],
     meeting: _Meeting,
+    placement: Placement,
 ) -> list[dict]:
     """Node R > 0: send our entry to node 0 (retrying until it listens), read the job."""
     deadline = time.monotonic() + nodes.timeout_s
@@ -310,40 +424,111 @@ def _join_meeting(
             f"node 0 at {where} answered {reply!r}, expected {plural(nodes.nnodes, 'node')}"
         )
     for rank, entry in enumerate(everyone):
-        _check_entry(entry, nodes, f"node 0's answer for node {rank}")
+        _check_entry(entry, nodes, placement, f"node 0's answer for node {rank}")
         if entry["node_rank"] != rank:
             raise LaunchError(f"node 0 at {where} listed node {entry['node_rank']} as node {rank}")
     log(f"{_all_nodes(nodes.nnodes)} arrived: {_names(dict(enumerate(everyone)))}")
     return everyone
 
 
-def _read_entry(conn: socket.socket, nodes: Nodes, deadline: float, meeting: _Meeting) -> dict:
+def _read_entry(
+    conn: socket.socket, nodes: Nodes, deadline: float, meeting: _Meeting, placement: Placement
+) -> dict:
     entry = meeting.read(conn, deadline, "a node's launcher")
-    _check_entry(entry, nodes, "a node's launcher")
+    _check_entry(entry, nodes, placement, "a node's launcher")
     return entry
 
 
-def _check_entry(entry: object, nodes: Nodes, source: str) -> None:
-    """An entry is exactly {node_rank, nnodes, host, ports} with the job's --nnodes."""
-    fields = {"node_rank": int, "nnodes": int, "host": str, "ports": list}
-    if not isinstance(entry, dict) or set(entry) != set(fields):
-        raise LaunchError(f"{source} sent {entry!r}, expected the fields {sorted(fields)}")
-    for key, kind in fields.items():
+#: An entry's fields and their JSON types: exactly these, nothing else is read.
+_ENTRY_FIELDS = {"node_rank": int, "nnodes": int, "host": str, "ports": dict, "roles": dict}
+#: The role options an entry carries, by flag, and their JSON types.
+_ROLE_FIELDS = {
+    "--ps": int,
+    "--ps-nodes": list,
+    "--chief": bool,
+    "--chief-node": int,
+    "--evaluator": bool,
+    "--evaluator-node": int,
+}
+
+
+def _check_entry(entry: object, nodes: Nodes, placement: Placement, source: str) -> None:
+    """An entry is exactly {node_rank, nnodes, host, ports, roles}: the job's --nnodes, this
+    node's role options, and ports by task type as many as the placement gives that node."""
+    if not isinstance(entry, dict) or set(entry) != set(_ENTRY_FIELDS):
+        raise LaunchError(f"{source} sent {entry!r}, expected the fields {sorted(_ENTRY_FIELDS)}")
+    for key, kind in _ENTRY_FIELDS.items():
         if type(entry[key]) is not kind:
             raise LaunchError(f"{source} sent {key}={entry[key]!r}, expected a {kind.__name__}")
+    rank = entry["node_rank"]
     if entry["nnodes"] != nodes.nnodes:
         raise LaunchError(
-            f"node {entry['node_rank']} was started with --nnodes {entry['nnodes']} but "
+            f"node {rank} was started with --nnodes {entry['nnodes']} but "
             f"{nodes.name} with --nnodes {nodes.nnodes}; every node needs the same --nnodes"
         )
-    if not 0 <= entry["node_rank"] < nodes.nnodes:
+    if not 0 <= rank < nodes.nnodes:
         raise LaunchError(
-            f"{source} claims --node-rank {entry['node_rank']}, out of range for --nnodes "
-            f"{nodes.nnodes}"
+            f"{source} claims --node-rank {rank}, out of range for --nnodes {nodes.nnodes}"
         )
+    if not entry["host"] or len(entry["host"]) > 255 or any(c.isspace() for c in entry["host"]):
+        raise LaunchError(f"{source} sent host={entry['host']!r}, expected a host name or address")
+    roles = entry["roles"]
+    if (
+        set(roles) != set(_ROLE_FIELDS)
+        or not all(type(roles[flag]) is kind for flag, kind in _ROLE_FIELDS.items())
+        or not all(type(r) is int for r in roles["--ps-nodes"])
+    ):
+        raise LaunchError(
+            f"{source} sent roles={roles!r}, expected {sorted(_ROLE_FIELDS)} with the types "
+            f"{ {flag: kind.__name__ for flag, kind in _ROLE_FIELDS.items()} }"
+        )
+    ours = placement.options()
+    for flag in _ROLE_FIELDS:
+        if roles[flag] != ours[flag]:
+            raise LaunchError(
+                f"node {rank} was started {_option(flag, roles[flag])} but {nodes.name} "
+                f"{_option(flag, ours[flag])}; every node needs the same {flag} (the same "
+                "command on every machine, but for --node-rank)"
+            )
     ports = entry["ports"]
-    if not ports or not all(type(p) is int and 1 <= p <= 65535 for p in ports):
-        raise LaunchError(f"{source} sent ports {ports!r}, expected one port per task")
+    if set(ports) != set(TASK_TYPES) or not all(
+        type(ports[job]) is list and all(type(p) is int and 1 <= p <= 65535 for p in ports[job])
+        for job in TASK_TYPES
+    ):
+        raise LaunchError(
+            f"{source} sent ports {ports!r}, expected a list of ports (1..65535) for each of "
+            f"{list(TASK_TYPES)}"
+        )
+    expected = placement.counts_on(rank, len(ports["worker"]))
+    got = {job: len(ports[job]) for job in TASK_TYPES}
+    if got != expected or not any(got.values()):
+        raise LaunchError(
+            f"{source} sent ports for {_counted(got)} on node {rank}, expected one port per "
+            f"task the placement puts there: {_counted(expected)}"
+        )
+
+
+def _option(flag: str, value: object) -> str:
+    """``with --ps 2``, ``without --chief``, ``with --ps-nodes 0,1``, ``without --ps-nodes``."""
+    if value is True:
+        return f"with {flag}"
+    if value is False or value == []:
+        return f"without {flag}"
+    if isinstance(value, list):
+        return f"with {flag} {_ranks(value)}"
+    return f"with {flag} {value}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def _counted(counts: Mapping[str, int]) -> str:
+    """``1 chief, 2 workers and 1 ps``; ``no task``."""
+    parts = [plural(n, job) for job, n in counts.items() if n]
+    if not parts:
+        return "no task"
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def _send(conn: socket.socket, message: dict) -> None:
@@ -397,7 +582,8 @@ def _read_message_body(text: str, source: str) -> dict:
 
 def _names(entries: Mapping[int, dict]) -> str:
     return ", ".join(
-        f"node {r} ({entries[r]['host']}, {plural(len(entries[r]['ports']), 'task')})"
+        f"node {r} ({entries[r]['host']}: "
+        f"{_counted({job: len(entries[r]['ports'][job]) for job in TASK_TYPES})})"
         for r in sorted(entries)
     )
 

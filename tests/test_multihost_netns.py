@@ -1,0 +1,382 @@
+"""Jobs over several "machines" made of network namespaces: each node's ``stratagem run --nnodes``
+runs in its own namespace, with its own address on a bridge (10.77.0.R+1/24), so the tasks of
+different nodes reach each other only over that link, as on separate hosts; the file system is
+shared (as an NFS home would be). Needs root and iproute2's ``ip``; skipped otherwise.
+
+The bridge lives in a namespace of its own (the hub), joined to each node's namespace by a veth
+pair: nothing of the host's network is touched, and the namespaces' names carry this run's pid,
+so runs side by side never meet. The fixture always deletes what it made, also on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from cluster_utils import WORKERS, Process, Result, child_env
+
+pytestmark = pytest.mark.multiprocess
+
+IP = shutil.which("ip") or "/usr/sbin/ip"
+SECRET = {"STRATAGEM_JOB_SECRET": "7" * 64}  # the one secret every node's launcher is given
+SCRIPT = str(WORKERS / "multihost_job.py")
+_runs = itertools.count()
+
+
+def _ip(*args: str) -> None:
+    subprocess.run([IP, *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@dataclass
+class Hosts:
+    """``count`` namespaces on one bridge; ``address(r)`` is node r's, ``launch`` starts a
+    node's launcher inside node r's namespace."""
+
+    tag: str
+    count: int
+    workdir: Path
+    processes: list[Process] = field(default_factory=list)
+
+    @property
+    def hub(self) -> str:
+        return f"sg{self.tag}hub"
+
+    def namespace(self, rank: int) -> str:
+        return f"sg{self.tag}n{rank}"
+
+    @staticmethod
+    def address(rank: int) -> str:
+        return f"10.77.0.{rank + 1}"
+
+    def create(self) -> None:
+        _ip("netns", "add", self.hub)
+        _ip("-n", self.hub, "link", "set", "lo", "up")
+        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.hub, "link", "set", "br0", "up")
+        for rank in range(self.count):
+            ns = self.namespace(rank)
+            _ip("netns", "add", ns)
+            _ip(
+                "-n",
+                self.hub,
+                "link",
+                "add",
+                f"v{rank}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
+            _ip("-n", self.hub, "link", "set", f"v{rank}", "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{self.address(rank)}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")  # the tasks of one node meet on it too
+
+    def cut(self, rank: int) -> None:
+        """Cut node ``rank``'s link, at the bridge's side (its cable pulled)."""
+        _ip("-n", self.hub, "link", "set", f"v{rank}", "down")
+
+    def kill(self, rank: int) -> None:
+        """Node ``rank``'s machine dies: SIGKILL every process in its namespace (its launcher
+        and its tasks, which run in their own process groups), all started by this test. A
+        namespace that is not there (its making failed) has none."""
+        pids = subprocess.run(
+            [IP, "netns", "pids", self.namespace(rank)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.split()
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def launch(
+        self, rank: int, *options: str, mode: str, env: dict[str, str] | None = None
+    ) -> Process:
+        argv = [
+            IP,
+            "netns",
+            "exec",
+            self.namespace(rank),
+            sys.executable,
+            "-m",
+            "stratagem.cli",
+            "run",
+            "--nnodes",
+            str(self.count),
+            "--node-rank",
+            str(rank),
+            "--master-addr",
+            self.address(0),
+            "--join-timeout",
+            "60",
+            *options,
+            SCRIPT,
+            mode,
+        ]
+        process = Process(
+            argv,
+            child_env({**SECRET, **(env or {})}),
+            self.workdir,
+            f"node{rank}",
+            merge_output=True,
+        )
+        self.processes.append(process)
+        return process
+
+    def run(
+        self,
+        options: dict[int, list[str]],
+        mode: str,
+        timeout: float = 120,
+        env: dict[str, str] | None = None,
+    ) -> list[Result]:
+        """Every node's launcher with its options and the script's MODE; their results."""
+        nodes = [self.launch(r, *options[r], mode=mode, env=env) for r in range(self.count)]
+        deadline = time.monotonic() + timeout
+        return [p.wait(max(1.0, deadline - time.monotonic())) for p in nodes]
+
+    def delete(self) -> None:
+        for p in self.processes:  # the launchers' groups; a killed node's tasks went with it
+            p.kill_group()
+        for rank in range(self.count):
+            self.kill(rank)  # tasks of a launcher that died without stopping them
+        for p in self.processes:
+            if p.proc.poll() is None:
+                p.proc.wait(timeout=30)
+        # Deleting a namespace deletes its end of each veth pair, and with it the other end.
+        for ns in [*(self.namespace(r) for r in range(self.count)), self.hub]:
+            subprocess.run([IP, "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def _why_no_namespaces() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not os.path.exists(IP):
+        return "iproute2's `ip` is not installed"
+    probe = f"sg{os.getpid()}probe"
+    made = subprocess.run([IP, "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot make a network namespace: {made.stderr.strip()}"
+    try:
+        bridge = subprocess.run(
+            [IP, "-n", probe, "link", "add", "br0", "type", "bridge"],
+            capture_output=True,
+            text=True,
+        )
+        if bridge.returncode != 0:
+            return f"cannot make a bridge in a namespace: {bridge.stderr.strip()}"
+    finally:
+        subprocess.run([IP, "netns", "del", probe], capture_output=True)
+    return None
+
+
+@contextlib.contextmanager
+def _namespaces(workdir: Path) -> Iterator[Callable[[int], Hosts]]:
+    """``make(n)``: n namespaces on one bridge, all deleted on leaving (their processes killed
+    first), whatever happened; skips the test when namespaces cannot be made here."""
+    why = _why_no_namespaces()
+    if why is not None:
+        pytest.skip(why)
+    made: list[Hosts] = []
+
+    def make(count: int) -> Hosts:
+        h = Hosts(f"{os.getpid()}x{next(_runs)}", count, workdir)
+        made.append(h)
+        h.create()
+        return h
+
+    try:
+        yield make
+    finally:
+        for h in made:
+            h.delete()
+
+
+@pytest.fixture
+def hosts(tmp_path) -> Iterator[Callable[[int], Hosts]]:
+    with _namespaces(tmp_path) as make:
+        yield make
+
+
+def _ok(results: list[Result]) -> str:
+    """Every node's output, after checking each launcher exited 0."""
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"node {rank} exited {r.returncode}:\n{r.stdout}"
+    return "\n".join(r.stdout for r in results)
+
+
+def test_two_hosts_train_with_multiworker_mirrored(hosts):
+    """Node 0 runs workers 0 and 1, node 1 (-n 1) worker 2; the all-reduce gives the job's sum
+    on every worker, over the link between the namespaces."""
+    h = hosts(2)
+    results = h.run({0: ["-n", "2"], 1: ["-n", "1"]}, "mwms")
+    _ok(results)
+    out0, out1 = results[0].stdout, results[1].stdout
+    for worker, out in (("worker 0", out0), ("worker 1", out0), ("worker 2", out1)):
+        assert f"[{worker}] cluster " in out and "sum 6.0" in out, out
+    clusters = {
+        line.split("cluster ", 1)[1].split(" sum ")[0]
+        for line in (out0 + out1).splitlines()
+        if "] cluster " in line
+    }
+    assert len(clusters) == 1, clusters
+    workers = json.loads(clusters.pop())["worker"]
+    assert [w.rsplit(":", 1)[0] for w in workers] == ["10.77.0.1", "10.77.0.1", "10.77.0.2"]
+    assert (
+        "all 2 nodes arrived: node 0 (10.77.0.1: 2 workers), node 1 (10.77.0.2: 1 worker)" in out0
+    )
+
+
+@pytest.fixture(scope="module")
+def ps_job(tmp_path_factory) -> list[Result]:
+    """One parameter-server job over three hosts, for the tests below: ``--chief --chief-node 1
+    --ps 2 --evaluator --evaluator-node 2``, node 2 with -n 0. Placement: worker 0 and ps 0 on
+    node 0; the chief, worker 1 and ps 1 on node 1; the evaluator alone on node 2."""
+    with _namespaces(tmp_path_factory.mktemp("ps_job")) as make:
+        h = make(3)
+        roles = [
+            "--chief",
+            "--chief-node",
+            "1",
+            "--ps",
+            "2",
+            "--evaluator",
+            "--evaluator-node",
+            "2",
+        ]
+        options = {0: ["-n", "1", *roles], 1: ["-n", "1", *roles], 2: ["-n", "0", *roles]}
+        results = h.run(options, "ps")
+    _ok(results)
+    return results
+
+
+def test_a_parameter_server_job_places_every_role_over_three_hosts(ps_job):
+    out0, out1, out2 = (r.stdout for r in ps_job)
+    arrived = (
+        "all 3 nodes arrived: node 0 (10.77.0.1: 1 worker and 1 ps), node 1 (10.77.0.2: "
+        "1 chief, 1 worker and 1 ps), node 2 (10.77.0.3: 1 evaluator)"
+    )
+    assert all(arrived in out for out in (out0, out1, out2)), out0
+    for name, out, host in (
+        ("worker 0", out0, "10.77.0.1"),
+        ("ps 0", out0, "10.77.0.1"),
+        ("chief", out1, "10.77.0.2"),
+        ("worker 1", out1, "10.77.0.2"),
+        ("ps 1", out1, "10.77.0.2"),
+        ("evaluator", out2, "10.77.0.3"),
+    ):
+        assert re.search(rf"\[stratagem\] {name} pid \d+ at {re.escape(host)}:\d+\n", out), out
+    # Every task holds the whole job (the chief's start line counts it), and every node's
+    # launcher ends when its own tasks did: node 2's when its evaluator ended on its own.
+    assert "[chief] [stratagem] chief of 1 chief, 2 workers, 2 ps, 1 evaluator (TF_CONFIG)" in out1
+    assert "job finished: 1 worker exited 0" in out0
+    assert "job finished: 1 chief and 1 worker exited 0" in out1
+    assert "job finished: 1 evaluator exited 0" in out2
+
+
+def test_a_cluster_coordinator_schedules_on_workers_of_both_hosts(ps_job):
+    """The chief (node 1) schedules one function that runs on each worker (nodes 0 and 1), and
+    training steps on variables held by ps 0 (node 0) and ps 1 (node 1)."""
+    out = ps_job[1].stdout
+    (line,) = [line for line in out.splitlines() if "[chief] RESULT " in line]
+    result = json.loads(line.split("RESULT ", 1)[1])
+    assert result["workers"] == [0, 1], out
+    assert len(result["losses"]) == 4 and all(loss >= 0 for loss in result["losses"]), result
+    assert result["after"] != result["before"], result
+
+
+def test_model_fit_on_the_chief_and_a_sidecar_evaluator_on_another_host(ps_job):
+    """Model.fit under ParameterServerStrategy on the chief writes ckpt/ckpt-1 (the hosts
+    share a file system); the evaluator on node 2 evaluates it and ends."""
+    assert "[chief] fit done: loss " in ps_job[1].stdout, ps_job[1].stdout
+    out2 = ps_job[2].stdout
+    assert re.search(r"\[evaluator\] evaluated ckpt-1 step \S+ logs .*accuracy", out2), out2
+    assert "[stratagem] evaluator exited 0" in out2, out2
+
+
+OP_TIMEOUT_S = 5  # STRATAGEM_OP_TIMEOUT: how long a collective waits for a silent peer
+
+
+def _training(h: Hosts) -> list[Process]:
+    """Both nodes' launchers running the all-reduce loop, once node 1's worker has done three
+    steps (so the job is past its start)."""
+    env = {"STRATAGEM_OP_TIMEOUT": str(OP_TIMEOUT_S)}
+    nodes = [h.launch(r, "-n", "1", "--grace-period", "30", mode="loop", env=env) for r in (0, 1)]
+    deadline = time.monotonic() + 90
+    while "[worker 1] step 3 " not in nodes[1].output_so_far():
+        for p in nodes:
+            assert p.proc.poll() is None, p.output_so_far()
+        assert time.monotonic() < deadline, "the job did not reach step 3 in 90 s"
+        time.sleep(0.05)
+    return nodes
+
+
+def _named(result: Result, survivor: str, lost: str, errors: tuple[str, ...]) -> str:
+    """The survivor's launcher failed, its task's last word one block naming one of ``errors``
+    and the lost task; the block's text."""
+    out = result.stdout
+    assert result.returncode != 0, out
+    lines = out.splitlines()
+    first = [i for i, line in enumerate(lines) if line.startswith(f"[{survivor}] stratagem: ")]
+    assert first, out
+    head = lines[first[0]]
+    assert any(
+        head.startswith(f"[{survivor}] stratagem: {e} on {survivor} (10.77.0.") for e in errors
+    ), out
+    # The block: its first line and the indented ones after it.
+    indented = f"[{survivor}]   "
+    block = "\n".join(
+        [head, *itertools.takewhile(lambda line: line.startswith(indented), lines[first[0] + 1 :])]
+    )
+    assert lost in block and " during all_reduce of " in block, out
+    assert "Traceback" not in out, out
+    assert f"[stratagem] job failed: {survivor} failed: exit code 1" in out, out
+    return block
+
+
+def test_a_killed_host_is_named_by_the_other_within_the_operation_timeout(hosts):
+    """Node 1's machine dies (every process in its namespace killed at once): node 0's worker
+    names worker 1 as lost, and its launcher ends the job, well within the operation timeout."""
+    h = hosts(2)
+    node0, node1 = _training(h)
+    h.kill(1)
+    result = node0.wait(OP_TIMEOUT_S + 30)
+    node1.wait(30)
+    block = _named(result, "worker 0", "worker 1 (10.77.0.2:", ("PeerLostError",))
+    assert "Connection reset by peer" in block or "Connection closed by peer" in block, block
+
+
+def test_a_cut_link_is_named_on_both_sides_within_the_operation_timeout(hosts):
+    """Node 1's link goes down mid-training (no FIN, no RST: the peer just falls silent): each
+    side's worker names the other after the operation timeout, and both launchers end. (The
+    peer's liveness port cannot be reached either, so the report says "lost" with the timed-out
+    operation, as for a dead machine; "does not answer" is for a peer that is reached.)"""
+    h = hosts(2)
+    node0, node1 = _training(h)
+    h.cut(1)
+    results = [node0.wait(OP_TIMEOUT_S + 60), node1.wait(OP_TIMEOUT_S + 60)]
+    for result, survivor, lost in (
+        (results[0], "worker 0", "worker 1 (10.77.0.2:"),
+        (results[1], "worker 1", "worker 0 (10.77.0.1:"),
+    ):
+        block = _named(result, survivor, lost, ("PeerLostError", "CollectiveTimeoutError"))
+        assert f"Timed out waiting {OP_TIMEOUT_S * 1000}ms" in block, block
