@@ -367,9 +367,10 @@ def test_a_killed_host_is_named_by_the_other_within_the_operation_timeout(hosts)
 
 def test_a_cut_link_is_named_on_both_sides_within_the_operation_timeout(hosts):
     """Node 1's link goes down mid-training (no FIN, no RST: the peer just falls silent): each
-    side's worker names the other after the operation timeout, and both launchers end. (The
-    peer's liveness port cannot be reached either, so the report says "lost" with the timed-out
-    operation, as for a dead machine; "does not answer" is for a peer that is reached.)"""
+    side's worker names the other after the operation timeout, and both launchers end. The
+    peer's liveness port cannot be reached either: the report says it is unreachable (its
+    machine or the network to it is down), not that it ended ("does not answer" is for a peer
+    that is reached but stopped)."""
     h = hosts(2)
     node0, node1 = _training(h)
     h.cut(1)
@@ -380,3 +381,5 @@ def test_a_cut_link_is_named_on_both_sides_within_the_operation_timeout(hosts):
     ):
         block = _named(result, survivor, lost, ("PeerLostError", "CollectiveTimeoutError"))
         assert f"Timed out waiting {OP_TIMEOUT_S * 1000}ms" in block, block
+        assert "unreachable: no answer at all" in block, block
+        assert "Its own output says why it ended" not in block, block

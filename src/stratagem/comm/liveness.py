@@ -84,20 +84,26 @@ class LivenessServer:
 # What ``probe`` returns for a peer whose port accepts but which does not answer: the kernel
 # completes the connection for a process that is alive but stopped (SIGSTOP) or frozen.
 SILENT = "silent"
+# What ``probe`` returns for a peer it cannot reach at all: nothing refuses, nothing answers.
+UNREACHABLE = "unreachable"
 # The status of a process that found peers gone during a collective and is ending for it; its
 # position then names the ranks it found gone (``"2"``, ``"2,3"``).
 LOST = "lost"
 
 
 def probe(address: str, timeout: float) -> PeerState | None:
-    """Ask one peer; None when it refuses or is unreachable (gone), ``PeerState("silent")``
-    when it accepts the connection but does not answer in time (alive, but stopped or stuck).
+    """Ask one peer; None when it refuses (its process is gone), ``PeerState("unreachable")``
+    when no answer comes back at all (its machine, or the network to it, is down: the process
+    may be alive on the other side of a cut link), ``PeerState("silent")`` when it accepts the
+    connection but does not answer in time (alive, but stopped or stuck).
     """
     host, _, port = address.rpartition(":")
     try:
         conn = socket.create_connection((host, int(port)), timeout=timeout)
-    except OSError:
+    except ConnectionRefusedError:
         return None
+    except OSError:  # a timeout, no route to the host, the network down
+        return PeerState(UNREACHABLE, "")
     with conn:
         conn.settimeout(timeout)
         data = b""
@@ -146,9 +152,12 @@ def first_lost(answers: dict[int, PeerState | None]) -> tuple[list[int], list[in
     its port alone. A peer that ended because it lost others says so while it exits (status
     ``LOST``, the ranks it found gone): the peers that some such witness names are the failure,
     and the witnesses, and the other ended peers no witness names, ended after it. Without any
-    witness every ended peer is named, as nothing tells them apart. Returns (first, after),
-    each in rank order; ([], []) when no peer ended."""
-    ended = {r for r, a in answers.items() if a is None or a.status in ("ok", "error", LOST)}
+    witness every ended peer is named, as nothing tells them apart. A peer that cannot be
+    reached counts as ended here (it is lost to this process) and keeps its status to be told
+    apart. Returns (first, after), each in rank order; ([], []) when no peer ended."""
+    ended = {
+        r for r, a in answers.items() if a is None or a.status in ("ok", "error", LOST, UNREACHABLE)
+    }
     witnesses = {r for r, a in answers.items() if a is not None and a.status == LOST}
     named: set[int] = set()
     for r in witnesses:

@@ -35,6 +35,7 @@ from stratagem.comm.communicator import Communicator, LocalCommunicator, Pending
 from stratagem.comm.liveness import (
     LOST,
     SILENT,
+    UNREACHABLE,
     LivenessServer,
     advertised_host,
     first_lost,
@@ -272,6 +273,8 @@ class ProcessGroupCommunicator(Communicator):
                 "error": " (it exited with an error)",
                 "ok": " (it had finished)",
                 LOST: " (it had lost a peer itself)",
+                UNREACHABLE: " (unreachable: no answer at all, so its machine or the network to "
+                "it is down; it may still be running on the other side)",
             }
             who = ", ".join(
                 f"{self.peer_name(r)}{why[getattr(answers[r], 'status', None)]}" for r in first
@@ -288,9 +291,15 @@ class ProcessGroupCommunicator(Communicator):
             # with an error: that tells them it is not the first failure.
             self._liveness.position = ",".join(str(r) for r in first)
             self._liveness.status = LOST
+            cut = all(getattr(answers[r], "status", None) == UNREACHABLE for r in first)
+            ended = (
+                "Check that machine and the network between them"
+                if cut
+                else "Its own output says why it ended"
+            )
             return PeerLostError(
                 f"{who} was lost during {op} on {self._me}{also}. Underlying error: "
-                f"{underlying_error(error, lost)}. Its own output says why it ended; "
+                f"{underlying_error(error, lost)}. {ended}; "
                 "`stratagem run --max-restarts N` restarts a job from its last checkpoint"
             )
         text = str(error).lower()
