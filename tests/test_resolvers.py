@@ -523,6 +523,10 @@ def test_slurm_falls_back_to_job_variables():
         ),
         ({"SLURM_NTASKS": "five"}, r"SLURM_NTASKS='five' is not an integer"),
         (
+            {"SLURM_STEP_TASKS_PER_NODE": "5"},
+            r"SLURM_STEP_TASKS_PER_NODE='5' gives 1 node but SLURM_STEP_NODELIST",
+        ),
+        (
             {"SLURM_STEP_TASKS_PER_NODE": "2(x3)"},
             r"SLURM_STEP_TASKS_PER_NODE='2\(x3\)' gives 3 nodes but "
             r"SLURM_STEP_NODELIST='node\[01-02\]' lists 2",

@@ -21,6 +21,7 @@ from collections.abc import Mapping, MutableMapping
 from stratagem.cluster.address import check_port, format_address, parse_address
 from stratagem.cluster.resolver import ClusterResolver, env_int, restart_attempt
 from stratagem.cluster.spec import ClusterSpec
+from stratagem.cluster.tasks import plural
 from stratagem.errors import ClusterConfigError
 
 #: Default rendezvous port base (torch.distributed's customary port) plus SLURM_JOB_ID % 1000,
@@ -313,20 +314,20 @@ class SlurmClusterResolver(ClusterResolver):
         checked_jobs = _check_jobs(jobs)
         if sum(checked_jobs.values()) != assigned:
             raise ClusterConfigError(
-                f"Requested {sum(checked_jobs.values())} tasks (jobs={checked_jobs}) but "
+                f"Requested {plural(sum(checked_jobs.values()), 'task')} (jobs={checked_jobs}) but "
                 f"{assigned} were assigned ({dict(zip(hosts, per_node))}); expected the job "
                 f"sizes to add up to the step's tasks"
             )
         if procid >= assigned:
             raise ClusterConfigError(
-                f"SLURM_PROCID={procid} is out of range for {assigned} tasks; "
+                f"SLURM_PROCID={procid} is out of range for {plural(assigned, 'task')}; "
                 f"expected 0..{assigned - 1}"
             )
         base = default_port_base(env) if port_base is None else check_port(port_base, "port_base")
         if base + max(per_node) - 1 > 65535:
             raise ClusterConfigError(
-                f"port base {base} plus {max(per_node)} tasks per node exceeds port 65535; "
-                f"expected a port base <= {65536 - max(per_node)}"
+                f"port base {base} plus {plural(max(per_node), 'task')} per node exceeds port "
+                f"65535; expected a port base <= {65536 - max(per_node)}"
             )
 
         addresses: list[str] = []
@@ -424,12 +425,12 @@ class SlurmClusterResolver(ClusterResolver):
         per_node = expand_tasks_per_node(per_node_text)
         if len(per_node) != len(hosts):
             raise ClusterConfigError(
-                f"{per_node_name}={per_node_text!r} gives {len(per_node)} nodes but "
+                f"{per_node_name}={per_node_text!r} gives {plural(len(per_node), 'node')} but "
                 f"{nodelist[0]}={nodelist[1]!r} lists {len(hosts)}; expected one count per node"
             )
         if count_found is not None and sum(per_node) != count_found[1]:
             raise ClusterConfigError(
-                f"{per_node_name}={per_node_text!r} adds up to {sum(per_node)} tasks but "
+                f"{per_node_name}={per_node_text!r} adds up to {plural(sum(per_node), 'task')} but "
                 f"{count_found[0]}={count_found[1]}; expected them to agree"
             )
         return hosts, per_node, described

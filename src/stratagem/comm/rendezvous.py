@@ -341,7 +341,8 @@ def _progress_line(
 def _check_agreement(me: Member, other: Member) -> None:
     if other.world_size != me.world_size:
         raise RendezvousError(
-            f"world-size mismatch: {me.name} was started for {me.world_size} processes but "
+            f"world-size mismatch: {me.name} was started for {me.world_size} "
+            f"process{'' if me.world_size == 1 else 'es'} but "
             f"{other.name} (pid {other.pid} on {other.host}) for {other.world_size}; "
             "every task must be given the same cluster"
         )
