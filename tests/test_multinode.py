@@ -114,10 +114,6 @@ NODE0 = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"]
             [*NODE0, "--chief", "--ps", "1", "--restart-workers", "1"],
             "--nnodes cannot restart a worker alone yet (got --restart-workers 1)",
         ),
-        (
-            [*NODE0, "--max-restarts", "1"],
-            "--nnodes cannot restart the job yet (got --max-restarts 1)",
-        ),
     ],
 )
 def test_bad_multinode_options_are_one_line_errors(tmp_path, monkeypatch, capsys, options, message):
@@ -284,6 +280,11 @@ def _meet(options: dict[int, dict], workers: dict[int, int] | None = None) -> di
             {"ps": 2, "ps_nodes": (1,)},
             {"ps": 2},
             "node 1 was started without --ps-nodes but node 0 of 2 with --ps-nodes 1",
+        ),
+        (
+            {"max_restarts": 1},
+            {},
+            "node 1 was started with --max-restarts 0 but node 0 of 2 with --max-restarts 1",
         ),
     ],
 )
