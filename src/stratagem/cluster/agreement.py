@@ -158,7 +158,7 @@ class Agreement:
             return
         if signum is not None:
             name = signal.Signals(signum).name
-            report = _Report(128 + signum, f"{self.nodes.name} stopped: received {name}", True)
+            report = _Report(128 + signum, f"launcher stopped: received {name}", True)
         else:
             assert outcome is not None
             report = _Report(outcome.exit_code, outcome.reason, False)
