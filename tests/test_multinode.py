@@ -387,22 +387,35 @@ import json, os, sys, time
 index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 attempt = int(os.environ["STRATAGEM_RESTART_COUNT"])
 print("attempt", attempt, flush=True)
-if sys.argv[1] == "hold":
+if sys.argv[1] == "die" and index == 2 and attempt == 0:
+    os.kill(os.getppid(), 9)  # node 2's launcher dies (its machine, as far as the job sees)
+    sys.exit(0)
+if sys.argv[1] in ("hold", "die"):
     print("ready", flush=True)
-    time.sleep(600)
+    time.sleep(600)  # until its launcher stops it
 if index == 1 and attempt < int(sys.argv[1]):
     sys.exit(3)
 """
 
 
-def _two_nodes(tmp_path, *options: str) -> tuple[Process, Process]:
-    """Node 0 (127.0.0.1) and node 1 (127.0.0.2), one worker each, running agreed.py."""
+def _two_nodes(tmp_path, *options: str, nnodes: int = 2) -> list[Process]:
+    """Node 0 (127.0.0.1), node 1 (127.0.0.2), ..., one worker each, running agreed.py with
+    the last of ``options`` as its argument."""
     (tmp_path / "agreed.py").write_text(AGREED)
     (port,) = free_ports(1)
-    common = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "1"]
+    common = [
+        "--nnodes",
+        str(nnodes),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "-n",
+        "1",
+    ]
     argv = [sys.executable, "-m", "stratagem.cli", "run"]
     nodes = []
-    for rank, host in ((0, "127.0.0.1"), (1, "127.0.0.2")):
+    for rank, host in ((r, f"127.0.0.{r + 1}") for r in range(nnodes)):
         mine = ["--node-rank", str(rank), "--host", host, *common, *options[:-1], "agreed.py"]
         nodes.append(
             Process(
@@ -413,7 +426,7 @@ def _two_nodes(tmp_path, *options: str) -> tuple[Process, Process]:
                 merge_output=True,
             )
         )
-    return nodes[0], nodes[1]
+    return nodes
 
 
 @pytest.mark.multiprocess
@@ -469,3 +482,27 @@ def test_a_node_stopped_by_a_signal_ends_the_job_on_every_node_without_a_restart
     last = results[0].stdout.strip().splitlines()[-1]
     assert last == "[stratagem] job failed: node 1: launcher stopped: received SIGTERM", last
     assert "restarting" not in results[0].stdout + results[1].stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not _second_loopback_usable(), reason="127.0.0.2 is not usable here")
+def test_a_node_that_never_comes_back_ends_the_job_on_every_other_node_with_124(tmp_path):
+    """Node 2's launcher dies mid-attempt (its worker kills it): node 0 restarts the job, node 1
+    comes to the meeting for attempt 2, node 2 never does; past --join-timeout both end with
+    exit code 124, node 1 told by node 0 (or by its own deadline, whichever is first)."""
+    nodes = _two_nodes(
+        tmp_path, "--max-restarts", "1", "--grace-period", "0.5", "--join-timeout", "2", "die",
+        nnodes=3,
+    )  # fmt: skip
+    try:
+        results = [p.wait(60) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill_group()
+    out0, out1 = results[0].stdout, results[1].stdout
+    assert results[2].returncode == -signal.SIGKILL, results[2].stdout
+    assert results[0].returncode == 124, out0
+    assert "node 2's launcher was lost (" in out0, out0
+    assert "for the other nodes for attempt 2; missing: node 2." in out0, out0
+    assert results[1].returncode == 124, out1
+    assert "(--join-timeout)" in out1.strip().splitlines()[-1], out1

@@ -84,8 +84,10 @@ class _Reader:
         except LaunchError as e:
             self.lost = str(e)
 
-    def close(self) -> None:
-        self._closing = True
+    def stop(self) -> None:
+        self._closing = True  # seen within the read's poll (half a second)
+
+    def join(self) -> None:
         self._thread.join()
 
 
@@ -253,7 +255,9 @@ class Agreement:
 
     def close(self) -> None:
         for reader in self._readers.values():
-            reader.close()
+            reader.stop()
+        for reader in self._readers.values():
+            reader.join()
         self.met.close()
 
     # --- the messages, checked field by field ---
