@@ -107,7 +107,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="R",
-        help="restart the whole job up to R times after a failure (default 0)",
+        help="restart the whole job up to R times after a failure (default 0; with --nnodes,"
+        " agreed by every node, each given the same R: a failed task or node restarts all)",
     )
     parser.add_argument(
         "--restart-workers",

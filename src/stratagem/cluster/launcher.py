@@ -192,7 +192,9 @@ def launch(
     ``quiet``: the tasks do not report their start (``STRATAGEM_LOG_LEVEL=warning`` in each).
     ``nodes``: this launcher runs node ``nodes.node_rank``'s tasks of a job over
     ``nodes.nnodes`` machines: its ``workers``, and the ``ps``, ``chief`` and ``evaluator``
-    tasks of the whole job that ``Placement`` puts on it (``stratagem.cluster.nodes``).
+    tasks of the whole job that ``Placement`` puts on it (``stratagem.cluster.nodes``); with
+    ``max_restarts``, every attempt's end is agreed with the other nodes' launchers
+    (``stratagem.cluster.agreement``): a failure on any node restarts the job on all of them.
     """
     base_env = None
     if quiet:
