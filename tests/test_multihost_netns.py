@@ -383,3 +383,124 @@ def test_a_cut_link_is_named_on_both_sides_within_the_operation_timeout(hosts):
         assert f"Timed out waiting {OP_TIMEOUT_S * 1000}ms" in block, block
         assert "unreachable: no answer at all" in block, block
         assert "Its own output says why it ended" not in block, block
+
+
+# --- restarts agreed by every node (--max-restarts with --nnodes) -----------------------------
+
+RESTARTS = ["-n", "1", "--max-restarts", "1", "--grace-period", "1"]
+
+
+def _same_weights(out: str, worker: str) -> None:
+    """``worker`` resumed from the checkpoint of step 2 and ended with the weights of the same
+    six steps run without interruption."""
+    assert f"[{worker}] restored step 2\n" in out, out
+    (weights,) = re.findall(rf"\[{worker}\] WEIGHTS (\w+)", out)
+    (reference,) = re.findall(rf"\[{worker}\] REFERENCE (\w+)", out)
+    assert weights == reference, out
+
+
+def _holding(h: Hosts, *, join_timeout: str = "60") -> list[Process]:
+    """Both nodes' launchers on the ``resume`` job, once node 1's worker holds at step 3 (its
+    launcher's node to be killed)."""
+    nodes = [
+        h.launch(r, *RESTARTS, "--join-timeout", join_timeout, mode="resume", env={"FAULT": "hold"})
+        for r in (0, 1)
+    ]
+    deadline = time.monotonic() + 90
+    while "[worker 1] holding at step 3" not in nodes[1].output_so_far():
+        for p in nodes:
+            assert p.proc.poll() is None, p.output_so_far()
+        assert time.monotonic() < deadline, "worker 1 did not reach step 3 in 90 s"
+        time.sleep(0.05)
+    return nodes
+
+
+def test_a_task_that_fails_on_one_node_restarts_the_job_on_both(hosts):
+    """Worker 1 (node 1) exits 3 after step 3: node 1's launcher tells node 0's, which decides
+    a restart for the whole job; both nodes meet again for attempt 2, resume from the checkpoint
+    of step 2 and end with the weights of an uninterrupted run."""
+    h = hosts(2)
+    results = h.run({0: RESTARTS, 1: RESTARTS}, "resume", env={"FAULT": "exit"})
+    out = _ok(results)
+    out0, out1 = results[0].stdout, results[1].stdout
+    assert "[stratagem] worker 1 failed: exit code 3" in out1, out1
+    # Node 0's decision names the first failure it saw, on the node where it happened: worker
+    # 1's own, or worker 0's (its all-reduce lost worker 1), whichever ended first.
+    restart = re.compile(
+        r"restarting the job on every node \(restart 1 of 1\): "
+        r"(node 1: worker 1 failed: exit code 3|node 0: worker 0 failed: exit code 1)\n"
+    )
+    for o in (out0, out1):
+        assert restart.search(o), o
+        assert "all 2 nodes arrived for attempt 2: " in o, o
+        assert "job finished: " in o and "every node's tasks ended well (2 nodes)" in o, o
+    _same_weights(out, "worker 0")
+    _same_weights(out, "worker 1")
+
+
+def test_a_node_that_dies_and_comes_back_rejoins_the_restarted_job(hosts):
+    """Node 1's machine dies mid-training (every process in it killed) and its launcher is
+    started again: node 0 sees the link close, stops its tasks, and waits at the meeting, where
+    node 1 rejoins; the job finishes from the checkpoint with the uninterrupted run's weights."""
+    h = hosts(2)
+    node0, _ = _holding(h)
+    h.kill(1)
+    again = h.launch(1, *RESTARTS, mode="resume", env={"FAULT": "hold"})
+    results = [node0.wait(90), again.wait(90)]
+    _ok(results)
+    out0, out1 = results[0].stdout, results[1].stdout
+    # Node 0 restarts on what it saw first: node 1's link closing, or its worker's all-reduce
+    # losing worker 1.
+    assert re.search(
+        r"restarting the job on every node \(restart 1 of 1\): (node 1's launcher was lost "
+        r"\(|node 0: worker 0 failed: exit code 1\n)",
+        out0,
+    ), out0
+    assert "all 2 nodes arrived for attempt 2: " in out0 and "for attempt 2: " in out1, out1
+    _same_weights(out0, "worker 0")
+    _same_weights(out1, "worker 1")
+
+
+def test_a_node_that_never_comes_back_ends_the_job_within_the_join_timeout(hosts):
+    """Node 1's machine dies and stays down: node 0 restarts the job, waits --join-timeout for
+    node 1 at the meeting, and ends with JoinTimeoutError (exit code 124) naming it."""
+    h = hosts(2)
+    node0, _ = _holding(h, join_timeout="3")
+    h.kill(1)
+    result = node0.wait(60)
+    assert result.returncode == 124, result.stdout
+    assert (
+        "node 0 waited 3 s (--join-timeout) at 10.77.0.1:29500 for the other nodes for "
+        "attempt 2; missing: node 1." in result.stdout
+    ), result.stdout
+
+
+def test_node_0_lost_ends_the_job_on_the_other_nodes(hosts):
+    """Node 0's machine dies: node 1's launcher sees its control link close, stops its tasks
+    and ends with NodeLostError (exit code 1): no node is left to hold the next meeting."""
+    h = hosts(2)
+    _, node1 = _holding(h)
+    h.kill(0)
+    result = node1.wait(60)
+    assert result.returncode == 1, result.stdout
+    assert "the attempt ends on another node: node 0's launcher was lost (" in result.stdout
+    assert re.search(
+        r"stratagem run: node 0's launcher at 10\.77\.0\.1:29500 was lost \(.*\) while node 1 of "
+        r"2 waited for its word on attempt 1; a job whose node 0 is gone cannot restart",
+        result.stdout,
+    ), result.stdout
+
+
+def test_a_cut_link_ends_the_job_on_both_sides_named(hosts):
+    """Node 1's link goes down while its worker holds (no FIN, no RST): the control links'
+    keepalive sees it on both sides. Node 0 restarts the job and waits for node 1 at the
+    meeting until --join-timeout (124); node 1, without node 0, ends with NodeLostError (1)."""
+    h = hosts(2)
+    node0, node1 = _holding(h, join_timeout="3")
+    h.cut(1)
+    results = [node0.wait(60), node1.wait(60)]
+    out0, out1 = results[0].stdout, results[1].stdout
+    assert results[0].returncode == 124, out0
+    assert "missing: node 1." in out0, out0
+    assert results[1].returncode == 1, out1
+    assert "stratagem run: node 0's launcher at 10.77.0.1:29500 was lost (" in out1, out1

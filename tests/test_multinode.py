@@ -114,10 +114,6 @@ NODE0 = ["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1"]
             [*NODE0, "--chief", "--ps", "1", "--restart-workers", "1"],
             "--nnodes cannot restart a worker alone yet (got --restart-workers 1)",
         ),
-        (
-            [*NODE0, "--max-restarts", "1"],
-            "--nnodes cannot restart the job yet (got --max-restarts 1)",
-        ),
     ],
 )
 def test_bad_multinode_options_are_one_line_errors(tmp_path, monkeypatch, capsys, options, message):
@@ -285,6 +281,11 @@ def _meet(options: dict[int, dict], workers: dict[int, int] | None = None) -> di
             {"ps": 2},
             "node 1 was started without --ps-nodes but node 0 of 2 with --ps-nodes 1",
         ),
+        (
+            {"max_restarts": 1},
+            {},
+            "node 1 was started with --max-restarts 0 but node 0 of 2 with --max-restarts 1",
+        ),
     ],
 )
 def test_nodes_started_with_different_role_options_are_refused_naming_option_and_nodes(
@@ -379,3 +380,129 @@ def test_with_the_chief_on_another_node_worker_0_is_a_worker_that_may_be_lost():
     assert outcome is not None, err.getvalue()
     assert (outcome.exit_code, outcome.reason) == (0, "no task left (1 worker lost)")
     assert "worker 0 was lost: exit code 3; the job goes on without it" in err.getvalue()
+
+
+AGREED = """\
+import json, os, sys, time
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+attempt = int(os.environ["STRATAGEM_RESTART_COUNT"])
+print("attempt", attempt, flush=True)
+if sys.argv[1] == "die" and index == 2 and attempt == 0:
+    os.kill(os.getppid(), 9)  # node 2's launcher dies (its machine, as far as the job sees)
+    sys.exit(0)
+if sys.argv[1] in ("hold", "die"):
+    print("ready", flush=True)
+    time.sleep(600)  # until its launcher stops it
+if index == 1 and attempt < int(sys.argv[1]):
+    sys.exit(3)
+"""
+
+
+def _two_nodes(tmp_path, *options: str, nnodes: int = 2) -> list[Process]:
+    """Node 0 (127.0.0.1), node 1 (127.0.0.2), ..., one worker each, running agreed.py with
+    the last of ``options`` as its argument."""
+    (tmp_path / "agreed.py").write_text(AGREED)
+    (port,) = free_ports(1)
+    common = [
+        "--nnodes",
+        str(nnodes),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "-n",
+        "1",
+    ]
+    argv = [sys.executable, "-m", "stratagem.cli", "run"]
+    nodes = []
+    for rank, host in ((r, f"127.0.0.{r + 1}") for r in range(nnodes)):
+        mine = ["--node-rank", str(rank), "--host", host, *common, *options[:-1], "agreed.py"]
+        nodes.append(
+            Process(
+                [*argv, *mine, options[-1]],
+                child_env(SECRET),
+                tmp_path,
+                f"node{rank}",
+                merge_output=True,
+            )
+        )
+    return nodes
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not _second_loopback_usable(), reason="127.0.0.2 is not usable here")
+@pytest.mark.parametrize("failures, code", [(1, 0), (2, 3)])
+def test_a_task_failing_on_one_node_restarts_the_job_on_every_node(tmp_path, failures, code):
+    """--max-restarts 1: worker 1 (node 1) fails in the first attempt (or in both); worker 0
+    (node 0) ended well, yet its node runs attempt 2 too, as node 0 decided for the job; once
+    restarts ran out, every node ends with the failed task's code."""
+    node0, node1 = _two_nodes(tmp_path, "--max-restarts", "1", str(failures))
+    try:
+        results = [node0.wait(60), node1.wait(60)]
+    finally:
+        for p in (node0, node1):
+            p.kill_group()
+    restart = (
+        "restarting the job on every node (restart 1 of 1): node 1: worker 1 failed: exit code 3"
+    )
+    for rank, r in enumerate(results):
+        assert r.returncode == code, f"node {rank} exited {r.returncode}:\n{r.stdout}"
+        assert restart in r.stdout and "all 2 nodes arrived for attempt 2: " in r.stdout, r.stdout
+        last = r.stdout.strip().splitlines()[-1]
+        if code == 0:
+            assert last.startswith("[stratagem] job finished: 1 worker exited 0; every node's"), (
+                last
+            )
+        else:
+            expected = "job failed: node 1: worker 1 failed: exit code 3 (after 1 restart)"
+            assert last == f"[stratagem] {expected}", last
+    assert (
+        "[worker 0] attempt 0\n" in results[0].stdout
+        and "[worker 0] attempt 1\n" in results[0].stdout
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not _second_loopback_usable(), reason="127.0.0.2 is not usable here")
+def test_a_node_stopped_by_a_signal_ends_the_job_on_every_node_without_a_restart(tmp_path):
+    node0, node1 = _two_nodes(tmp_path, "--max-restarts", "1", "--grace-period", "0.5", "hold")
+    try:
+        deadline = time.monotonic() + 60
+        while not all("] ready" in p.output_so_far() for p in (node0, node1)):
+            assert node0.proc.poll() is None and node1.proc.poll() is None, node0.output_so_far()
+            assert time.monotonic() < deadline, "the workers did not start in 60 s"
+            time.sleep(0.05)
+        node1.proc.send_signal(signal.SIGTERM)
+        results = [node0.wait(60), node1.wait(60)]
+    finally:
+        for p in (node0, node1):
+            p.kill_group()
+    assert results[1].returncode == 143, results[1].stdout
+    assert results[0].returncode == 143, results[0].stdout
+    last = results[0].stdout.strip().splitlines()[-1]
+    assert last == "[stratagem] job failed: node 1: launcher stopped: received SIGTERM", last
+    assert "restarting" not in results[0].stdout + results[1].stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not _second_loopback_usable(), reason="127.0.0.2 is not usable here")
+def test_a_node_that_never_comes_back_ends_the_job_on_every_other_node_with_124(tmp_path):
+    """Node 2's launcher dies mid-attempt (its worker kills it): node 0 restarts the job, node 1
+    comes to the meeting for attempt 2, node 2 never does; past --join-timeout both end with
+    exit code 124, node 1 told by node 0 (or by its own deadline, whichever is first)."""
+    nodes = _two_nodes(
+        tmp_path, "--max-restarts", "1", "--grace-period", "0.5", "--join-timeout", "2", "die",
+        nnodes=3,
+    )  # fmt: skip
+    try:
+        results = [p.wait(60) for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill_group()
+    out0, out1 = results[0].stdout, results[1].stdout
+    assert results[2].returncode == -signal.SIGKILL, results[2].stdout
+    assert results[0].returncode == 124, out0
+    assert "node 2's launcher was lost (" in out0, out0
+    assert "for the other nodes for attempt 2; missing: node 2." in out0, out0
+    assert results[1].returncode == 124, out1
+    assert "(--join-timeout)" in out1.strip().splitlines()[-1], out1

@@ -72,7 +72,8 @@ exit codes:
   0      the chief and every worker exited 0
   N      the failed task's own exit code, once restarts ran out (128 + S when a signal S killed
          it), so a script's code passes through
-  1      the script could not be started
+  1      the script could not be started; with --nnodes and --max-restarts, also node 0's
+         launcher was lost mid-job (NodeLostError: the job cannot restart without it)
   2      a usage error: bad options or values, nothing was started
   {launcher.JOIN_TIMEOUT_EXIT_CODE}    --nnodes: the nodes did not all meet within --join-timeout
          (start them closer together in time, or raise it)
@@ -106,7 +107,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="R",
-        help="restart the whole job up to R times after a failure (default 0)",
+        help="restart the whole job up to R times after a failure (default 0; with --nnodes,"
+        " agreed by every node, each given the same R: a failed task or node restarts all)",
     )
     parser.add_argument(
         "--restart-workers",
@@ -249,6 +251,9 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     except launcher.JoinTimeoutError as exc:  # not a usage error: the same command may work later
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return launcher.JOIN_TIMEOUT_EXIT_CODE
+    except launcher.NodeLostError as exc:  # the job ran and failed, as a task's failure would
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 1
     except launcher.LaunchError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2

@@ -12,10 +12,18 @@ argv: MODE, with the shared folder (the namespaces share the file system) as the
   both ran, so both take work), then training steps on variables that live on the ps tasks,
   and prints what it saw as ``RESULT {json}``; then ``Model.fit``, writing ``ckpt/ckpt-1``.
   The evaluator runs ``SidecarEvaluator`` on that checkpoint and prints what it evaluated.
+- ``resume``: MultiWorkerMirroredStrategy training a weight vector for 6 steps (all-reduced
+  gradients), checkpointed by a ``CheckpointManager`` in ``ckpt`` after steps 2 and 4, resumed
+  from it after a restart (``restored step N``). In the first attempt, the worker on node 1
+  (the last) ends after step 3 (``FAULT=exit``: exit code 3), or holds there until its node is
+  killed (``FAULT=hold``: prints ``holding at step 3``). At the end each worker prints
+  ``WEIGHTS <sha256>`` and ``REFERENCE <sha256>``: the weights, and those of the same 6 steps
+  computed alone, without the job.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -51,7 +59,9 @@ def mwms(loop: bool) -> None:
     mine = torch.tensor([float(resolver.task_id + 1)])
     step = 0
     while True:
-        total = strategy.reduce(sg.distribute.ReduceOp.SUM, strategy.run(lambda: mine), axis=None)
+        total = strategy.reduce(
+            sg.distribute.ReduceOp.SUM, strategy.run(lambda g=mine: g), axis=None
+        )
         if not loop:
             cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
             print("cluster", json.dumps(cluster), "sum", total.item(), flush=True)
@@ -59,6 +69,50 @@ def mwms(loop: bool) -> None:
         step += 1
         print(f"step {step} sum {total.item()}", flush=True)
         time.sleep(0.05)  # a few lines a second, not thousands
+
+
+def resume() -> None:
+    strategy = sg.distribute.MultiWorkerMirroredStrategy()
+    workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+    me = resolver.task_id
+
+    def gradient(w: torch.Tensor, step: int, worker: int) -> torch.Tensor:
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1000 * step + worker))
+        return x.T @ (x @ w - x.sum(dim=1) * 0.5) / 4
+
+    def update(w: torch.Tensor, total: torch.Tensor) -> None:
+        w -= 0.1 * total / workers
+
+    w = torch.zeros(4)
+    step = torch.tensor(0)
+    checkpoint = sg.train.Checkpoint(w=w, step=step)
+    manager = sg.train.CheckpointManager(checkpoint, "ckpt", max_to_keep=1)
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint)
+        print(f"restored step {int(step)}", flush=True)
+    first_attempt = os.environ["STRATAGEM_RESTART_COUNT"] == "0"
+    while int(step) < 6:
+        s = int(step) + 1
+        mine = gradient(w, s, me)
+        total = strategy.reduce(
+            sg.distribute.ReduceOp.SUM, strategy.run(lambda g=mine: g), axis=None
+        )
+        update(w, total)
+        step += 1
+        print(f"step {s}", flush=True)
+        if s in (2, 4):
+            manager.save()
+        if s == 3 and first_attempt and me == workers - 1:
+            if os.environ["FAULT"] == "exit":
+                sys.exit(3)
+            print("holding at step 3", flush=True)
+            while True:  # until the test kills this node
+                time.sleep(1)
+    reference = torch.zeros(4)
+    for s in range(1, 7):
+        update(reference, sum(gradient(reference, s, i) for i in range(workers)))
+    for name, t in (("WEIGHTS", w), ("REFERENCE", reference)):
+        print(name, hashlib.sha256(t.numpy().tobytes()).hexdigest(), flush=True)
 
 
 def serve() -> None:
@@ -129,7 +183,9 @@ def coordinate() -> None:
     print(f"fit done: loss {history.history['loss'][-1]:.4f}", flush=True)
 
 
-if MODE in ("mwms", "loop"):
+if MODE == "resume":
+    resume()
+elif MODE in ("mwms", "loop"):
     mwms(loop=MODE == "loop")
 elif resolver.task_type == "evaluator":
     evaluate()

@@ -26,7 +26,7 @@ import sys
 import termios
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -311,8 +311,12 @@ class Job:
         kill_timeout: float = KILL_TIMEOUT_S,
         tolerate_worker_loss: bool = False,
         restart_workers: int = 0,
+        remote: Callable[[], Outcome | None] | None = None,
     ) -> None:
         self.tasks = list(tasks)
+        # What decides the attempt from outside this node (another node's failure, node 0's
+        # word): polled as the tasks' exits are, and decides as a failure here would.
+        self.remote = remote
         # Asynchronous parameter-server training goes on without a lost worker (not the chief).
         self.tolerate_worker_loss = tolerate_worker_loss
         # A coordinator's worker that fails is restarted alone, up to this many times each.
@@ -419,6 +423,10 @@ class Job:
             self._collect_exits(restart=outcome is None)
             if outcome is None:
                 outcome = self._decide()
+                if outcome is None and self.remote is not None:
+                    outcome = self.remote()
+                    if outcome is not None:
+                        self.console.log(f"the attempt ends on another node: {outcome.reason}")
                 if outcome is not None:
                     deadline = time.monotonic() + self.grace_period
                     waiting = [r for r in self._running if r.status is None]

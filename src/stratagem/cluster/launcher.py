@@ -24,6 +24,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
+from stratagem.cluster.agreement import Agreement, NodeLostError
 from stratagem.cluster.attempt import (
     KILL_TIMEOUT_S,
     Console,
@@ -41,7 +42,7 @@ from stratagem.cluster.nodes import (
     Nodes,
     Placement,
     address_towards,
-    make_node_tasks,
+    meet_nodes,
 )
 from stratagem.cluster.progress import LEVEL_VARIABLE
 from stratagem.cluster.tasks import (
@@ -72,6 +73,7 @@ __all__ = [  # the launcher's parts, used by jobs, tuning and tests through this
     "Job",
     "JoinTimeoutError",
     "LaunchError",
+    "NodeLostError",
     "Nodes",
     "Outcome",
     "Placement",
@@ -190,7 +192,9 @@ def launch(
     ``quiet``: the tasks do not report their start (``STRATAGEM_LOG_LEVEL=warning`` in each).
     ``nodes``: this launcher runs node ``nodes.node_rank``'s tasks of a job over
     ``nodes.nnodes`` machines: its ``workers``, and the ``ps``, ``chief`` and ``evaluator``
-    tasks of the whole job that ``Placement`` puts on it (``stratagem.cluster.nodes``).
+    tasks of the whole job that ``Placement`` puts on it (``stratagem.cluster.nodes``); with
+    ``max_restarts``, every attempt's end is agreed with the other nodes' launchers
+    (``stratagem.cluster.agreement``): a failure on any node restarts the job on all of them.
     """
     base_env = None
     if quiet:
@@ -259,7 +263,6 @@ def run_job(
             ps=ps,
             evaluator=evaluator,
             chief=chief,
-            max_restarts=max_restarts,
             restart_workers=restart_workers,
         )
         # This node's own tasks share its CPUs.
@@ -289,12 +292,13 @@ def run_job(
     with (interrupts or Interrupts()).installed() as interrupts:
         attempt = 0
         while True:
+            agreement: Agreement | None = None
             if nodes is None:
                 tasks = make_tasks(
                     counts, host=host, restart=attempt, base_env=base_env, omp_threads=omp_threads
                 )
             else:
-                met = make_node_tasks(
+                met = meet_nodes(
                     nodes,
                     workers,
                     host=host,
@@ -306,38 +310,67 @@ def run_job(
                     ps=ps,
                     chief=chief,
                     evaluator=evaluator,
+                    max_restarts=max_restarts,
                 )
                 if met is None:  # a signal while waiting for the other nodes
                     assert interrupts.signum is not None
                     name = signal.Signals(interrupts.signum).name
                     console.log(f"job stopped: received {name} while the nodes met")
                     return Outcome(128 + interrupts.signum, f"stopped: received {name}")
-                tasks = met
-            with Job(
-                tasks,
-                target,
-                grace_period=grace_period,
-                python=python,
-                console=console,
-                interrupts=interrupts,
-                tolerate_worker_loss=tolerate_worker_loss,
-                restart_workers=restart_workers,
-            ) as job:
-                try:
-                    job.start()
-                except OSError as exc:
-                    console.log(f"could not start {command}: {exc}")
-                    return Outcome(1, f"could not start {command}: {exc}")
-                attempts = f" (attempt {attempt + 1} of {max_restarts + 1})" if max_restarts else ""
-                where = f" ({nodes.name})" if nodes is not None else ""
-                console.log(f"started {count_tasks(tasks)}{where}: {command}{attempts}{omp_note}")
-                omp_note = ""
-                outcome = job.wait()
-            if interrupts.signum is not None:  # the user's stop wins over any outcome
-                name = signal.Signals(interrupts.signum).name
-                console.log(f"job stopped: received {name}")
-                return Outcome(128 + interrupts.signum, f"stopped: received {name}")
-            assert outcome is not None
+                tasks = met.tasks
+                if max_restarts:  # the attempt's end is agreed with the other nodes
+                    attempt = met.attempt  # node 0's: a node started again learns it here
+                    agreement = Agreement(met, nodes, max_restarts, console.log)
+            try:
+                with Job(
+                    tasks,
+                    target,
+                    grace_period=grace_period,
+                    python=python,
+                    console=console,
+                    interrupts=interrupts,
+                    tolerate_worker_loss=tolerate_worker_loss,
+                    restart_workers=restart_workers,
+                    remote=None if agreement is None else agreement.remote_failure,
+                ) as job:
+                    try:
+                        job.start()
+                    except OSError as exc:
+                        console.log(f"could not start {command}: {exc}")
+                        return Outcome(1, f"could not start {command}: {exc}")
+                    attempts = (
+                        f" (attempt {attempt + 1} of {max_restarts + 1})" if max_restarts else ""
+                    )
+                    where = f" ({nodes.name})" if nodes is not None else ""
+                    console.log(
+                        f"started {count_tasks(tasks)}{where}: {command}{attempts}{omp_note}"
+                    )
+                    omp_note = ""
+                    outcome = job.wait()
+                    if agreement is not None:  # before stopping what is left: others wait
+                        agreement.report(outcome, interrupts.signum)
+                if interrupts.signum is not None:  # the user's stop wins over any outcome
+                    name = signal.Signals(interrupts.signum).name
+                    console.log(f"job stopped: received {name}")
+                    return Outcome(128 + interrupts.signum, f"stopped: received {name}")
+                assert outcome is not None
+                if agreement is not None:
+                    decision = agreement.settle(outcome, lambda: interrupts.signum)
+                    if decision.kind == "done":
+                        console.log(f"job finished: {outcome.reason}; {decision.reason}")
+                        return Outcome(0, f"{outcome.reason}; {decision.reason}")
+                    if decision.kind == "failed":
+                        console.log(f"job failed: {decision.reason}")
+                        return Outcome(decision.exit_code, decision.reason)
+                    attempt = decision.next_attempt
+                    console.log(
+                        f"restarting the job on every node (restart {attempt} of "
+                        f"{max_restarts}): {decision.reason}"
+                    )
+                    continue
+            finally:
+                if agreement is not None:
+                    agreement.close()
             if outcome.exit_code == 0:
                 console.log(f"job finished: {outcome.reason}")
                 return outcome
@@ -355,11 +388,12 @@ def _check_nodes(
     ps: int,
     evaluator: bool,
     chief: bool,
-    max_restarts: int,
     restart_workers: int,
 ) -> None:
-    """A job over several machines runs once, and its workers are not restarted alone: both
-    would have to be agreed by every node, which is not built yet; say so before starting."""
+    """A job over several machines is restarted whole (``--max-restarts``, agreed by every
+    node: ``stratagem.cluster.agreement``), but its workers are not restarted alone: a node's
+    launcher would have to rejoin the others mid-attempt, which is not built yet; say so before
+    starting."""
     nodes.check()
     moved = [
         (flag, needs)
@@ -373,11 +407,6 @@ def _check_nodes(
     if moved:
         flag, needs = moved[0]
         raise LaunchError(f"{flag} places a task the job does not have: it needs {needs}")
-    if max_restarts:
-        raise LaunchError(
-            f"--nnodes cannot restart the job yet (got --max-restarts {max_restarts}): "
-            "restarts would have to be agreed by every node"
-        )
     if restart_workers:
         raise LaunchError(
             f"--nnodes cannot restart a worker alone yet (got --restart-workers "

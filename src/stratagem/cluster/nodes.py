@@ -208,10 +208,69 @@ def make_node_tasks(
     ps: int = 0,
     chief: bool = False,
     evaluator: bool = False,
+    max_restarts: int = 0,
 ) -> list[Task] | None:
     """This node's tasks (its ``workers``, and the ps, chief and evaluator tasks ``Placement``
     puts on it), with the TF_CONFIG of the whole job; None when ``stopped()`` turned true while
-    the nodes met (the launcher got a signal)."""
+    the nodes met (the launcher got a signal). The meeting's links are closed (``meet_nodes``
+    keeps them)."""
+    met = meet_nodes(
+        nodes,
+        workers,
+        host=host,
+        restart=restart,
+        base_env=base_env,
+        omp_threads=omp_threads,
+        log=log,
+        stopped=stopped,
+        ps=ps,
+        chief=chief,
+        evaluator=evaluator,
+        max_restarts=max_restarts,
+    )
+    if met is None:
+        return None
+    met.close()
+    return met.tasks
+
+
+@dataclass
+class NodeAttempt:
+    """What one meeting of the nodes gave this node: the attempt's number (node 0's: a node
+    whose launcher was started again learns it here), its tasks, and, for a job that may be
+    restarted, the links the launchers keep open to agree on the attempt's end (node 0: one per
+    other node; another node: its link to node 0)."""
+
+    attempt: int
+    tasks: list[Task]
+    links: dict[int, socket.socket]
+    signer: MeetingSigner
+
+    def close(self) -> None:
+        for conn in self.links.values():
+            conn.close()
+        self.links.clear()
+
+
+def meet_nodes(
+    nodes: Nodes,
+    workers: int,
+    *,
+    host: str,
+    restart: int,
+    base_env: Mapping[str, str],
+    omp_threads: int | None,
+    log: Callable[[str], None],
+    stopped: Callable[[], bool] = lambda: False,
+    ps: int = 0,
+    chief: bool = False,
+    evaluator: bool = False,
+    max_restarts: int = 0,
+) -> NodeAttempt | None:
+    """``make_node_tasks``, for attempt ``restart`` of a job restarted up to ``max_restarts``
+    times (every node must be given the same): with restarts, the meeting's connections stay
+    open as the attempt's control links (``stratagem.cluster.agreement``), and node 0's attempt
+    number is everyone's."""
     # Every node's tasks must hold one secret, which only the user can give them all (each
     # launcher alone would make its own); it also signs the launchers' meeting.
     secret = given_secret(base_env)
@@ -238,16 +297,44 @@ def make_node_tasks(
         "nnodes": nodes.nnodes,
         "host": host,
         "ports": ports,
-        "roles": placement.options(),
+        "roles": _options(placement, max_restarts),
     }
-    meeting = _Meeting(secret)
+    meeting = MeetingSigner(secret)
+    links: dict[int, socket.socket] = {}
     try:
         if nodes.node_rank == 0:
-            everyone = _host_meeting(nodes, mine, log, stopped, meeting, placement)
+            attempt = restart
+            everyone = _host_meeting(
+                nodes, mine, log, stopped, meeting, placement, restart, max_restarts, links
+            )
         else:
-            everyone = _join_meeting(nodes, mine, log, stopped, meeting, placement)
-    except _Stopped:
+            everyone, attempt = _join_meeting(
+                nodes, mine, log, stopped, meeting, placement, max_restarts, links
+            )
+    except StoppedWaiting:
         return None
+    try:
+        tasks = _node_tasks(nodes, placement, everyone, base_env, attempt, omp_threads)
+    except BaseException:
+        for conn in links.values():
+            conn.close()
+        raise
+    return NodeAttempt(attempt, tasks, links, meeting)
+
+
+def _options(placement: Placement, max_restarts: int) -> dict[str, Any]:
+    """The options every node must be given alike, as sent at the meeting."""
+    return {**placement.options(), "--max-restarts": max_restarts}
+
+
+def _node_tasks(
+    nodes: Nodes,
+    placement: Placement,
+    everyone: list[dict],
+    base_env: Mapping[str, str],
+    restart: int,
+    omp_threads: int | None,
+) -> list[Task]:
     cluster = placement.cluster(everyone)
     if not cluster["worker"] and not cluster["chief"]:
         raise LaunchError(
@@ -266,11 +353,11 @@ def make_node_tasks(
 # --- the meeting -------------------------------------------------------------------------------
 
 
-class _Stopped(Exception):
+class StoppedWaiting(Exception):
     """The launcher was told to stop while the nodes met."""
 
 
-class _Meeting:
+class MeetingSigner:
     """The launchers' messages, signed with the job's secret (HMAC-SHA256 over the JSON) when
     there is one: a launcher without it cannot join the job or change what the others hear."""
 
@@ -306,10 +393,15 @@ def _host_meeting(
     mine: dict,
     log: Callable[[str], None],
     stopped: Callable[[], bool],
-    meeting: _Meeting,
+    meeting: MeetingSigner,
     placement: Placement,
+    attempt: int,
+    max_restarts: int,
+    links: dict[int, socket.socket],
 ) -> list[dict]:
-    """Node 0: listen, collect every node's entry, answer each with all of them (or an error)."""
+    """Node 0: listen, collect every node's entry, answer each with all of them and the
+    attempt's number (or an error). With restarts, each node's connection is kept in ``links``
+    (by node rank) once answered; without, it is closed."""
     address = listen_address(nodes.master_addr)
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -335,15 +427,19 @@ def _host_meeting(
         server.settimeout(0.2)
         while len(entries) < nodes.nnodes:
             if stopped():
-                raise _Stopped
+                raise StoppedWaiting
             now = time.monotonic()
             if now >= deadline:
-                raise JoinTimeoutError(
+                error = (
                     f"node 0 waited {nodes.timeout_s:g} s (--join-timeout) at {nodes.master_addr}:"
-                    f"{nodes.master_port} for the other nodes; missing: "
+                    f"{nodes.master_port} for the other nodes{_which(attempt)}; missing: "
                     f"{_missing(entries, nodes.nnodes)}. Run the same command with each "
                     "--node-rank on every machine"
                 )
+                # The nodes that came hear it now, not at their own (later) deadline.
+                for conn in peers.values():
+                    meeting.send(conn, {"error": error, "join_timeout": True})
+                raise JoinTimeoutError(error)
             if now >= next_report:
                 log(_progress(entries, nodes.nnodes, now - deadline + nodes.timeout_s))
                 next_report = now + _REPORT_EVERY_S
@@ -352,7 +448,7 @@ def _host_meeting(
             except TimeoutError:
                 continue
             try:
-                entry = _read_entry(conn, nodes, deadline, meeting, placement)
+                entry = _read_entry(conn, nodes, deadline, meeting, placement, max_restarts)
             except LaunchError as e:
                 meeting.send(conn, {"error": str(e)})
                 conn.close()
@@ -370,8 +466,11 @@ def _host_meeting(
             peers[rank] = conn
         everyone = [entries[r] for r in range(nodes.nnodes)]
         for conn in peers.values():
-            meeting.send(conn, {"nodes": everyone})
-        log(f"{_all_nodes(nodes.nnodes)} arrived: {_names(entries)}")
+            meeting.send(conn, {"nodes": everyone, "attempt": attempt})
+        log(f"{_all_nodes(nodes.nnodes)} arrived{_which(attempt)}: {_names(entries)}")
+        if max_restarts:
+            links.update(peers)
+            peers = {}
         return everyone
     finally:
         for conn in peers.values():
@@ -384,10 +483,13 @@ def _join_meeting(
     mine: dict,
     log: Callable[[str], None],
     stopped: Callable[[], bool],
-    meeting: _Meeting,
+    meeting: MeetingSigner,
     placement: Placement,
-) -> list[dict]:
-    """Node R > 0: send our entry to node 0 (retrying until it listens), read the job."""
+    max_restarts: int,
+    links: dict[int, socket.socket],
+) -> tuple[list[dict], int]:
+    """Node R > 0: send our entry to node 0 (retrying until it listens), read the job and the
+    attempt's number. With restarts, the connection is kept in ``links`` (as node 0's)."""
     deadline = time.monotonic() + nodes.timeout_s
     next_report = time.monotonic() + 1.0
     where = f"{nodes.master_addr}:{nodes.master_port}"
@@ -401,7 +503,7 @@ def _join_meeting(
             break
         except OSError as e:
             if stopped():
-                raise _Stopped from None
+                raise StoppedWaiting from None
             now = time.monotonic()
             if now >= deadline:
                 raise JoinTimeoutError(
@@ -413,30 +515,57 @@ def _join_meeting(
                 log(f"{nodes.name} waiting for node 0's launcher at {where}")
                 next_report = now + _REPORT_EVERY_S
             time.sleep(0.2)
-    with conn:
+    try:
         meeting.send(conn, mine)
         reply = meeting.read(conn, deadline, f"node 0's answer at {where}", stopped=stopped)
-    if "error" in reply:
-        raise LaunchError(f"node 0 refused {nodes.name}: {reply['error']}")
-    everyone = reply.get("nodes")
-    if not isinstance(everyone, list) or len(everyone) != nodes.nnodes:
-        raise LaunchError(
-            f"node 0 at {where} answered {reply!r}, expected {plural(nodes.nnodes, 'node')}"
-        )
-    for rank, entry in enumerate(everyone):
-        _check_entry(entry, nodes, placement, f"node 0's answer for node {rank}")
-        if entry["node_rank"] != rank:
-            raise LaunchError(f"node 0 at {where} listed node {entry['node_rank']} as node {rank}")
-    log(f"{_all_nodes(nodes.nnodes)} arrived: {_names(dict(enumerate(everyone)))}")
-    return everyone
+        if "error" in reply:
+            if reply.get("join_timeout") is True:
+                raise JoinTimeoutError(f"node 0 ended the job: {reply['error']}")
+            raise LaunchError(f"node 0 refused {nodes.name}: {reply['error']}")
+        everyone, attempt = reply.get("nodes"), reply.get("attempt")
+        if (
+            not isinstance(everyone, list)
+            or len(everyone) != nodes.nnodes
+            or type(attempt) is not int
+            or not 0 <= attempt <= max_restarts
+        ):
+            raise LaunchError(
+                f"node 0 at {where} answered {reply!r}, expected {plural(nodes.nnodes, 'node')} "
+                f"and an attempt number 0..{max_restarts} (--max-restarts)"
+            )
+        for rank, entry in enumerate(everyone):
+            _check_entry(entry, nodes, placement, f"node 0's answer for node {rank}", max_restarts)
+            if entry["node_rank"] != rank:
+                raise LaunchError(
+                    f"node 0 at {where} listed node {entry['node_rank']} as node {rank}"
+                )
+    except BaseException:
+        conn.close()
+        raise
+    if max_restarts:
+        links[0] = conn
+    else:
+        conn.close()
+    log(f"{_all_nodes(nodes.nnodes)} arrived{_which(attempt)}: {_names(dict(enumerate(everyone)))}")
+    return everyone, attempt
 
 
 def _read_entry(
-    conn: socket.socket, nodes: Nodes, deadline: float, meeting: _Meeting, placement: Placement
+    conn: socket.socket,
+    nodes: Nodes,
+    deadline: float,
+    meeting: MeetingSigner,
+    placement: Placement,
+    max_restarts: int,
 ) -> dict:
     entry = meeting.read(conn, deadline, "a node's launcher")
-    _check_entry(entry, nodes, placement, "a node's launcher")
+    _check_entry(entry, nodes, placement, "a node's launcher", max_restarts)
     return entry
+
+
+def _which(attempt: int) -> str:
+    """`` for attempt 2`` after a restart; nothing for the first."""
+    return f" for attempt {attempt + 1}" if attempt else ""
 
 
 #: An entry's fields and their JSON types: exactly these, nothing else is read.
@@ -449,10 +578,13 @@ _ROLE_FIELDS = {
     "--chief-node": int,
     "--evaluator": bool,
     "--evaluator-node": int,
+    "--max-restarts": int,
 }
 
 
-def _check_entry(entry: object, nodes: Nodes, placement: Placement, source: str) -> None:
+def _check_entry(
+    entry: object, nodes: Nodes, placement: Placement, source: str, max_restarts: int = 0
+) -> None:
     """An entry is exactly {node_rank, nnodes, host, ports, roles}: the job's --nnodes, this
     node's role options, and ports by task type as many as the placement gives that node."""
     if not isinstance(entry, dict) or set(entry) != set(_ENTRY_FIELDS):
@@ -482,7 +614,7 @@ def _check_entry(entry: object, nodes: Nodes, placement: Placement, source: str)
             f"{source} sent roles={roles!r}, expected {sorted(_ROLE_FIELDS)} with the types "
             f"{ {flag: kind.__name__ for flag, kind in _ROLE_FIELDS.items()} }"
         )
-    ours = placement.options()
+    ours = _options(placement, max_restarts)
     for flag in _ROLE_FIELDS:
         if roles[flag] != ours[flag]:
             raise LaunchError(
@@ -547,7 +679,7 @@ def _read_message(
     data = b""
     while not data.endswith(b"\n"):
         if stopped():
-            raise _Stopped
+            raise StoppedWaiting
         left = deadline - time.monotonic()
         if left <= 0:
             raise JoinTimeoutError(f"{source} did not answer within --join-timeout")
