@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -189,9 +190,16 @@ def tf_job(variant: str, seconds: float, steps_per_function: int) -> float:
     argv += ["--seconds", str(seconds), "--steps-per-function", str(steps_per_function)]
     if variant == "empty":
         argv.append("--empty")
-    out = subprocess.run(
-        argv, capture_output=True, text=True, timeout=seconds + 300, check=False
-    ).stdout
+    # Its own process group, ended whole however this ends: the TF job's servers with it.
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out = proc.communicate(timeout=seconds + 300)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the servers outlive the chief
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     found = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if not found:
         raise RuntimeError(f"{' '.join(argv)} printed no RESULT:\n{out}")
@@ -230,7 +238,9 @@ def main() -> None:
         "--load", type=int, default=0, help="busy processes (one core each) beside the jobs"
     )
     parser.add_argument(
-        "--variants", help="comma-separated subset of empty,between,coordinated (all by default)"
+        "--variants",
+        help="comma-separated subset of empty,between,coordinated (all by default), and "
+        "coordinated10 (ten steps per function)",
     )
     parser.add_argument(
         "--tf-python",
@@ -255,7 +265,8 @@ def main() -> None:
     if args.stragglers:
         names += ["sync", "coordinated3"]
     if args.variants:
-        names = [n for n in names if n in args.variants.split(",")]
+        wanted = args.variants.split(",")
+        names = [n for n in dict.fromkeys([*names, "coordinated10"]) if n in wanted]
     with busy_processes(args.load):
         samples = rotated_rounds(
             {n: (lambda n=n: job(n, seconds, args.delay, args.steps_per_function)) for n in names},
