@@ -21,15 +21,26 @@ The ratios are medians over rounds of the two variants measured in the same roun
     python benchmarks/coordinator.py --stragglers    # about 4 minutes on 2 cores
     python benchmarks/coordinator.py --delay 0 --steps-per-function 10   # dispatch-bound steps
     python benchmarks/coordinator.py --quick         # a smoke run
+    python benchmarks/coordinator.py --delay 0 --tf-python /path/to/tf-venv/bin/python --load 2
+
+``--tf-python`` adds TensorFlow's own coordinator on the same work (``coordinator_tf.py``, run
+by that Python: TF is never stratagem's dependency): empty functions, one and ten training
+steps per function, in the same rounds as ours, with the ratios ours/TF. ``--load N`` runs N
+busy processes (a core each) beside every job: a machine that is not idle.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -147,6 +158,13 @@ def coordinated_task(args: argparse.Namespace) -> None:
 
 
 def job(variant: str, seconds: float, delay: float, steps_per_function: int) -> float:
+    """One job's rate. ``coordinated10`` is ``coordinated`` with ten steps per function; the
+    ``tf_`` variants are TensorFlow's own coordinator on the same work (``coordinator_tf.py``,
+    run by ``TF_PYTHON``)."""
+    if variant.endswith("10"):
+        variant, steps_per_function = variant[:-2], 10
+    if variant.startswith("tf_"):
+        return tf_job(variant.removeprefix("tf_"), seconds, steps_per_function)
     common = ["--seconds", str(seconds), "--delay", str(delay)]
     common += ["--steps-per-function", str(steps_per_function)]
     if variant == "empty":
@@ -160,6 +178,45 @@ def job(variant: str, seconds: float, delay: float, steps_per_function: int) -> 
     else:  # coordinated3
         argv = ["--chief", "-n", "3", "--ps", "1", __file__, "--coordinated", "--stragglers"]
     return float(run_launcher_job(argv + common, timeout=seconds + 180)["per_s"])
+
+
+TF_PYTHON: str | None = None  # --tf-python
+
+
+def tf_job(variant: str, seconds: float, steps_per_function: int) -> float:
+    """TensorFlow's coordinator on the same work: ``coordinator_tf.py`` under ``TF_PYTHON``."""
+    assert TF_PYTHON is not None
+    argv = [TF_PYTHON, str(Path(__file__).with_name("coordinator_tf.py"))]
+    argv += ["--seconds", str(seconds), "--steps-per-function", str(steps_per_function)]
+    if variant == "empty":
+        argv.append("--empty")
+    # Its own process group, ended whole however this ends: the TF job's servers with it.
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        out = proc.communicate(timeout=seconds + 300)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the servers outlive the chief
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    found = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    if not found:
+        raise RuntimeError(f"{' '.join(argv)} printed no RESULT:\n{out}")
+    return float(json.loads(found[-1].removeprefix("RESULT "))["per_s"])
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """``n`` processes spinning on a core each beside the jobs (a machine that is not idle)."""
+    spin = "import time\nwhile True:\n    time.perf_counter()\n"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for proc in procs:  # only the processes started here, by their own handle
+            proc.kill()
+            proc.wait()
 
 
 def main() -> None:
@@ -177,6 +234,19 @@ def main() -> None:
     parser.add_argument("--stragglers", action="store_true", help="also the straggler pair")
     parser.add_argument("--quick", action="store_true", help="1 short round")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--load", type=int, default=0, help="busy processes (one core each) beside the jobs"
+    )
+    parser.add_argument(
+        "--variants",
+        help="comma-separated subset of empty,between,coordinated (all by default), and "
+        "coordinated10 (ten steps per function)",
+    )
+    parser.add_argument(
+        "--tf-python",
+        help="a Python with tensorflow-cpu: also TF's own coordinator on the same work, in "
+        "the same rounds (empty, one and ten steps per function; --delay 0), ratios ours/TF",
+    )
     args = parser.parse_args()
     if args.between:
         between_task(args)
@@ -186,25 +256,48 @@ def main() -> None:
         return
     rounds, seconds = (1, 3.0) if args.quick else (args.rounds, args.seconds)
     names = ["empty", "between", "coordinated"]
+    if args.tf_python:
+        global TF_PYTHON
+        TF_PYTHON = args.tf_python
+        if args.delay != 0:
+            parser.error("--tf-python compares the work itself: give --delay 0")
+        names += ["coordinated10", "tf_empty", "tf_coordinated", "tf_coordinated10"]
     if args.stragglers:
         names += ["sync", "coordinated3"]
-    samples = rotated_rounds(
-        {n: (lambda n=n: job(n, seconds, args.delay, args.steps_per_function)) for n in names},
-        rounds,
-        "per s",
-    )
+    if args.variants:
+        wanted = args.variants.split(",")
+        names = [n for n in dict.fromkeys([*names, "coordinated10"]) if n in wanted]
+    with busy_processes(args.load):
+        samples = rotated_rounds(
+            {n: (lambda n=n: job(n, seconds, args.delay, args.steps_per_function)) for n in names},
+            rounds,
+            "per s",
+        )
     medians = {n: statistics.median(v) for n, v in samples.items()}
-    ratios = {"coordinated / between": median_round_ratio(samples, "coordinated", "between")}
+    ratios = {}
+    if "coordinated" in samples and "between" in samples:
+        ratios["coordinated / between"] = median_round_ratio(samples, "coordinated", "between")
+    if args.tf_python:
+        for name in ("empty", "coordinated", "coordinated10"):
+            ratios[f"{name} / tf_{name}"] = median_round_ratio(samples, name, f"tf_{name}")
+        if "coordinated10" in samples and "between" in samples:
+            ratios["coordinated10 / between"] = median_round_ratio(
+                samples, "coordinated10", "between"
+            )
     if args.stragglers:
         ratios["coordinated3 / sync"] = median_round_ratio(samples, "coordinated3", "sync")
-    print(f"\nempty functions/s on 2 workers: {medians['empty']:.0f}")
+    if "empty" in medians:
+        print(f"\nempty functions/s on 2 workers: {medians['empty']:.0f}")
     print("| variant | updates/s (median) |\n| --- | --- |")
-    for name in names[1:]:
+    for name in [n for n in names if n != "empty"]:
         print(f"| {name} | {medians[name]:.1f} |")
     targets = {"coordinated / between": 0.8, "coordinated3 / sync": 1.8}
+    targets |= {"empty / tf_empty": 1.5, "coordinated / tf_coordinated": 1.2}
+    targets |= {"coordinated10 / tf_coordinated10": 1.2, "coordinated10 / between": 0.9}
     for what, ratio in ratios.items():
         met = "met" if ratio >= targets[what] else "NOT met"
         print(f"{what}: {ratio:.2f} (target >= {targets[what]}): {met}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (--load {args.load})")
     if args.json:
         Path(args.json).write_text(json.dumps({"samples": samples, "ratios": ratios}, indent=1))
 

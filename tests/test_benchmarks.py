@@ -70,6 +70,17 @@ def test_stragglers_benchmark_smoke_run_drops_the_stragglers_late_gradients(tmp_
     assert "| backup |" in output, output
 
 
+def test_coordinator_benchmark_smoke_run_reports_the_coordinated_rate(tmp_path):
+    # One coordinated job, 2 steps per function (the multi-step path), under one busy process.
+    out = tmp_path / "results.json"
+    argv = ["--variants", "coordinated", "--delay", "0", "--steps-per-function", "2"]
+    output = _smoke_run(tmp_path, "coordinator.py", *argv, "--load", "1", "--json", str(out))
+    (rate,) = json.loads(out.read_text())["samples"]["coordinated"]
+    assert rate > 0, output
+    assert re.search(r"^\| coordinated \| [0-9.]+ \|$", output, re.MULTILINE), output
+    assert "(--load 1)" in output, output
+
+
 def test_ps_transport_benchmark_smoke_run_reports_the_ratio(tmp_path):
     output = _smoke_run(tmp_path, "ps_transport.py")
     ((ratio,),) = [re.findall(r"ours / raw rpc, median of 1 runs: ([0-9.]+)", output)]

@@ -54,6 +54,7 @@ from stratagem.shipping.program import (
     is_named,
     program_root,
     reachable,
+    resolved,
     unwrap,
 )
 
@@ -70,7 +71,7 @@ class Describer:
     """Builds the table of plain data that ``rebuild`` turns back into functions."""
 
     def __init__(self, *, root: Path | None = None, special: Special | None = None) -> None:
-        self.root = (root or program_root()).resolve()
+        self.root = program_root() if root is None else resolved(str(root))
         self.special = special or (lambda value: None)
         self.functions: dict[str, dict[str, Any]] = {}  # the table: functions, objects, classes
         self._keys: dict[int, str] = {}
@@ -91,7 +92,7 @@ class Describer:
             isinstance(module, str)
             and module != "__main__"
             and reachable(module, qualname) is fn
-            and not (path.is_file() and path.resolve().is_relative_to(self.root))
+            and not (path.is_file() and resolved(str(path)).is_relative_to(self.root))
         ):
             # A library's function (torch's, ours): the worker's own module holds it, with the
             # module's own globals (which need not be plain data).
@@ -134,9 +135,9 @@ class Describer:
         path = Path(fn.__code__.co_filename)
         module = str(fn.__globals__.get("__name__", "__main__"))
         if path.is_file():
-            resolved = path.resolve()
-            if resolved.is_relative_to(self.root):
-                return {"file": resolved.relative_to(self.root).as_posix(), "sha": file_hash(path)}
+            real = resolved(str(path))
+            if real.is_relative_to(self.root):
+                return {"file": real.relative_to(self.root).as_posix(), "sha": file_hash(path)}
             if module != "__main__" and getattr(sys.modules.get(module), "__file__", None):
                 return {"import": module, "sha": file_hash(path)}
         raise TypeError(

@@ -35,6 +35,7 @@ from stratagem.shipping.program import (
     nested,
     program_root,
     reachable,
+    resolved,
     same_copy,
 )
 
@@ -56,7 +57,7 @@ class Rebuilder:
         resolve_special: ResolveSpecial | None = None,
         classes: dict[tuple, type] | None = None,
     ) -> None:
-        self.root = (root or program_root()).resolve()
+        self.root = program_root() if root is None else resolved(str(root))
         self.table = functions
         self.resolve_special = resolve_special or _no_special
         self._built: dict[str, Any] = {}  # table key -> the function, object or class made
@@ -227,7 +228,7 @@ class Rebuilder:
 
     def _program_path(self, where: dict[str, Any], what: str) -> Path:
         rel = Path(str(where["file"]))
-        path = (self.root / rel).resolve()
+        path = resolved(str(self.root / rel))
         if rel.is_absolute() or not path.is_relative_to(self.root):
             raise ValueError(f"the chief named {rel}, outside the program")
         return same_copy(path, where["sha"], what)
@@ -259,7 +260,7 @@ class Rebuilder:
             path = self._program_path(where, f"{desc['qualname']} (line {desc['line']})")
         else:
             module = self._module(str(where["import"]))
-            path = Path(str(getattr(module, "__file__", "") or "")).resolve()
+            path = resolved(str(getattr(module, "__file__", "") or ""))
             same_copy(path, where["sha"], f"{desc['qualname']} (line {desc['line']})")
         what = f"{desc['qualname']} (line {desc['line']} of {path.name})"
         top = compiled(path, str(where["sha"]))
