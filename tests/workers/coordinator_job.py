@@ -89,6 +89,35 @@ def hold(release: str) -> str:
     return "held"
 
 
+def ignores(anything: object) -> str:
+    return "ran"
+
+
+def boom_at(gate: str) -> int:
+    deadline = time.monotonic() + 120
+    while not Path(gate).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the chief never opened the gate")
+        time.sleep(0.02)
+    raise ValueError("boom 8")
+
+
+class OpensTheGate(sg.shipping.Portable):
+    """An argument whose description (on the chief, inside schedule) lets ``boom_at`` fail and
+    waits until the chief has seen it fail."""
+
+    def __init__(self, gate: str, failing: object) -> None:
+        self.gate, self.failing = gate, failing
+
+    def _sg_portable_state(self) -> dict:
+        Path(self.gate).touch()
+        try:
+            self.failing.fetch()
+        except sg.distribute.coordinator.FunctionError:
+            pass
+        return {"gate": self.gate}
+
+
 def make_lock() -> object:
     return threading.Lock()
 
@@ -173,6 +202,21 @@ def main() -> None:
         sg.distribute.coordinator.CancelledError, holding.fetch, "was cancelled while it ran"
     )
     assert coordinator.done()  # the error was raised once, then cleared
+
+    # A function scheduled while another fails: the failure lands after schedule() checked for
+    # one and before it queued the function (here, while its argument is described). It is
+    # cancelled with the queued ones, not left behind the pending error where no worker takes
+    # it (its fetch() hung). The argument's description opens the gate and waits for the failure.
+    gate = OUT / "gate"
+    failing = coordinator.schedule(boom_at, args=(str(gate),))
+    raced = coordinator.schedule(ignores, args=(OpensTheGate(str(gate), failing),))
+    result["raced_settled_at_once"] = raced._done.is_set()
+    if result["raced_settled_at_once"]:
+        result["raced"] = expect(sg.distribute.coordinator.CancelledError, raced.fetch, "boom 8")
+        expect(sg.distribute.coordinator.FunctionError, coordinator.join, "boom 8")
+    else:  # left in the queue: join raises and clears the error, then a worker runs it
+        expect(sg.distribute.coordinator.FunctionError, coordinator.join, "boom 8")
+        result["raced"] = f"ran: {raced.fetch()}"
     lock = threading.Lock()
 
     def unsendable() -> bool:

@@ -222,7 +222,13 @@ class ClusterCoordinator:
                 describer.accumulators,
                 self._refresh_when_idle,
             )
-            self._queue.append(closure)
+            if self._error is not None:
+                # A function failed while this one was being described (after the check
+                # above): it is cancelled as the ones queued then were. Queued behind a pending
+                # error, no worker would take it and nothing would cancel it: fetch() would hang.
+                closure.value.settle(error=self._cancelled(closure, self._error))
+            else:
+                self._queue.append(closure)
             self._lock.notify_all()
         return closure.value
 
@@ -408,6 +414,12 @@ class ClusterCoordinator:
         if error is not None:
             raise error
 
+    @staticmethod
+    def _cancelled(closure: _Closure, error: BaseException) -> CancelledError:
+        return CancelledError(
+            f"{closure.name} was cancelled: an earlier function failed ({error}). Schedule it again"
+        )
+
     def _fail(self, error: BaseException) -> None:
         """Keep the first error; cancel what is still queued, and what still runs (the lock
         is held)."""
@@ -415,12 +427,7 @@ class ClusterCoordinator:
             self._error = error
         while self._queue:
             closure = self._queue.popleft()
-            closure.value.settle(
-                error=CancelledError(
-                    f"{closure.name} was cancelled: an earlier function failed ({error}). "
-                    "Schedule it again"
-                )
-            )
+            closure.value.settle(error=self._cancelled(closure, error))
         stop: dict[int, list[int]] = {}  # worker rank -> the closures it is to stop
         for cid, (closure, rank) in self._running.items():
             if closure.cancelled is None:
