@@ -82,6 +82,26 @@ class Result:
         return self
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live process descended from ``pid`` (Linux: parent links read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 class Process:
     """One child in its own process group, with captured output files."""
 
@@ -118,11 +138,26 @@ class Process:
         except ProcessLookupError:
             pass
 
+    def end_all(self) -> None:
+        """Kill the child's group and the groups of every process it started (a launcher's
+        tasks run in sessions of their own: killing the launcher alone would leave them). Only
+        while the child lives (not yet reaped): its pid is still its own."""
+        leaders = _descendants(self.proc.pid)
+        self.kill_group()
+        for pid in leaders:
+            try:
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def wait(self, timeout: float) -> Result:
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.kill_group()
+            self.end_all()
             self.proc.wait(timeout=10)
             raise AssertionError(f"{self.name} did not finish within {timeout}s") from None
         return self.finish(code)
