@@ -82,27 +82,28 @@ def run_processes(argvs: list[list[str]], env: dict[str, str], timeout: float = 
     return [out.strip().splitlines()[-1] for out in outs]
 
 
-def run_launcher_job(launcher_args: list[str], timeout: float = 600) -> dict:
-    """``stratagem run <launcher_args>`` in its own process group; the JSON its chief printed
-    after ``RESULT `` (the launcher prefixes it with ``[worker 0]``). Fails if the job fails."""
-    argv = [sys.executable, "-m", "stratagem.cli", "run", *launcher_args]
-    proc = subprocess.Popen(
-        argv,
-        env=clean_env({}),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+def run_in_own_group(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
+    """Run ``argv`` in its own process group, stdout and stderr merged; (exit code, output).
+    The group is killed if it outlives ``timeout`` or this process is interrupted."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
     try:
         out = proc.communicate(timeout=timeout)[0]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()
+    return proc.returncode, out
+
+
+def run_launcher_job(launcher_args: list[str], timeout: float = 600) -> dict:
+    """``stratagem run <launcher_args>`` in its own process group; the JSON its chief printed
+    after ``RESULT `` (the launcher prefixes it with ``[worker 0]``). Fails if the job fails."""
+    argv = [sys.executable, "-m", "stratagem.cli", "run", *launcher_args]
+    code, out = run_in_own_group(argv, clean_env({}), timeout)
     found = re.search(r"RESULT (\{.*\})", out)
-    if proc.returncode != 0 or found is None:
-        raise RuntimeError(f"{' '.join(launcher_args)} exited {proc.returncode}:\n{out}")
+    if code != 0 or found is None:
+        raise RuntimeError(f"{' '.join(launcher_args)} exited {code}:\n{out}")
     return json.loads(found.group(1))
 
 

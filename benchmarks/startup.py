@@ -39,13 +39,12 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import clean_env, free_port, rotated_rounds, run_processes
+from common import clean_env, free_port, rotated_rounds, run_in_own_group, run_processes
 
 MODES = {
     "secret": {"STRATAGEM_JOB_SECRET": "b" * 64},
@@ -140,18 +139,11 @@ def scaling_job(kind: str, n: int) -> tuple[float, float]:
     # OMP_NUM_THREADS=1 in both: the launcher sets it for its tasks, torchrun for more than one.
     env = clean_env({"OMP_NUM_THREADS": "1"})
     started = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        out = proc.communicate(timeout=600)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    code, out = run_in_own_group(argv, env, timeout=600)
     wall = time.perf_counter() - started
     found = re.search(r"RESULT (\{.*\})", out)
-    if proc.returncode != 0 or found is None:
-        raise RuntimeError(f"{kind} job of {n} exited {proc.returncode}:\n{out[-4000:]}")
+    if code != 0 or found is None:
+        raise RuntimeError(f"{kind} job of {n} exited {code}:\n{out[-4000:]}")
     return wall, json.loads(found.group(1))["start_s"]
 
 

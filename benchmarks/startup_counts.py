@@ -30,12 +30,11 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import clean_env
+from common import clean_env, run_in_own_group
 
 _STORE_CALLS = (
     "set",
@@ -132,17 +131,10 @@ def job(n: int) -> list[dict]:
     env = clean_env({"OMP_NUM_THREADS": "1"})
     for name in ("STRATAGEM_INSECURE", "STRATAGEM_JOB_SECRET", "STRATAGEM_JOB_SECRET_FILE"):
         env.pop(name, None)
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        out = proc.communicate(timeout=900)[0]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    code, out = run_in_own_group(argv, env, timeout=900)
     rows = [json.loads(m) for m in re.findall(r"RESULT (\{.*\})", out)]
-    if proc.returncode != 0 or len(rows) != n:
-        raise RuntimeError(f"job of {n} exited {proc.returncode}:\n{out[-4000:]}")
+    if code != 0 or len(rows) != n:
+        raise RuntimeError(f"job of {n} exited {code}:\n{out[-4000:]}")
     return sorted(rows, key=lambda r: r["rank"])
 
 
