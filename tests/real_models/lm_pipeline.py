@@ -47,3 +47,20 @@ def train_unsplit(model: torch.nn.Module, steps: int = STEPS):
         opt.step()
         losses.append(float(loss.detach()))
     return losses, every_name(model)
+
+
+def fit_gpt2(strategy):
+    """``Model.fit`` of the tiny GPT-2 under ``strategy`` (a pipeline: traced and cut at its
+    split points) on 2 of ``lm_batches``, SGD and a Keras loss: (the history, the model)."""
+    import stratagem as sg
+
+    batches = lm_batches(2)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    with strategy.scope():
+        model = sg.keras.Model(hf_models.gpt2())
+        model.compile(
+            sg.keras.optimizers.SGD(0.5),
+            sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return history, model

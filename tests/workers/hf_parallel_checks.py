@@ -26,7 +26,7 @@ import torch
 
 import stratagem as sg
 from real_models import hf_models
-from real_models.lm_pipeline import lm_batches, lm_loss, make_optimizer
+from real_models.lm_pipeline import fit_gpt2, lm_batches, lm_loss, make_optimizer
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 
@@ -164,15 +164,7 @@ def pipeline_train_step() -> None:
 
 def pipeline_fit() -> None:
     strategy = sg.distribute.experimental.PipelineStrategy(**PIPELINE)
-    batches = lm_batches(2)
-    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    with strategy.scope():
-        model = sg.keras.Model(hf_models.gpt2())
-        model.compile(
-            sg.keras.optimizers.SGD(0.5),
-            sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    history, model = fit_gpt2(strategy)
     pipe = strategy.extended.pipeline_of(model.module)
     save(
         "pipeline-dp-fit",

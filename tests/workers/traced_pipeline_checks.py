@@ -19,6 +19,7 @@ from real_models import hf_models
 from real_models.lm_pipeline import (
     MICROBATCHES,
     every_name,
+    fit_gpt2,
     lm_batches,
     lm_loss,
     make_optimizer,
@@ -125,15 +126,7 @@ def checkpoint() -> None:
 def fit() -> None:
     """Model.fit (1F1B) of GPT-2 traced at the strategy's split point."""
     strategy = strategy_for("1F1B", SPLITS["1F1B"])
-    batches = lm_batches(2)
-    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-    with strategy.scope():
-        model = sg.keras.Model(hf_models.gpt2())
-        model.compile(
-            sg.keras.optimizers.SGD(0.5),
-            sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    history = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    history, model = fit_gpt2(strategy)
     pipe = strategy.extended.pipeline_of(model.module)
     save(
         "gpt2-fit",
