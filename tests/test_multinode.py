@@ -229,7 +229,7 @@ def test_a_multinode_job_needs_a_secret_and_every_node_the_same(tmp_path):
         t.join(90)
     assert "a node's launcher sent a message that fails the job secret's check" in errors[0]
     # Node 0's answer (its refusal) is signed with the job's secret: node 1 cannot trust it.
-    assert errors[1].startswith("node 0's answer at 127.0.0.1:"), errors[1]
+    assert errors[1].startswith("node 0's launcher at 127.0.0.1:"), errors[1]
     assert "fails the job secret's check" in errors[1]
 
 

@@ -517,7 +517,7 @@ def _join_meeting(
             time.sleep(0.2)
     try:
         meeting.send(conn, mine)
-        reply = meeting.read(conn, deadline, f"node 0's answer at {where}", stopped=stopped)
+        reply = meeting.read(conn, deadline, f"node 0's launcher at {where}", stopped=stopped)
         if "error" in reply:
             if reply.get("join_timeout") is True:
                 raise JoinTimeoutError(f"node 0 ended the job: {reply['error']}")
@@ -682,7 +682,10 @@ def _read_message(
             raise StoppedWaiting
         left = deadline - time.monotonic()
         if left <= 0:
-            raise JoinTimeoutError(f"{source} did not answer within --join-timeout")
+            # The deadline is the meeting's (--join-timeout), whichever wait it was spent on.
+            raise JoinTimeoutError(
+                f"{source} did not answer within the join timeout (--join-timeout)"
+            )
         conn.settimeout(min(left, 0.5))  # short waits: a signal to the launcher is seen soon
         try:
             chunk = conn.recv(4096)
