@@ -56,11 +56,16 @@ def _mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
+# The MLP's initial weights as the CPU makes them, taken here, outside every scope: a model
+# built in a scope that places on a GPU is initialised there, by the CUDA generator, and that
+# includes a second MLP built in the scope only to copy from.
+_INITIAL = [p.detach().clone() for p in _mlp().parameters()]
+
+
 def _start(module: torch.nn.Module) -> torch.nn.Module:
-    """``module`` (built in a scope) with the CPU-built MLP's initial weights: a parameter
-    placed on a GPU as it is registered is initialised there, by the CUDA generator."""
+    """``module`` (built in a scope) with the CPU-built MLP's initial weights."""
     with torch.no_grad():
-        for p, initial in zip(module.parameters(), _mlp().parameters()):
+        for p, initial in zip(module.parameters(), _INITIAL, strict=True):
             p.copy_(initial)
     return module
 

@@ -48,10 +48,16 @@ def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
+# The CPU-built MLP's initial weights, taken here, outside every scope: a model built in a
+# scope that places on a GPU is initialised there (by the CUDA generator), a second MLP built
+# in the scope only to copy from included.
+INITIAL = [p.detach().clone() for p in mlp().parameters()]
+
+
 def start(module: torch.nn.Module) -> torch.nn.Module:
-    """The CPU-built MLP's initial weights (parameters placed on a GPU are initialised there)."""
+    """``module`` (built in a scope) with the CPU-built MLP's initial weights."""
     with torch.no_grad():
-        for p, initial in zip(module.parameters(), mlp().parameters()):
+        for p, initial in zip(module.parameters(), INITIAL, strict=True):
             p.copy_(initial)
     return module
 
