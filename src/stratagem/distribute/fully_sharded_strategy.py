@@ -214,8 +214,19 @@ class FullyShardedExtended(WholeModulesExtended, DefersGradients):
     @override
     def distribute_whole(self, module: torch.nn.Module) -> None:
         """Shard ``module`` in place (once; again is a no-op) and claim its new parameters."""
-        if isinstance(module, FSDPModule) or self.device_mesh is None:
+        if isinstance(module, FSDPModule):
             self.claim_module(module)
+            return
+        if self.device_mesh is None:
+            # A job of one (or an evaluator): nothing to shard, but the model still computes
+            # on this worker's device, as fully_shard would have put it there. In place
+            # (module.to keeps the Parameter objects), so an optimizer made over them holds.
+            # A model on the meta device stays there, for the user's to_empty().
+            if not any(t.is_meta for t in module.parameters()):
+                with self.replacing_parameters(module):
+                    module.to(self._placement_device)
+            else:
+                self.claim_module(module)
             return
         if not any(True for _ in module.parameters()):
             return  # an activation, a container of nothing yet: nothing to shard
