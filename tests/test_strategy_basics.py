@@ -118,3 +118,33 @@ except RuntimeError as e:
     assert out.stdout.strip() == "refused"
     with pytest.raises(ValueError, match="int >= 0"):
         sg.config.threading.set_intra_op_parallelism_threads(-1)
+
+
+def test_mwms_in_a_world_of_one_trains_without_gradient_hooks(monkeypatch):
+    """A job of one process has nothing to all-reduce: MWMS puts no hook on the parameters
+    (each is a Python call per parameter in every backward, and a copy of each gradient into
+    a bucket and back), and trains as plain PyTorch does."""
+    for var in ("TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    strategy = sg.distribute.MultiWorkerMirroredStrategy()
+    assert strategy.num_replicas_in_sync == 1
+    with strategy.scope():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 2)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+
+    def step(net: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad()
+        net(x).square().sum().backward()
+        optimizer.step()
+
+    for _ in range(3):
+        strategy.run(step, args=(model, opt))
+        step(reference, ref_opt)
+    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        assert not p._backward_hooks and not p._post_accumulate_grad_hooks
+        assert torch.equal(p.detach(), ref.detach())

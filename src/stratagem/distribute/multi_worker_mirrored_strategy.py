@@ -153,7 +153,10 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
             built="created {n} tensors in strategy.scope()",
             what="the new parameters",
         )
-        self._reducer.add_parameters([t for t, is_param in tensors if is_param])
+        if self._comm.world_size > 1:
+            self._reducer.add_parameters([t for t, is_param in tensors if is_param])
+        # A world of one has nothing to reduce: no hooks, no copies into buckets and back (a
+        # Python call per parameter in every backward, and two copies of every gradient).
 
     @override
     def _before_run(self) -> None:
