@@ -185,3 +185,12 @@ def test_gpu_training_benchmark_tiny_cuda_run_reports_mfu(tmp_path):
         assert min(row["tokens_per_s"]) > 0, row
         if results["peak_flops"]:  # a GPU of the table: an MFU, and a plausible one
             assert 0 < row["mfu"] < 1, (row, results["peak_source"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_no_training_step_makes_the_host_wait_for_the_gpu(tmp_path):
+    # fit and the custom loops (MWMS, OneDevice) on one GPU: no synchronizing call whose count
+    # grows with the steps (a per-step .item() stalls the queue of kernels every step).
+    output = _smoke_run(tmp_path, "gpu_sync_points.py", "--check")
+    assert output.count("== ") == 3, output

@@ -56,9 +56,25 @@ class TensorSlices:
         if isinstance(ids, int):
             return self._pack([_item(leaf, ids) for leaf in self.leaves])
         index = torch.from_numpy(np.ascontiguousarray(ids))
-        return self._pack(
-            [leaf[ids] if isinstance(leaf, np.ndarray) else leaf[index] for leaf in self.leaves]
-        )
+        return self._pack([_rows(leaf, ids, index) for leaf in self.leaves])
+
+
+def _rows(leaf: torch.Tensor | np.ndarray, ids: np.ndarray, index: torch.Tensor) -> Any:
+    """``leaf``'s elements at ``ids`` (a copy, as tf.data hands out batches of its own).
+
+    For a tensor on an accelerator, indexing with a CPU index makes the host wait for the
+    device (the index is copied there synchronously) in every step: a run of consecutive rows
+    (unshuffled batches) is read as a slice of the device tensor, other rows with the index
+    copied over from pinned memory, which the host does not wait for."""
+    if isinstance(leaf, np.ndarray):
+        return leaf[ids]
+    if leaf.device.type == "cpu":
+        return leaf[index]
+    if ids.ndim == 1 and len(ids) and np.array_equal(ids, np.arange(ids[0], ids[0] + len(ids))):
+        return leaf[int(ids[0]) : int(ids[0]) + len(ids)].clone()
+    if leaf.device.type == "cuda":
+        return leaf[index.pin_memory().to(leaf.device, non_blocking=True)]
+    return leaf[index.to(leaf.device)]
 
 
 def _item(leaf: torch.Tensor | np.ndarray, i: int) -> Any:

@@ -60,7 +60,16 @@ class Loss(Portable):
 
 
 class SparseCategoricalCrossentropy(Loss):
-    """Cross-entropy between integer labels and logits (``from_logits=True``) or probabilities."""
+    """Cross-entropy between integer labels and logits (``from_logits=True``) or probabilities.
+
+    Labels on the CPU are checked on every call (integers, each a class of the predictions).
+    On an accelerator only the first batch's are: reading them on the host makes it wait for
+    the device in every step, so the GPU idles while Python queues the rest of the step (see
+    ``benchmarks/gpu_sync_points.py``); later batches are left to ``cross_entropy``'s own
+    device-side check."""
+
+    # The devices whose labels were checked once: this process's own, remade on a worker.
+    _sg_local = ("_labels_checked_on",)
 
     def __init__(
         self,
@@ -72,7 +81,12 @@ class SparseCategoricalCrossentropy(Loss):
         self.from_logits = from_logits
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        _check_labels(y_true, y_pred)
+        checked: set[torch.device] = self.__dict__.setdefault("_labels_checked_on", set())
+        _check_label_shape(y_true, y_pred)
+        if y_true.device.type == "cpu" or y_true.device not in checked:
+            _check_label_values(y_true, y_pred)
+            if y_true.device.type != "cpu":
+                checked.add(y_true.device)
         labels = y_true.reshape(y_pred.shape[:-1]).long()
         logits = y_pred if self.from_logits else torch.log(y_pred.clamp_min(1e-7))
         flat = logits.reshape(-1, logits.shape[-1])
@@ -96,15 +110,20 @@ def example_losses(per_example: torch.Tensor, sample_weight: torch.Tensor | None
     return per_example
 
 
-def _check_labels(y_true: torch.Tensor, y_pred: torch.Tensor) -> None:
-    """Integer class labels, one per prediction row, each a valid class."""
-    rows, classes = y_pred.shape[:-1], y_pred.shape[-1]
+def _check_label_shape(y_true: torch.Tensor, y_pred: torch.Tensor) -> None:
+    """One label per prediction row (shapes only: no wait for the device)."""
+    rows = y_pred.shape[:-1]
     if y_true.numel() != rows.numel():
         hint = " (one-hot labels go with CategoricalCrossentropy)" if y_true.dim() == 2 else ""
         raise ValueError(
             f"SparseCategoricalCrossentropy takes one integer label per example (shape "
             f"{list(rows)}); got labels of shape {list(y_true.shape)}{hint}"
         )
+
+
+def _check_label_values(y_true: torch.Tensor, y_pred: torch.Tensor) -> None:
+    """Integer class labels, each a valid class (reads the labels on the host)."""
+    classes = y_pred.shape[-1]
     if y_true.is_floating_point() and not torch.equal(y_true, y_true.round()):
         raise ValueError(
             f"SparseCategoricalCrossentropy takes integer class labels; got {y_true.dtype} "
