@@ -32,6 +32,7 @@ from stratagem.comm import error_report
 from stratagem.comm.adopted_group import exchange_over_group
 from stratagem.comm.binding import pin_transport_interfaces
 from stratagem.comm.communicator import Communicator, LocalCommunicator, PendingOp
+from stratagem.comm.gloo_drain import wait_for_gloo_threads
 from stratagem.comm.liveness import (
     LOST,
     SILENT,
@@ -418,6 +419,9 @@ class ProcessGroupCommunicator(Communicator):
         self._liveness.close(
             "error" if error_report.failing() or sys.exc_info()[0] is not None else "ok"
         )
+        # Before the interpreter shuts down: a gloo thread still dropping its last work would
+        # abort the process then (comm.gloo_drain says why).
+        wait_for_gloo_threads()
         self._release_group()
         global _live
         if _live is self:

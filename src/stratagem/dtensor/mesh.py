@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from stratagem.comm.gloo_drain import wait_for_gloo_threads
 from stratagem.dtensor.errors import MeshError
 
 _DEVICE = re.compile(r"^(?:/job:\w+/replica:\d+/task:\d+/device:)?(?P<type>[A-Za-z]+):(?P<i>\d+)$")
@@ -217,5 +218,6 @@ def _ensure_process_group(device_type: str) -> int:
 
 
 def _destroy_local_group() -> None:
+    wait_for_gloo_threads()  # see comm.gloo_drain
     if dist.is_initialized() and dist.get_world_size() == 1:
         dist.destroy_process_group()
