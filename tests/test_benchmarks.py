@@ -194,3 +194,10 @@ def test_no_training_step_makes_the_host_wait_for_the_gpu(tmp_path):
     # grows with the steps (a per-step .item() stalls the queue of kernels every step).
     output = _smoke_run(tmp_path, "gpu_sync_points.py", "--check")
     assert output.count("== ") == 3, output
+
+
+def test_exit_aborts_benchmark_smoke_run_counts_both_ways(tmp_path):
+    # Two rounds: no drained process may abort (the plain ones may: that is the race).
+    output = _smoke_run(tmp_path, "exit_aborts.py")
+    table = [line for line in output.splitlines() if line.startswith("| ")]
+    assert len(table) == 4 and "| gloo threads drained first | 4 | 0 | 0 |" in table, output

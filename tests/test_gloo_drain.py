@@ -1,7 +1,7 @@
 """``stratagem.comm.gloo_drain``: a job's process lets gloo's worker threads finish their last
 work before the interpreter shuts down (a thread dropping it after that aborts the process).
 The race itself is measured by ``benchmarks/exit_aborts.py`` (5 aborts in 80 exits without the
-wait, none in 120 with it, on an idle 2-core machine); here, what the wait must do."""
+wait, none in 80 with it, alternating, on the 2-core machine); here, what the wait must do."""
 
 from __future__ import annotations
 
