@@ -5,6 +5,7 @@ against one process on the same global batches:
   loop and through ``Model.fit`` on its own loss; under FullyShardedStrategy and a
   data-parallel MeshStrategy in a custom loop;
 - BERT and the Llama-style decoder under FullyShardedStrategy;
+- ResNet under sync ParameterServerStrategy and trained by a ClusterCoordinator's worker;
 - GPT-2's ``fit`` on its own loss (``compile()`` with no loss) under FullyShardedStrategy and a
   data-parallel MeshStrategy;
 - GPT-2 traced and cut at a module path on 2 pipeline stages x 2 data-parallel replicas;
@@ -25,12 +26,14 @@ step computes on global tensors, so BatchNorm normalises with the whole global b
 statistics, and its reference is the model on the whole batch.
 
 Two jobs, module-scoped, each running every check of its size once
-(``tests/workers/hf_parallel_checks.py``): 2 processes and 4 processes.
+(``tests/workers/hf_parallel_checks.py``): 2 processes and 4 processes; and one parameter
+server job per test (``stratagem run``, a ps task beside the workers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,7 +41,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from cluster_utils import WORKERS, run_cluster
+from cluster_utils import WORKERS, Process, child_env, run_cluster
 from real_models import hf_models
 from real_models.lm_pipeline import every_name, lm_batches, lm_loss, train_unsplit
 
@@ -383,6 +386,48 @@ def test_an_uneven_last_batch_of_gpt2_on_a_mesh_is_a_named_error(two):
             "whose dimension 0 (size 3) the mesh cuts unevenly along 'batch' (2 parts: 2 + 1)"
         ), (rank, error)
         assert "Give global batches that divide by 2" in error, (rank, error)
+
+
+# ---------------------------------------------------------------- parameter servers
+
+
+def launch(out: Path, mode: str, *cluster: str) -> None:
+    argv = [sys.executable, "-m", "stratagem.cli", "run", *cluster, str(CHECKS), mode, str(out)]
+    result = Process(argv, child_env(), out, "launcher", merge_output=True).wait(timeout=300)
+    assert result.returncode == 0, result.stdout
+    assert f"hf parallel checks {mode} done" in result.stdout, result.stdout
+
+
+@pytest.mark.multiprocess
+def test_resnet_under_sync_parameter_servers_equals_one_process_of_per_replica_slices(
+    tmp_path, per_replica
+):
+    """The parameters live on the ps and take the mean of the two workers' gradients; the
+    BatchNorm statistics are buffers, which stay on each worker: its own half's, as under
+    MWMS."""
+    launch(tmp_path, "ps", "-n", "2", "--ps", "1")
+    expected_params, _ = split(per_replica[0][0])
+    for rank in (0, 1):
+        params, stats = split(saved(tmp_path, "resnet-ps", 2)[rank]["state"])
+        assert_same(params, expected_params, f"sync ps ResNet, worker {rank}")
+        assert_same(stats, split(per_replica[rank][0])[1], f"worker {rank}'s statistics")
+
+
+@pytest.mark.multiprocess
+def test_the_coordinators_one_worker_trains_resnet_as_one_process_on_the_whole_batches(
+    tmp_path,
+):
+    """One worker runs the scheduled steps in order, each on a whole global batch: the model in
+    one process. The statistics are the worker's own, kept from call to call; the chief's
+    model never runs a step, so its statistics stay as built (what it would checkpoint)."""
+    launch(tmp_path, "coordinator", "--chief", "-n", "1", "--ps", "1")
+    (s,) = saved(tmp_path, "resnet-coordinator", 1)
+    expected, losses = resnet_reference(1)
+    params, stats = split(expected)
+    assert s["losses"] == pytest.approx(losses, abs=1e-5)
+    assert_same(s["parameters"], params, "the ps's ResNet")  # what the chief reads
+    assert_same(s["worker_statistics"], stats, "the worker's statistics")
+    assert s["chief_statistics_unchanged"]
 
 
 # ---------------------------------------------------------------- four processes

@@ -14,6 +14,11 @@ argv: MODE OUT.
   data-parallel replicas (``train_step`` and ``fit``); GPT-2 on a ``(batch=2, model=2)``
   mesh, data- and tensor-parallel at once.
 
+- ``ps`` (``stratagem run -n 2 --ps 1``): ResNet under sync ParameterServerStrategy, each
+  worker on its half of every global batch.
+- ``coordinator`` (``stratagem run --chief -n 1 --ps 1``): ResNet trained by functions a
+  ClusterCoordinator schedules on its one worker.
+
 Workers are seeded differently where the strategy must make them start alike. Each rank writes
 ``OUT/<check>-rank<r>.pt`` (tensors and numbers, read back with ``weights_only=True``); the
 test computes the one-process references.
@@ -29,6 +34,11 @@ import torch
 import stratagem as sg
 from real_models import hf_models
 from real_models.lm_pipeline import fit_gpt2, lm_batches, lm_loss, make_optimizer
+
+# Every task imports the model's module, as a program using ResNet does: a coordinator's worker
+# rebuilds the chief's model from classes of modules it has imported (transformers imports its
+# models lazily, on first use, which a worker serving the chief never reaches).
+ResNetForImageClassification = hf_models.transformers.ResNetForImageClassification
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 
@@ -327,5 +337,79 @@ def four() -> None:
     mesh_2x2(torch.distributed.get_rank())
 
 
-{"two": two, "four": four}[MODE]()
+# ---------------------------------------------------------------- parameter servers
+
+
+def ps() -> None:
+    """``stratagem run -n 2 --ps 1``: ResNet under sync ParameterServerStrategy, each worker on
+    its half of every global batch (sync mode applies the mean of the workers' gradients: each
+    loss is its own mean). Parameters on the ps; buffers, the BatchNorm statistics, local."""
+    strategy = sg.distribute.ParameterServerStrategy(mode="sync")
+    # Only workers get here: on the ps task the constructor served the job and exited.
+    rank = strategy.cluster_resolver.task_id
+    with strategy.scope():
+        model = hf_models.resnet(seed=100 + rank).train()  # the chief's (100) must win
+        optimizer = torch.optim.SGD(model.parameters(), lr=RESNET_LR)
+
+    def my_half(ctx: sg.distribute.InputContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        size = RESNET_BATCH // ctx.num_input_pipelines
+        lo = ctx.input_pipeline_id * size
+        return [(x[lo : lo + size], y[lo : lo + size]) for x, y in resnet_batches()]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        model(pixel_values=x, labels=y).loss.backward()
+        optimizer.step()
+
+    for x, y in strategy.distribute_datasets_from_function(my_half):
+        strategy.run(step, args=(x, y))
+    strategy.pull()
+    save("resnet-ps", rank, {"state": state(model)})
+
+
+def coordinator() -> None:
+    """``stratagem run --chief -n 1 --ps 1``: ResNet trained by functions the chief schedules
+    on its one worker, in order, on the whole global batches; then the worker's BatchNorm
+    statistics (its own, kept from call to call) fetched by one more function."""
+    resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type in ("worker", "ps"):
+        sg.distribute.Server(resolver).join()
+        return
+    strategy = sg.distribute.experimental.ParameterServerStrategy(resolver)
+    coordinator = sg.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = hf_models.resnet(seed=100).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=RESNET_LR)
+    initial = {n: b.clone() for n, b in model.named_buffers()}
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        optimizer.zero_grad()
+        loss = model(pixel_values=x, labels=y).loss
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    def statistics() -> dict[str, torch.Tensor]:
+        return {n: b.clone() for n, b in model.named_buffers()}
+
+    values = [coordinator.schedule(step, args=batch) for batch in resnet_batches()]
+    coordinator.join()
+    worker_statistics = coordinator.schedule(statistics).fetch()
+    parameters = {n: whole(p) for n, p in model.named_parameters()}  # the ps's values
+    chief_statistics = {n: b.clone() for n, b in model.named_buffers()}
+    save(
+        "resnet-coordinator",
+        0,
+        {
+            "losses": [v.fetch() for v in values],
+            "parameters": parameters,
+            "worker_statistics": worker_statistics,
+            "chief_statistics_unchanged": all(
+                torch.equal(b, initial[n]) for n, b in chief_statistics.items()
+            ),
+        },
+    )
+
+
+{"two": two, "four": four, "ps": ps, "coordinator": coordinator}[MODE]()
 print(f"hf parallel checks {MODE} done", flush=True)
