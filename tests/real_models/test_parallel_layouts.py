@@ -2,7 +2,10 @@
 against one process on the same global batches:
 
 - HF's ResNet (BatchNorm) under MirroredStrategy and MultiWorkerMirroredStrategy, in a custom
-  loop and through ``Model.fit`` on its own loss;
+  loop and through ``Model.fit`` on its own loss; under FullyShardedStrategy and a
+  data-parallel MeshStrategy in a custom loop;
+- BERT and the Llama-style decoder under FullyShardedStrategy;
+- ResNet under sync ParameterServerStrategy and trained by a ClusterCoordinator's worker;
 - GPT-2's ``fit`` on its own loss (``compile()`` with no loss) under FullyShardedStrategy and a
   data-parallel MeshStrategy;
 - GPT-2 traced and cut at a module path on 2 pipeline stages x 2 data-parallel replicas;
@@ -17,15 +20,20 @@ slices' gradients (``resnet_reference``), and a negative control shows the diffe
 Running statistics: each replica updates its own, as TF's replica-local moving statistics; the
 model a process holds, checkpoints and evaluates with afterwards has the chief's (replica 0's,
 Mirrored's primary's, DDP's convention). TF reads a synchronised-on-read mean over the replicas
-there instead; the porting table (docs/porting.md) says so.
+there instead; the porting table (docs/porting.md) says so. FullyShardedStrategy shards the
+parameters only: the statistics are each process's, as under MWMS. A mesh is the exception: its
+step computes on global tensors, so BatchNorm normalises with the whole global batch's
+statistics, and its reference is the model on the whole batch.
 
 Two jobs, module-scoped, each running every check of its size once
-(``tests/workers/hf_parallel_checks.py``): 2 processes and 4 processes.
+(``tests/workers/hf_parallel_checks.py``): 2 processes and 4 processes; and one parameter
+server job per test (``stratagem run``, a ps task beside the workers).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,7 +41,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from cluster_utils import WORKERS, run_cluster
+from cluster_utils import WORKERS, Process, child_env, run_cluster
 from real_models import hf_models
 from real_models.lm_pipeline import every_name, lm_batches, lm_loss, train_unsplit
 
@@ -224,7 +232,7 @@ def saved(out: Path, check: str, ranks: int) -> list[dict]:
 def test_resnet_under_multi_worker_mirrored_equals_one_process_of_per_replica_slices(
     two, per_replica
 ):
-    chief, worker = saved(two, "resnet-mwms", 2)
+    chief, worker = (s["state"] for s in saved(two, "resnet-mwms", 2))
     params, chief_stats = split(chief)
     expected_params, expected_stats = split(per_replica[0][0])
     assert_same(params, expected_params, "MWMS ResNet")
@@ -243,6 +251,92 @@ def test_resnet_fit_on_its_own_loss_under_multi_worker_mirrored(two, per_replica
         params, stats = split(s["state"])
         assert_same(params, split(expected)[0], f"MWMS ResNet fit, worker {rank}")
         assert_same(stats, split(per_replica[rank][0])[1], f"worker {rank}'s statistics")
+
+
+@pytest.mark.multiprocess
+def test_resnet_under_fully_sharded_equals_one_process_of_per_replica_slices(two, per_replica):
+    """FSDP shards the parameters and leaves the BatchNorm statistics whole on every process:
+    they move with each process's own half, as under MWMS (the chief's initial ones
+    broadcast)."""
+    expected_params, _ = split(per_replica[0][0])
+    for rank, s in enumerate(saved(two, "resnet-fsdp", 2)):
+        params, stats = split(s["state"])
+        assert s["sharded"] == sorted(expected_params), rank  # every parameter a shard
+        assert_same(params, expected_params, f"FSDP ResNet, worker {rank}")
+        assert_same(stats, split(per_replica[rank][0])[1], f"worker {rank}'s statistics")
+
+
+@pytest.mark.multiprocess
+def test_resnet_on_a_data_parallel_mesh_equals_one_process_on_the_whole_global_batch(
+    two, per_replica
+):
+    """A mesh step computes on global tensors: BatchNorm's statistics are those of the whole
+    global batch split over the replicas (DTensor reduces over the batch dimension: TF
+    DTensor's BatchNormalization on a batch-sharded input does the same), so the reference is
+    the model on the whole batch, not the per-replica slices Mirrored, MWMS and FSDP give."""
+    expected, losses = resnet_reference(1)
+    per_replica_params = split(per_replica[0][0])[0]
+    for rank, s in enumerate(saved(two, "resnet-mesh", 2)):
+        assert s["sharded"] == sorted(per_replica_params), rank  # every parameter on the mesh
+        assert s["losses"] == pytest.approx(losses, abs=1e-5), rank
+        assert_same(s["state"], expected, f"mesh ResNet, rank {rank}")
+        moved = max(
+            (v - per_replica_params[k]).abs().max().item() for k, v in split(s["state"])[0].items()
+        )
+        assert moved > 1e-3, (rank, moved)  # and not the per-replica one
+
+
+# As tests/workers/hf_parallel_checks.py.
+SHARDED_STEPS, SHARDED_BATCH, SHARDED_LR = 3, 4, 0.1
+
+
+def bert_batches() -> list[dict[str, torch.Tensor]]:
+    out = []
+    for i in range(SHARDED_STEPS):
+        ids = hf_models.tokens(SHARDED_BATCH, seed=50 + i)
+        mask = torch.ones_like(ids)
+        mask[1, -5:] = 0
+        mask[3, -2:] = 0
+        labels = hf_models.labels(SHARDED_BATCH, 3, seed=60 + i)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def llama_batches() -> list[dict[str, torch.Tensor]]:
+    return [
+        {"input_ids": ids, "labels": ids}
+        for ids in (hf_models.tokens(SHARDED_BATCH, seed=70 + i) for i in range(SHARDED_STEPS))
+    ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("check", "build", "batches"),
+    [
+        ("bert-fsdp", hf_models.bert, bert_batches),
+        ("llama-fsdp", hf_models.llama, llama_batches),
+    ],
+    ids=["bert", "llama"],
+)
+def test_a_transformer_under_fully_sharded_equals_one_process(two, check, build, batches):
+    """BERT (dict inputs, a padding mask, class labels) and the Llama-style decoder (rotary
+    tables made in forward, untied head), sharded over 2 processes, each on its half of every
+    global batch: the chief's model trained on the whole batches in one process."""
+    model = build(seed=CHIEF_SEED)
+    optimizer = torch.optim.SGD(model.parameters(), lr=SHARDED_LR)
+    losses = []
+    for batch in batches():
+        optimizer.zero_grad()
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    expected = state(model)
+    trainable = sorted(n for n, p in model.named_parameters())
+    for rank, s in enumerate(saved(two, check, 2)):
+        assert s["sharded"] == trainable, rank  # every parameter a shard
+        assert s["losses"] == pytest.approx(losses, abs=1e-5), rank
+        assert_same(s["state"], expected, f"{check}, worker {rank}")
 
 
 def gpt2_hand_trained(examples: int) -> tuple[dict, list[float]]:
@@ -292,6 +386,46 @@ def test_an_uneven_last_batch_of_gpt2_on_a_mesh_is_a_named_error(two):
             "whose dimension 0 (size 3) the mesh cuts unevenly along 'batch' (2 parts: 2 + 1)"
         ), (rank, error)
         assert "Give global batches that divide by 2" in error, (rank, error)
+
+
+# ---------------------------------------------------------------- parameter servers
+
+
+def launch(out: Path, mode: str, *cluster: str) -> None:
+    argv = [sys.executable, "-m", "stratagem.cli", "run", *cluster, str(CHECKS), mode, str(out)]
+    result = Process(argv, child_env(), out, "launcher", merge_output=True).wait(timeout=300)
+    assert result.returncode == 0, result.stdout
+    assert f"hf parallel checks {mode} done" in result.stdout, result.stdout
+
+
+@pytest.mark.multiprocess
+def test_resnet_under_sync_parameter_servers_equals_one_process_of_per_replica_slices(
+    tmp_path, per_replica
+):
+    """The parameters live on the ps and take the mean of the two workers' gradients; the
+    BatchNorm statistics are buffers, which stay on each worker: its own half's, as under
+    MWMS."""
+    launch(tmp_path, "ps", "-n", "2", "--ps", "1")
+    expected_params, _ = split(per_replica[0][0])
+    for rank in (0, 1):
+        params, stats = split(saved(tmp_path, "resnet-ps", 2)[rank]["state"])
+        assert_same(params, expected_params, f"sync ps ResNet, worker {rank}")
+        assert_same(stats, split(per_replica[rank][0])[1], f"worker {rank}'s statistics")
+
+
+@pytest.mark.multiprocess
+def test_the_coordinators_one_worker_trains_resnet_as_one_process_on_the_whole_batches(
+    tmp_path,
+):
+    """One worker runs the scheduled steps in order, each on a whole global batch: the model in
+    one process. The statistics are the worker's own, kept from call to call."""
+    launch(tmp_path, "coordinator", "--chief", "-n", "1", "--ps", "1")
+    (s,) = saved(tmp_path, "resnet-coordinator", 1)
+    expected, losses = resnet_reference(1)
+    params, stats = split(expected)
+    assert s["losses"] == pytest.approx(losses, abs=1e-5)
+    assert_same(s["parameters"], params, "the ps's ResNet")  # what the chief reads
+    assert_same(s["worker_statistics"], stats, "the worker's statistics")
 
 
 # ---------------------------------------------------------------- four processes

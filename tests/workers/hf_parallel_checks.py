@@ -5,12 +5,19 @@ argv: MODE OUT.
 
 - ``two`` (2 processes): HF's ResNet (BatchNorm) a few SGD steps under
   MultiWorkerMirroredStrategy, each worker on its half of every global batch, and through
-  ``sg.keras.Model.fit`` on its own loss; GPT-2's ``fit`` on its own loss (no compiled loss,
-  ``y`` reaching ``forward`` as ``labels=``) under FullyShardedStrategy and under a
-  data-parallel MeshStrategy, and the named error of a last batch that mesh cuts unevenly.
+  ``sg.keras.Model.fit`` on its own loss; ResNet, BERT and the Llama-style decoder under
+  FullyShardedStrategy the same way, and ResNet on a data-parallel MeshStrategy; GPT-2's
+  ``fit`` on its own loss (no compiled loss, ``y`` reaching ``forward`` as ``labels=``) under
+  FullyShardedStrategy and under a data-parallel MeshStrategy, and the named error of a last
+  batch that mesh cuts unevenly.
 - ``four`` (4 processes): GPT-2 traced and cut at a module path on a pipeline of 2 stages x 2
   data-parallel replicas (``train_step`` and ``fit``); GPT-2 on a ``(batch=2, model=2)``
   mesh, data- and tensor-parallel at once.
+
+- ``ps`` (``stratagem run -n 2 --ps 1``): ResNet under sync ParameterServerStrategy, each
+  worker on its half of every global batch.
+- ``coordinator`` (``stratagem run --chief -n 1 --ps 1``): ResNet trained by functions a
+  ClusterCoordinator schedules on its one worker.
 
 Workers are seeded differently where the strategy must make them start alike. Each rank writes
 ``OUT/<check>-rank<r>.pt`` (tensors and numbers, read back with ``weights_only=True``); the
@@ -27,6 +34,11 @@ import torch
 import stratagem as sg
 from real_models import hf_models
 from real_models.lm_pipeline import fit_gpt2, lm_batches, lm_loss, make_optimizer
+
+# Every task imports the model's module, as a program using ResNet does: a coordinator's worker
+# rebuilds the chief's model from classes of modules it has imported (transformers imports its
+# models lazily, on first use, which a worker serving the chief never reaches).
+ResNetForImageClassification = hf_models.transformers.ResNetForImageClassification
 
 MODE, OUT = sys.argv[1], Path(sys.argv[2])
 
@@ -64,7 +76,7 @@ def save(check: str, rank: int, value: dict) -> None:
 # ---------------------------------------------------------------- two processes
 
 
-def resnet_loop(mwms, rank: int) -> None:
+def resnet_loop(mwms, rank: int, check: str = "resnet-mwms") -> None:
     """A custom loop: each worker's loss is its mean over its half, over the replicas."""
     with mwms.scope():
         model = hf_models.resnet(seed=100 + rank).train()  # the chief's (100) must win
@@ -83,7 +95,7 @@ def resnet_loop(mwms, rank: int) -> None:
 
     for x, y in mwms.distribute_datasets_from_function(my_half):
         mwms.run(step, args=(x, y))
-    save("resnet-mwms", rank, state(model))
+    save(check, rank, {"state": state(model), "sharded": sharded(model)})
 
 
 def resnet_fit(mwms, rank: int) -> None:
@@ -95,6 +107,65 @@ def resnet_fit(mwms, rank: int) -> None:
     y = torch.cat([b[1] for b in resnet_batches()])
     history = model.fit(x, y, batch_size=RESNET_BATCH, epochs=1, shuffle=False, verbose=0)
     save("resnet-fit-mwms", rank, {"state": state(model.module), "loss": history.history["loss"]})
+
+
+def sharded(model: torch.nn.Module) -> list[str]:
+    """The parameters a strategy made DTensors (FSDP's shards, a mesh's layouts)."""
+    return sorted(
+        n for n, p in model.named_parameters() if isinstance(p, torch.distributed.tensor.DTensor)
+    )
+
+
+SHARDED_STEPS, SHARDED_BATCH, SHARDED_LR = 3, 4, 0.1
+
+
+def bert_batches() -> list[dict[str, torch.Tensor]]:
+    """BERT batches with padding (the attention mask matters) and class labels."""
+    out = []
+    for i in range(SHARDED_STEPS):
+        ids = hf_models.tokens(SHARDED_BATCH, seed=50 + i)
+        mask = torch.ones_like(ids)
+        mask[1, -5:] = 0
+        mask[3, -2:] = 0
+        labels = hf_models.labels(SHARDED_BATCH, 3, seed=60 + i)
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def llama_batches() -> list[dict[str, torch.Tensor]]:
+    """Causal LM batches: the model shifts ``labels`` itself."""
+    out = []
+    for i in range(SHARDED_STEPS):
+        ids = hf_models.tokens(SHARDED_BATCH, seed=70 + i)
+        out.append({"input_ids": ids, "labels": ids})
+    return out
+
+
+def transformer_loop(strategy, check: str, rank: int, build, batches) -> None:
+    """A custom loop over dict batches, each worker on its half of every global batch: the
+    model's own loss (a mean over its half: every half has as many examples and tokens), over
+    the replicas. ``build(seed)`` makes the model."""
+    with strategy.scope():
+        model = build(seed=100 + rank)  # the chief's (100) must win
+        optimizer = torch.optim.SGD(model.parameters(), lr=SHARDED_LR)
+
+    def my_half(ctx: sg.distribute.InputContext) -> list[dict[str, torch.Tensor]]:
+        size = ctx.get_per_replica_batch_size(SHARDED_BATCH)
+        lo = ctx.input_pipeline_id * size
+        return [{k: v[lo : lo + size] for k, v in b.items()} for b in batches]
+
+    def step(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(**batch).loss / strategy.num_replicas_in_sync
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    losses = [
+        float(strategy.reduce("SUM", strategy.run(step, args=(batch,)), axis=None))
+        for batch in strategy.distribute_datasets_from_function(my_half)
+    ]
+    save(check, rank, {"state": state(model), "losses": losses, "sharded": sharded(model)})
 
 
 def gpt2_fit(strategy, check: str, rank: int, examples: int) -> None:
@@ -118,11 +189,38 @@ def gpt2_fit(strategy, check: str, rank: int, examples: int) -> None:
     )
 
 
+def resnet_mesh(rank: int) -> None:
+    """ResNet on a data-parallel (batch=2) mesh: each global batch one DTensor split along
+    ``batch``; the step computes on the global batch (its loss the global mean)."""
+    strategy = sg.distribute.experimental.MeshStrategy(sg.dtensor.create_mesh([("batch", 2)]))
+    with strategy.scope():
+        model = hf_models.resnet(seed=100).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=RESNET_LR)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(pixel_values=x, labels=y).loss
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    losses = [
+        float(strategy.reduce("MEAN", strategy.run(step, args=batch), axis=None))
+        for batch in strategy.experimental_distribute_dataset(resnet_batches())
+    ]
+    save("resnet-mesh", rank, {"state": state(model), "losses": losses, "sharded": sharded(model)})
+
+
 def two() -> None:
     mwms = sg.distribute.MultiWorkerMirroredStrategy()
     rank = mwms.cluster_resolver.task_id
     resnet_loop(mwms, rank)
     resnet_fit(mwms, rank)
+    fsdp = sg.distribute.experimental.FullyShardedStrategy
+    resnet_loop(fsdp(), rank, "resnet-fsdp")
+    transformer_loop(fsdp(), "bert-fsdp", rank, hf_models.bert, bert_batches())
+    transformer_loop(fsdp(), "llama-fsdp", rank, hf_models.llama, llama_batches())
+    resnet_mesh(rank)
     gpt2_fit(sg.distribute.experimental.FullyShardedStrategy(), "gpt2-fit-fsdp", rank, 11)
     mesh = sg.dtensor.create_mesh([("batch", 2)])
     gpt2_fit(sg.distribute.experimental.MeshStrategy(mesh), "gpt2-fit-mesh", rank, 12)
@@ -239,5 +337,79 @@ def four() -> None:
     mesh_2x2(torch.distributed.get_rank())
 
 
-{"two": two, "four": four}[MODE]()
+# ---------------------------------------------------------------- parameter servers
+
+
+def ps() -> None:
+    """``stratagem run -n 2 --ps 1``: ResNet under sync ParameterServerStrategy, each worker on
+    its half of every global batch (sync mode applies the mean of the workers' gradients: each
+    loss is its own mean). Parameters on the ps; buffers, the BatchNorm statistics, local."""
+    strategy = sg.distribute.ParameterServerStrategy(mode="sync")
+    # Only workers get here: on the ps task the constructor served the job and exited.
+    rank = strategy.cluster_resolver.task_id
+    with strategy.scope():
+        model = hf_models.resnet(seed=100 + rank).train()  # the chief's (100) must win
+        optimizer = torch.optim.SGD(model.parameters(), lr=RESNET_LR)
+
+    def my_half(ctx: sg.distribute.InputContext) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        size = RESNET_BATCH // ctx.num_input_pipelines
+        lo = ctx.input_pipeline_id * size
+        return [(x[lo : lo + size], y[lo : lo + size]) for x, y in resnet_batches()]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        model(pixel_values=x, labels=y).loss.backward()
+        optimizer.step()
+
+    for x, y in strategy.distribute_datasets_from_function(my_half):
+        strategy.run(step, args=(x, y))
+    strategy.pull()
+    save("resnet-ps", rank, {"state": state(model)})
+
+
+def coordinator() -> None:
+    """``stratagem run --chief -n 1 --ps 1``: ResNet trained by functions the chief schedules
+    on its one worker, in order, on the whole global batches; then the worker's BatchNorm
+    statistics (its own, kept from call to call) fetched by one more function."""
+    resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type in ("worker", "ps"):
+        sg.distribute.Server(resolver).join()
+        return
+    strategy = sg.distribute.experimental.ParameterServerStrategy(resolver)
+    coordinator = sg.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = hf_models.resnet(seed=100).train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=RESNET_LR)
+    initial = {n: b.clone() for n, b in model.named_buffers()}
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        optimizer.zero_grad()
+        loss = model(pixel_values=x, labels=y).loss
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    def statistics() -> dict[str, torch.Tensor]:
+        return {n: b.clone() for n, b in model.named_buffers()}
+
+    values = [coordinator.schedule(step, args=batch) for batch in resnet_batches()]
+    coordinator.join()
+    worker_statistics = coordinator.schedule(statistics).fetch()
+    parameters = {n: whole(p) for n, p in model.named_parameters()}  # the ps's values
+    chief_statistics = {n: b.clone() for n, b in model.named_buffers()}
+    save(
+        "resnet-coordinator",
+        0,
+        {
+            "losses": [v.fetch() for v in values],
+            "parameters": parameters,
+            "worker_statistics": worker_statistics,
+            "chief_statistics_unchanged": all(
+                torch.equal(b, initial[n]) for n, b in chief_statistics.items()
+            ),
+        },
+    )
+
+
+{"two": two, "four": four, "ps": ps, "coordinator": coordinator}[MODE]()
 print(f"hf parallel checks {MODE} done", flush=True)
