@@ -43,6 +43,9 @@ def test_backup_and_restore_resumes_an_interrupted_fit_exactly(tmp_path):
         callbacks=[sg.keras.callbacks.BackupAndRestore(backup)],
     )  # fmt: skip
     assert history.epoch == [2, 3]
+    # The optimizer's step count goes on from the backup's, as Keras's iterations variable
+    # does (a learning-rate schedule and TensorBoard's steps read it).
+    assert resumed.optimizer.iterations == reference.optimizer.iterations == 8
     for k, v in reference.module.state_dict().items():
         torch.testing.assert_close(resumed.module.state_dict()[k], v, rtol=1e-5, atol=1e-6)
     assert not (tmp_path / "backup").exists()  # deleted once fit finished
@@ -99,6 +102,7 @@ def test_backup_and_restore_with_save_freq_resumes_mid_epoch_exactly(
     # A restarted script draws another shuffle seed; the backup's seed and position win.
     resumed, history = fit([sg.keras.callbacks.BackupAndRestore(backup, save_freq=2)], seed=2)
     assert history.epoch == list(range(crash_at[0], 4))
+    assert resumed.optimizer.iterations == reference.optimizer.iterations
     for name, values in history.history.items():  # the resumed epoch's metrics too
         assert values == pytest.approx(expected.history[name][crash_at[0] :], rel=1e-5), name
     for k, v in reference.module.state_dict().items():
