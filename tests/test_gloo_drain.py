@@ -6,17 +6,26 @@ wait, none in 80 with it, alternating, on the 2-core machine); here, what the wa
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from cluster_utils import WORKERS, run_cluster
-from stratagem.comm.gloo_drain import wait_for_gloo_threads
+from cluster_utils import WORKERS, child_env, run_cluster
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_without_gloo_threads_the_wait_returns_at_once():
-    assert wait_for_gloo_threads(limit_s=0.0)
+    # In a process of its own: this one may hold groups of earlier tests.
+    code = (
+        "from stratagem.comm.gloo_drain import wait_for_gloo_threads\n"
+        "assert wait_for_gloo_threads(limit_s=0.0)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_wait_sees_the_threads_settle_and_does_not_wait_for_a_blocked_collective(tmp_path):
