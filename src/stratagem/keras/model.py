@@ -659,7 +659,8 @@ class Model(Portable):
         if self.optimizer is not None:
             # Keras's optimizer.iterations is a variable its checkpoint holds: a resumed fit's
             # learning-rate schedule and TensorBoard steps go on from it.
-            progress["optimizer_batches"] = torch.tensor([self.optimizer._batches])
+            # (A backup waits for the end of an accumulated step: whole steps only.)
+            progress["optimizer_iterations"] = torch.tensor([self.optimizer.iterations])
         for i, metric in enumerate(self.metrics):
             progress[f"metric_{i}"] = metric.global_state()
         return progress
@@ -673,9 +674,9 @@ class Model(Portable):
         epoch, step, seed, pass_index, batch = (int(v) for v in progress["position"])
         self._initial_epoch, self._initial_step = epoch, step
         self._fit_data.seek(DataPosition(seed, pass_index, batch))
-        batches = progress.get("optimizer_batches")  # absent from backups of older versions
-        if batches is not None and self.optimizer is not None:
-            self.optimizer._batches = int(batches[0])
+        iterations = progress.get("optimizer_iterations")  # absent from older backups
+        if iterations is not None and self.optimizer is not None:
+            self.optimizer.iterations = int(iterations[0])
         # One process in all holds the totals: rank 0 among the replicas' processes.
         holder = self.distribute_strategy.extended.communicator.rank == 0
         for i, metric in enumerate(self.metrics):
