@@ -226,3 +226,12 @@ def run_cluster(script: Path | str, n: int, workdir: Path, **kwargs: object) -> 
     timeout = float(kwargs.pop("timeout", 120))  # type: ignore[arg-type]
     with Cluster(script, n, workdir, **kwargs) as cluster:  # type: ignore[arg-type]
         return cluster.wait(timeout)
+
+
+def launch_checks(script: Path, out: Path, mode: str, *cluster: str, done: str) -> None:
+    """``stratagem run CLUSTER script mode out`` (a worker script of checks run by the
+    launcher, each task its role); checks that the job exited 0 and printed ``done``."""
+    argv = [sys.executable, "-m", "stratagem.cli", "run", *cluster, str(script), mode, str(out)]
+    result = Process(argv, child_env(), out, "launcher", merge_output=True).wait(timeout=300)
+    assert result.returncode == 0, result.stdout
+    assert done in result.stdout, result.stdout

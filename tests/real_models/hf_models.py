@@ -104,3 +104,31 @@ def images(n: int, seed: int = 1, size: int = 16) -> torch.Tensor:
 
 def labels(n: int, classes: int, seed: int = 2) -> torch.Tensor:
     return torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+# The sharded-model checks' batches (FSDP on BERT and the Llama-style decoder): the worker
+# trains on them and the test computes its one-process reference from the same.
+SHARDED_STEPS, SHARDED_BATCH, SHARDED_LR = 3, 4, 0.1
+
+
+def bert_batches() -> list[dict[str, torch.Tensor]]:
+    """BERT batches with padding (the attention mask matters) and class labels."""
+    out = []
+    for i in range(SHARDED_STEPS):
+        ids = tokens(SHARDED_BATCH, seed=50 + i)
+        mask = torch.ones_like(ids)
+        mask[1, -5:] = 0
+        mask[3, -2:] = 0
+        out.append(
+            {"input_ids": ids, "attention_mask": mask, "labels": labels(SHARDED_BATCH, 3, 60 + i)}
+        )
+    return out
+
+
+def llama_batches() -> list[dict[str, torch.Tensor]]:
+    """Causal LM batches: the model shifts ``labels`` itself."""
+    out = []
+    for i in range(SHARDED_STEPS):
+        ids = tokens(SHARDED_BATCH, seed=70 + i)
+        out.append({"input_ids": ids, "labels": ids})
+    return out

@@ -33,7 +33,6 @@ server job per test (``stratagem run``, a ps task beside the workers).
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,8 +40,13 @@ import pytest
 import torch
 
 import stratagem as sg
-from cluster_utils import WORKERS, Process, child_env, run_cluster
+from cluster_utils import WORKERS, launch_checks, run_cluster
 from real_models import hf_models
+from real_models.hf_models import (
+    SHARDED_LR,
+    bert_batches,
+    llama_batches,
+)
 from real_models.lm_pipeline import every_name, lm_batches, lm_loss, train_unsplit
 
 CHECKS = WORKERS / "hf_parallel_checks.py"
@@ -286,29 +290,6 @@ def test_resnet_on_a_data_parallel_mesh_equals_one_process_on_the_whole_global_b
         assert moved > 1e-3, (rank, moved)  # and not the per-replica one
 
 
-# As tests/workers/hf_parallel_checks.py.
-SHARDED_STEPS, SHARDED_BATCH, SHARDED_LR = 3, 4, 0.1
-
-
-def bert_batches() -> list[dict[str, torch.Tensor]]:
-    out = []
-    for i in range(SHARDED_STEPS):
-        ids = hf_models.tokens(SHARDED_BATCH, seed=50 + i)
-        mask = torch.ones_like(ids)
-        mask[1, -5:] = 0
-        mask[3, -2:] = 0
-        labels = hf_models.labels(SHARDED_BATCH, 3, seed=60 + i)
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
-    return out
-
-
-def llama_batches() -> list[dict[str, torch.Tensor]]:
-    return [
-        {"input_ids": ids, "labels": ids}
-        for ids in (hf_models.tokens(SHARDED_BATCH, seed=70 + i) for i in range(SHARDED_STEPS))
-    ]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("check", "build", "batches"),
@@ -391,13 +372,6 @@ def test_an_uneven_last_batch_of_gpt2_on_a_mesh_is_a_named_error(two):
 # ---------------------------------------------------------------- parameter servers
 
 
-def launch(out: Path, mode: str, *cluster: str) -> None:
-    argv = [sys.executable, "-m", "stratagem.cli", "run", *cluster, str(CHECKS), mode, str(out)]
-    result = Process(argv, child_env(), out, "launcher", merge_output=True).wait(timeout=300)
-    assert result.returncode == 0, result.stdout
-    assert f"hf parallel checks {mode} done" in result.stdout, result.stdout
-
-
 @pytest.mark.multiprocess
 def test_resnet_under_sync_parameter_servers_equals_one_process_of_per_replica_slices(
     tmp_path, per_replica
@@ -405,7 +379,7 @@ def test_resnet_under_sync_parameter_servers_equals_one_process_of_per_replica_s
     """The parameters live on the ps and take the mean of the two workers' gradients; the
     BatchNorm statistics are buffers, which stay on each worker: its own half's, as under
     MWMS."""
-    launch(tmp_path, "ps", "-n", "2", "--ps", "1")
+    launch_checks(CHECKS, tmp_path, "ps", "-n", "2", "--ps", "1", done="hf parallel checks ps done")
     expected_params, _ = split(per_replica[0][0])
     for rank in (0, 1):
         params, stats = split(saved(tmp_path, "resnet-ps", 2)[rank]["state"])
@@ -419,7 +393,17 @@ def test_the_coordinators_one_worker_trains_resnet_as_one_process_on_the_whole_b
 ):
     """One worker runs the scheduled steps in order, each on a whole global batch: the model in
     one process. The statistics are the worker's own, kept from call to call."""
-    launch(tmp_path, "coordinator", "--chief", "-n", "1", "--ps", "1")
+    launch_checks(
+        CHECKS,
+        tmp_path,
+        "coordinator",
+        "--chief",
+        "-n",
+        "1",
+        "--ps",
+        "1",
+        done="hf parallel checks coordinator done",
+    )
     (s,) = saved(tmp_path, "resnet-coordinator", 1)
     expected, losses = resnet_reference(1)
     params, stats = split(expected)

@@ -11,7 +11,6 @@ the coordinator (``tests/workers/tied_checks.py``).
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from safetensors import safe_open
 from typing_extensions import override
 
 import stratagem as sg
-from cluster_utils import WORKERS, Process, child_env, run_cluster
+from cluster_utils import WORKERS, launch_checks, run_cluster
 from in_turn_strategy import InTurnExtended
 from real_models import hf_models
 from stratagem.train.dcp_reader import read_dcp_metadata
@@ -260,18 +259,11 @@ def test_a_sharded_model_saves_its_tie_once(collective):
 # ---------------------------------------------------------------- parameter servers
 
 
-def _launch(out: Path, mode: str, *cluster: str) -> None:
-    argv = [sys.executable, "-m", "stratagem.cli", "run", *cluster, str(CHECKS), mode, str(out)]
-    result = Process(argv, child_env(), out, "launcher", merge_output=True).wait(timeout=300)
-    assert result.returncode == 0, result.stdout
-    assert f"tied checks {mode} done" in result.stdout, result.stdout
-
-
 @pytest.mark.multiprocess
 def test_sync_parameter_servers_hold_one_variable_and_train_the_tie_as_one_process(
     tmp_path, reference
 ):
-    _launch(tmp_path, "ps", "-n", "2", "--ps", "1")
+    launch_checks(CHECKS, tmp_path, "ps", "-n", "2", "--ps", "1", done="tied checks ps done")
     facts = _facts(tmp_path, "ps")
     assert facts["ps_tied"]
     assert facts["ps_variables"] == len(reference) - 1  # 28 tensors for GPT-2's 29 names
@@ -289,7 +281,17 @@ def test_sync_parameter_servers_hold_one_variable_and_train_the_tie_as_one_proce
 def test_the_coordinators_worker_keeps_the_tie_and_trains_as_one_process(tmp_path, reference):
     # GPT-2 itself: its worker rebuilds the model each call, config and generation_config
     # included (a library's plain objects travel by their attributes).
-    _launch(tmp_path, "coordinator", "--chief", "-n", "1", "--ps", "1")
+    launch_checks(
+        CHECKS,
+        tmp_path,
+        "coordinator",
+        "--chief",
+        "-n",
+        "1",
+        "--ps",
+        "1",
+        done="tied checks coordinator done",
+    )
     facts = _facts(tmp_path, "coordinator")
     assert facts["worker_tied"] == [True] * STEPS  # the worker's copies, in every function
     assert facts["chief_tied"]

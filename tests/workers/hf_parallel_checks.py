@@ -33,6 +33,12 @@ import torch
 
 import stratagem as sg
 from real_models import hf_models
+from real_models.hf_models import (
+    SHARDED_BATCH,
+    SHARDED_LR,
+    bert_batches,
+    llama_batches,
+)
 from real_models.lm_pipeline import fit_gpt2, lm_batches, lm_loss, make_optimizer
 
 # Every task imports the model's module, as a program using ResNet does: a coordinator's worker
@@ -114,31 +120,6 @@ def sharded(model: torch.nn.Module) -> list[str]:
     return sorted(
         n for n, p in model.named_parameters() if isinstance(p, torch.distributed.tensor.DTensor)
     )
-
-
-SHARDED_STEPS, SHARDED_BATCH, SHARDED_LR = 3, 4, 0.1
-
-
-def bert_batches() -> list[dict[str, torch.Tensor]]:
-    """BERT batches with padding (the attention mask matters) and class labels."""
-    out = []
-    for i in range(SHARDED_STEPS):
-        ids = hf_models.tokens(SHARDED_BATCH, seed=50 + i)
-        mask = torch.ones_like(ids)
-        mask[1, -5:] = 0
-        mask[3, -2:] = 0
-        labels = hf_models.labels(SHARDED_BATCH, 3, seed=60 + i)
-        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
-    return out
-
-
-def llama_batches() -> list[dict[str, torch.Tensor]]:
-    """Causal LM batches: the model shifts ``labels`` itself."""
-    out = []
-    for i in range(SHARDED_STEPS):
-        ids = hf_models.tokens(SHARDED_BATCH, seed=70 + i)
-        out.append({"input_ids": ids, "labels": ids})
-    return out
 
 
 def transformer_loop(strategy, check: str, rank: int, build, batches) -> None:
