@@ -229,3 +229,26 @@ def test_prefetch_to_device_on_cuda_copies_ahead_on_a_side_stream():
     # The step's stream may use the tensors at once: its work is ordered after the copy.
     total = sum(float((a * 2).sum()) for a, _ in moved)
     assert total == pytest.approx(float(x.sum()) * 2, rel=1e-5)
+
+
+def test_a_pass_dropped_inside_one_of_its_own_map_calls_ends_without_an_error(monkeypatch):
+    """The last reference to a pass let go by its own map function, in one of the pool's
+    threads: the pass is closed there, and its pool must not wait for the thread that closes
+    it ("cannot join current thread", reported as an ignored exception)."""
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: ignored.append(repr(u.exc_value)))
+    release, holder = threading.Event(), {}
+
+    def drop_the_pass_at_1(x):
+        if int(x) == 1:
+            assert release.wait(DEADLOCK_S)
+            holder.clear()  # the pass's last reference, in this pool thread
+        return x
+
+    it = iter(sg.data.Dataset.range(10).map(drop_the_pass_at_1, num_parallel_calls=2))
+    assert int(next(it)) == 0  # element 1's call is running, waiting for the release
+    holder["it"] = it
+    del it
+    release.set()
+    assert _settled_threads([]) == []
+    assert ignored == []

@@ -13,6 +13,7 @@ the calls not started and waits for the running ones, so no thread outlives the 
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,7 +46,10 @@ class ParallelMap(Map):
         return ParallelMap(upstream, self.fn, self.calls)
 
     def _map(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
-        pool = ThreadPoolExecutor(self.calls, thread_name_prefix="stratagem-map")
+        own: set[int] = set()  # the pool's threads, as they start
+        pool = ThreadPoolExecutor(
+            self.calls, thread_name_prefix="stratagem-map", initializer=_record, initargs=(own,)
+        )
         in_flight: deque[Future[Any]] = deque()
         try:
             for chunk in chunks:
@@ -59,7 +63,14 @@ class ParallelMap(Map):
             while in_flight:
                 yield _result(in_flight.popleft())
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            # A pass dropped by a call of its own map (its last reference let go in one of the
+            # pool's threads) is closed in that thread, which cannot wait for itself: the
+            # threads then end on their own once their calls return.
+            pool.shutdown(wait=threading.get_ident() not in own, cancel_futures=True)
+
+
+def _record(own: set[int]) -> None:
+    own.add(threading.get_ident())
 
 
 def _result(call: Future[Any]) -> Chunk:
