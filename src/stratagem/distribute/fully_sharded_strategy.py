@@ -222,11 +222,9 @@ class FullyShardedExtended(WholeModulesExtended, DefersGradients):
             # on this worker's device, as fully_shard would have put it there. In place
             # (module.to keeps the Parameter objects), so an optimizer made over them holds.
             # A model on the meta device stays there, for the user's to_empty().
-            if not any(t.is_meta for t in module.parameters()):
-                with self.replacing_parameters(module):
+            with self.replacing_parameters(module):  # claims the module's tensors
+                if not any(t.is_meta for t in module.parameters()):
                     module.to(self._placement_device)
-            else:
-                self.claim_module(module)
             return
         if not any(True for _ in module.parameters()):
             return  # an activation, a container of nothing yet: nothing to shard
