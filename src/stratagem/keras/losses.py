@@ -79,14 +79,17 @@ class SparseCategoricalCrossentropy(Loss):
     ) -> None:
         super().__init__(reduction, name)
         self.from_logits = from_logits
+        self._labels_checked_on: set[torch.device] = set()
+
+    def _sg_after_rebuild(self) -> None:
+        self._labels_checked_on = set()
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        checked: set[torch.device] = self.__dict__.setdefault("_labels_checked_on", set())
         _check_label_shape(y_true, y_pred)
-        if y_true.device.type == "cpu" or y_true.device not in checked:
+        if y_true.device.type == "cpu" or y_true.device not in self._labels_checked_on:
             _check_label_values(y_true, y_pred)
             if y_true.device.type != "cpu":
-                checked.add(y_true.device)
+                self._labels_checked_on.add(y_true.device)
         labels = y_true.reshape(y_pred.shape[:-1]).long()
         logits = y_pred if self.from_logits else torch.log(y_pred.clamp_min(1e-7))
         flat = logits.reshape(-1, logits.shape[-1])
