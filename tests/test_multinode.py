@@ -18,7 +18,7 @@ import pytest
 from cluster_utils import Process, child_env, free_ports
 from stratagem.cli import main
 from stratagem.cluster.launcher import LaunchError, Nodes
-from stratagem.cluster.nodes import make_node_tasks
+from stratagem.cluster.nodes import meet_nodes
 
 TRAIN = """\
 import json, os
@@ -31,6 +31,16 @@ mine = torch.tensor([float(config["task"]["index"] + 1)])
 total = strategy.reduce(sg.distribute.ReduceOp.SUM, strategy.run(lambda: mine), axis=None)
 print("cluster", json.dumps(config["cluster"]), "sum", total.item(), flush=True)
 """
+
+
+def make_node_tasks(nodes, workers: int, **options):
+    """This node's tasks from one meeting of the nodes (``meet_nodes``), its links closed: what
+    a launcher without restarts keeps of the meeting."""
+    met = meet_nodes(nodes, workers, **options)
+    if met is None:
+        return None
+    met.close()
+    return met.tasks
 
 
 def _second_loopback_usable() -> bool:

@@ -195,45 +195,6 @@ class Placement:
         }
 
 
-def make_node_tasks(
-    nodes: Nodes,
-    workers: int,
-    *,
-    host: str,
-    restart: int,
-    base_env: Mapping[str, str],
-    omp_threads: int | None,
-    log: Callable[[str], None],
-    stopped: Callable[[], bool] = lambda: False,
-    ps: int = 0,
-    chief: bool = False,
-    evaluator: bool = False,
-    max_restarts: int = 0,
-) -> list[Task] | None:
-    """This node's tasks (its ``workers``, and the ps, chief and evaluator tasks ``Placement``
-    puts on it), with the TF_CONFIG of the whole job; None when ``stopped()`` turned true while
-    the nodes met (the launcher got a signal). The meeting's links are closed (``meet_nodes``
-    keeps them)."""
-    met = meet_nodes(
-        nodes,
-        workers,
-        host=host,
-        restart=restart,
-        base_env=base_env,
-        omp_threads=omp_threads,
-        log=log,
-        stopped=stopped,
-        ps=ps,
-        chief=chief,
-        evaluator=evaluator,
-        max_restarts=max_restarts,
-    )
-    if met is None:
-        return None
-    met.close()
-    return met.tasks
-
-
 @dataclass
 class NodeAttempt:
     """What one meeting of the nodes gave this node: the attempt's number (node 0's: a node
@@ -267,8 +228,11 @@ def meet_nodes(
     evaluator: bool = False,
     max_restarts: int = 0,
 ) -> NodeAttempt | None:
-    """``make_node_tasks``, for attempt ``restart`` of a job restarted up to ``max_restarts``
-    times (every node must be given the same): with restarts, the meeting's connections stay
+    """This node's tasks (its ``workers``, and the ps, chief and evaluator tasks ``Placement``
+    puts on it), with the TF_CONFIG of the whole job; None when ``stopped()`` turned true while
+    the nodes met (the launcher got a signal). For attempt ``restart`` of a job restarted up to
+    ``max_restarts`` times (every node must be given the same): with restarts, the meeting's
+    connections stay
     open as the attempt's control links (``stratagem.cluster.agreement``), and node 0's attempt
     number is everyone's."""
     # Every node's tasks must hold one secret, which only the user can give them all (each
