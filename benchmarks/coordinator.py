@@ -279,7 +279,8 @@ def main() -> None:
         ratios["coordinated / between"] = median_round_ratio(samples, "coordinated", "between")
     if args.tf_python:
         for name in ("empty", "coordinated", "coordinated10"):
-            ratios[f"{name} / tf_{name}"] = median_round_ratio(samples, name, f"tf_{name}")
+            if name in samples and f"tf_{name}" in samples:  # --variants may pick a subset
+                ratios[f"{name} / tf_{name}"] = median_round_ratio(samples, name, f"tf_{name}")
         if "coordinated10" in samples and "between" in samples:
             ratios["coordinated10 / between"] = median_round_ratio(
                 samples, "coordinated10", "between"

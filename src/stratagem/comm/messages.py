@@ -134,6 +134,7 @@ class _Channel:
         self.sending: shared_segment.SendSegment | None = None
         self.receiving: shared_segment.ReceiveSegment | None = None
         self.borrowed = False  # the last frame's tensors are views of the peer's segment
+        self.tensors: list[torch.Tensor] = []  # the last frame's tensors, in order
         self._read_direct = _reader(sock)
         # What arrived beyond the last read: one recv brings a frame's kind, preamble and
         # header at once (each recv that must wait is a trip through the scheduler).
@@ -217,8 +218,11 @@ class _Channel:
         self._read_into(memoryview(first))
         kind = bytes(first)
         self.borrowed = borrow and kind != b"\x00"
+        self.tensors = []
         if kind == b"\x00":
-            return plain_data.read_frame(self._read_into, sender=sender, what=what, into=into)
+            return plain_data.read_frame(
+                self._read_into, sender=sender, what=what, into=into, kept=self.tensors
+            )
         if kind == b"\x02":
             if self.receiving is None:
                 raise PeerDataError(f"{sender} announced a shared-memory segment unasked")
@@ -239,6 +243,7 @@ class _Channel:
             read_tensors_into=None if borrow else self.receiving.reader(),
             into=into,
             lend=self.receiving.lender() if borrow else None,
+            kept=self.tensors,
         )
 
     def _read_bytes(self, size: int) -> bytes:
@@ -448,7 +453,7 @@ class MessageServer:
             try:
                 reply = {"id": rid, "result": self._call(channel, rid, method, request["args"])}
                 channel.send(reply, what=f"the reply of {self.name}")
-                lent = [] if channel.borrowed else list(plain_data.tensors_in(request["args"]))
+                lent = [] if channel.borrowed else channel.tensors
             except OSError:
                 return
             except Exception as e:
