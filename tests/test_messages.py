@@ -48,6 +48,10 @@ def _never_ended() -> bool:
 
 
 def _sync_store() -> ShardStore:
+    # The first torch optimizer made in a process imports torch._dynamo (1.5 s here): made now,
+    # not by the push, whose first "waiting" note would come after the client's short timeout
+    # when this test runs before any other made one.
+    torch.optim.SGD([torch.zeros(1)], lr=1.0)
     store = ShardStore("ps:0", 2)
     store.create(UpdateRule("sync", 2, 2), 0, {(0, 0): torch.zeros(3)})
     return store
