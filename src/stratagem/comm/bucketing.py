@@ -80,6 +80,7 @@ class _Bucket:
     flags: torch.Tensor  # the flag part of buffer
     what: str  # how errors name this bucket's all-reduce
     ready: int = 0
+    collected: int = 0  # entries whose parameter this process has let go (they never fill)
     complete: bool = False  # launched with every gradient of this process present
     pending: PendingOp | None = None
     compressed: CompressedSum | None = None  # its buffers, when sent in 16 bits
@@ -139,8 +140,8 @@ class GradientReducer:
         self._forget_collected()
         for p in new:
             entry = _Entry(
-                weakref.ref(p), p.shape, p.numel(), p.numel() * p.element_size(), p.device,
-                p.dtype, [],
+                weakref.ref(p, self._on_collected), p.shape, p.numel(),
+                p.numel() * p.element_size(), p.device, p.dtype, [],
             )  # fmt: skip
             # Hooks on the tensor itself (not on its AccumulateGrad node, which would have to
             # be kept alive, and holds the parameter): they close over the entry, not the
@@ -172,6 +173,15 @@ class GradientReducer:
                     handle.remove()
         self._entries = kept
 
+    def _on_collected(self, ref: weakref.ref) -> None:
+        # A parameter let go here (a tie built after the model: Hugging Face's lm_head) never
+        # fills its slot: its bucket must not wait for it, or that bucket and every one after
+        # it would start only at the end of backward, with no overlap left (the slot goes out
+        # as zeros, flag 0, as at a flush).
+        for entry in self._entries:
+            if entry.ref is ref and entry.bucket is not None:
+                entry.bucket.collected += 1
+
     def _build_buckets(self) -> None:
         groups: dict[tuple[torch.device, torch.dtype], list[_Entry]] = {}
         for e in reversed(self._entries):
@@ -198,6 +208,7 @@ class GradientReducer:
             offset += e.numel
         what = f"gradients of {len(entries)} parameters ({total} values)"
         bucket = _Bucket(entries, buffer, views, buffer[total:], what)
+        bucket.collected = sum(e.ref() is None for e in entries)
         self._buckets.append(bucket)
         for i, e in enumerate(entries):
             e.bucket, e.index = bucket, i
@@ -251,7 +262,7 @@ class GradientReducer:
         # Buckets start in a fixed order on every process: collectives pair up by order.
         while self._next_launch < len(self._buckets):
             bucket = self._buckets[self._next_launch]
-            if bucket.ready < len(bucket.entries):
+            if bucket.ready + bucket.collected < len(bucket.entries):
                 return
             self._launch(bucket)
             self._next_launch += 1

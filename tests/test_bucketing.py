@@ -1,0 +1,80 @@
+"""The gradient reducer's buckets, in one process: a communicator standing for a world of two
+identical replicas (a sum is twice the local value) records when each bucket's all-reduce
+starts, so overlap with backward is checked by order, never by time."""
+
+from __future__ import annotations
+
+import torch
+
+from stratagem.comm.bucketing import GradientReducer
+from stratagem.comm.communicator import LocalCommunicator, PendingOp
+
+
+class _Doubled(PendingOp):
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def wait(self) -> None:
+        self._tensor.mul_(2)  # the sum over two replicas that computed the same
+
+
+class _TwoReplicas(LocalCommunicator):
+    """A world of two identical replicas: each launch is recorded with whether backward was
+    still running then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.world_size = 2
+        self.reducer: GradientReducer | None = None
+        self.launches: list[bool] = []  # per bucket all-reduce: started during backward?
+
+    def all_reduce(self, tensor, op=None, *, what):  # type: ignore[no-untyped-def]
+        return None  # who still holds what: the same on both replicas
+
+    def all_reduce_async(self, tensor: torch.Tensor, *, what: str) -> PendingOp:
+        assert self.reducer is not None
+        self.launches.append(self.reducer._in_backward)
+        return _Doubled(tensor)
+
+
+class _Tied(torch.nn.Module):
+    """An embedding, a body, and a head tied to the embedding after it was made (as Hugging
+    Face ties ``lm_head`` to ``wte``): the head's own first weight is dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.body = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(4)))
+        self.head = torch.nn.Linear(8, 16, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(ids)))
+
+
+def test_a_parameter_dropped_after_adoption_does_not_hold_back_the_buckets() -> None:
+    """The head's first weight, adopted and then replaced by the tie, was last made: it sits in
+    the first bucket, which waited for it until the end of backward, and every bucket after it
+    with it (no overlap at all: GPT-2 under MWMS). Now every bucket but the last (the tied
+    weight's, whose gradient completes last) starts while backward runs, and the gradients are
+    the sums."""
+    torch.manual_seed(0)
+    comm = _TwoReplicas()
+    # Small buckets: one or two parameters each, so the order shows.
+    reducer = GradientReducer(comm, first_bucket_bytes=64 * 4, bucket_bytes=64 * 4)
+    comm.reducer = reducer
+    model = _Tied()
+    reducer.add_parameters(list(model.parameters()))
+    model.head.weight = model.embed.weight  # the tie: the adopted head weight is let go
+    reference = _Tied()
+    reference.load_state_dict(model.state_dict(), strict=False)
+    reference.head.weight = reference.embed.weight
+
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    model(ids).square().mean().backward()
+    reference(ids).square().mean().backward()
+
+    assert len(comm.launches) >= 4
+    assert all(comm.launches[:-1]), comm.launches
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, 2 * q.grad, msg=name)
