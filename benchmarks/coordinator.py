@@ -295,7 +295,14 @@ def main() -> None:
     targets = {"coordinated / between": 0.8, "coordinated3 / sync": 1.8}
     targets |= {"empty / tf_empty": 1.5, "coordinated / tf_coordinated": 1.2}
     targets |= {"coordinated10 / tf_coordinated10": 1.2, "coordinated10 / between": 0.9}
+    if args.delay == 0:
+        # The 0.8 is for steps with work of their own (--delay): a step of about 1 ms is
+        # mostly dispatch, which one step per function pays in full (docs/benchmarks.md).
+        del targets["coordinated / between"]
     for what, ratio in ratios.items():
+        if what not in targets:
+            print(f"{what}: {ratio:.2f}")
+            continue
         met = "met" if ratio >= targets[what] else "NOT met"
         print(f"{what}: {ratio:.2f} (target >= {targets[what]}): {met}")
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (--load {args.load})")

@@ -19,6 +19,7 @@ Reported: the median over rounds of each pair's ratio in the same round: ``mwms 
 
     python benchmarks/real_models.py            # 5 rounds (a few minutes on 2 cores)
     python benchmarks/real_models.py --quick    # a smoke run
+    python benchmarks/real_models.py --paired 5 --steps 40   # MWMS vs DDP, step by step
 """
 
 from __future__ import annotations
@@ -193,6 +194,41 @@ def way_mesh_tp(rank: int, world: int, port: int, batches: list, warmup: int) ->
     return _mesh_way(rank, world, port, batches, warmup, tensor_parallel=True)
 
 
+def paired(rank: int, world: int, port: int, batches: list, warmup: int) -> float:
+    """MWMS and raw DDP in the same 2 processes, step by step, the order alternating: the
+    median over steps of DDP's step time over MWMS's (MWMS's samples/s over DDP's). Both meet
+    the same machine at the same moment, so the ratio is far steadier than that of separate
+    jobs (``--paired``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import stratagem as sg
+
+    _tf_config(rank, world, port)
+    strategy = sg.distribute.MultiWorkerMirroredStrategy()  # also torch's default group
+    with strategy.scope():
+        model = _model()
+        optimizer = _optimizer(model)
+
+    def replica_step(ids: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        (model(input_ids=ids, labels=ids).loss / world).backward()
+        optimizer.step()
+
+    ddp = DistributedDataParallel(_model())  # outside the scope: stratagem leaves it alone
+    sides = {
+        "mwms": lambda ids: strategy.run(replica_step, args=(ids,)),
+        "ddp": _plain_step(ddp, _optimizer(ddp)),
+    }
+    times: dict[str, list[float]] = {"mwms": [], "ddp": []}
+    for i, ids in enumerate(batches):
+        for name in ("mwms", "ddp") if i % 2 else ("ddp", "mwms"):
+            start = time.perf_counter()
+            sides[name](ids)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return statistics.median(d / m for d, m in zip(times["ddp"], times["mwms"], strict=True))
+
+
 def run_way(way: str, steps: int, warmup: int) -> float:
     """One job of 2 processes for ``way``; the chief's samples/s."""
     port = free_port()
@@ -213,6 +249,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--ways", default=",".join(WAYS), help="a subset, comma-separated")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument(
+        "--paired",
+        type=int,
+        metavar="JOBS",
+        help="instead: MWMS and DDP step by step in the same processes, in JOBS jobs of "
+        "--steps steps; the median of the per-job MWMS/DDP ratios",
+    )
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -220,8 +263,9 @@ def main() -> None:
         torch.set_num_threads(1)
         rank_, world_ = int(rank), int(world)
         batches = _batches(rank_, world_, int(steps))
-        rate = globals()[f"way_{way}"](rank_, world_, int(port), batches, int(warmup))
-        print(f"{rate:.3f}", flush=True)
+        run = paired if way == "paired" else globals()[f"way_{way}"]
+        rate = run(rank_, world_, int(port), batches, int(warmup))
+        print(f"{rate:.4f}", flush=True)
         return
     rounds, steps = (1, 4) if args.quick else (args.rounds, args.steps)
     warmup = 1 if args.quick else 3
@@ -230,6 +274,15 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown ways {unknown}; the ways are {list(WAYS)}")
     print(f"GPT-2 {CONFIG}, global batch {GLOBAL_BATCH} x {SEQ} tokens, 2 processes", flush=True)
+    if args.paired:
+        ratios = []
+        for job in range(args.paired):
+            ratios.append(run_way("paired", steps, warmup))
+            print(f"job {job + 1}/{args.paired}: mwms / ddp (paired steps) {ratios[-1]:.3f}")
+        print(f"mwms / ddp, paired steps: {statistics.median(ratios):.3f} (target >= 1.0)")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"paired_mwms/ddp": ratios}, indent=2))
+        return
     samples = rotated_rounds(
         {w: (lambda w=w: run_way(w, steps, warmup)) for w in ways}, rounds, "samples/s"
     )
