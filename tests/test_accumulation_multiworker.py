@@ -52,8 +52,9 @@ def test_fit_with_gradient_accumulation_steps_matches_the_four_times_batch(outs)
         assert accumulated["iterations"] == whole["iterations"] == 2
         _close(accumulated["weights"], whole["weights"])
         # One gradient reduction per optimizer step, of the two models built in the scope
-        # (the reducer covers both): 2 steps of 2 * 425 float32 values.
-        assert accumulated["bytes"] == whole["bytes"] == 2 * 2 * 425 * 4
+        # (the reducer covers both): 2 steps of 2 * 431 float32 values (419 gradients and two
+        # flags for each of the 6 parameters: gradient made, parameter held).
+        assert accumulated["bytes"] == whole["bytes"] == 2 * 2 * 431 * 4
 
 
 def test_compression_off_is_the_plain_float32_sum_bit_for_bit(outs):
@@ -77,12 +78,12 @@ def test_bf16_sum_is_the_float32_sum_of_the_sent_values_rounded_once(outs):
 
 def test_compressed_buckets_send_half_the_bytes(outs):
     for out in outs:
-        # The model's one bucket holds 419 values and 6 flags, padded to 426 for 2 chunks.
-        # fp16: the 419 values in 2 chunks of 210 and an exponent each, the flags apart in
-        # float32.
-        assert out["fp32_bytes"] == 425 * 4
-        assert out["bf16_bytes"] == 426 * 2
-        assert out["fp16_bytes"] == 422 * 2 + 6 * 4
+        # The model's one bucket holds 419 values and 12 flags (two per parameter), padded to
+        # 432 for 2 chunks. fp16: the 419 values in 2 chunks of 210 and an exponent each, the
+        # flags apart in float32.
+        assert out["fp32_bytes"] == 431 * 4
+        assert out["bf16_bytes"] == 432 * 2
+        assert out["fp16_bytes"] == 422 * 2 + 12 * 4
         for k, g in out["fp32"].items():
             torch.testing.assert_close(out["fp16"][k], g, rtol=2**-10, atol=g.abs().max() * 2**-10)
 

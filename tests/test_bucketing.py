@@ -78,3 +78,36 @@ def test_a_parameter_dropped_after_adoption_does_not_hold_back_the_buckets() -> 
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, 2 * q.grad, msg=name)
+
+
+def test_a_slot_every_process_let_go_leaves_the_buckets_after_one_step() -> None:
+    """The tied-away head weight goes out as zeros in the first step (its live flag 0 on both
+    replicas), and from then on not at all: the buckets are rebuilt without it, on every
+    process alike (they all read the same sums). Gradients stay the sums."""
+    torch.manual_seed(0)
+    comm = _TwoReplicas()
+    reducer = GradientReducer(comm, first_bucket_bytes=64 * 4, bucket_bytes=64 * 4)
+    comm.reducer = reducer
+    model = _Tied()
+    reducer.add_parameters(list(model.parameters()))
+    model.head.weight = model.embed.weight
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    live = list(model.parameters())
+    slots = sum(b.numel for b in reducer._buckets)
+    assert slots == sum(p.numel() for p in live) + 16 * 8  # the head's first weight too
+
+    model(ids).square().mean().backward()
+    assert sum(b.numel for b in reducer._buckets) == sum(p.numel() for p in live)
+    assert len(reducer._entries) == len(live)
+
+    for p in live:
+        p.grad = None
+    comm.launches.clear()
+    model(ids).square().mean().backward()
+    assert all(comm.launches[:-1]), comm.launches
+    reference = _Tied()
+    reference.load_state_dict(model.state_dict(), strict=False)
+    reference.head.weight = reference.embed.weight
+    reference(ids).square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, 2 * q.grad, msg=name)

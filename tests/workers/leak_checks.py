@@ -31,10 +31,11 @@ def build(hidden: int) -> torch.nn.Module:
 
 
 def expected_bytes(*models: torch.nn.Module) -> int:
-    """What one all-reduce of these models' gradients (one bucket, a flag per parameter) sends."""
+    """What one all-reduce of these models' gradients (one bucket, two flags per parameter:
+    gradient made, parameter held) sends."""
     params = [p for m in models for p in m.parameters()]
     traffic = Traffic()
-    traffic.count("all_reduce", (sum(p.numel() for p in params) + len(params)) * 4, world)
+    traffic.count("all_reduce", (sum(p.numel() for p in params) + 2 * len(params)) * 4, world)
     return traffic.bytes_sent
 
 

@@ -12,9 +12,11 @@ Two differences from DDP, both for the seeds' semantics:
   of an already reduced one must not be reduced again (a sum would count it world_size times), so
   when ``.grad`` already holds a value, the incoming part alone is sent and then added back.
 
-Each bucket carries one extra element per parameter, 1 where this process produced a gradient:
-after the sum it counts the processes that did, so a parameter no process used keeps ``grad`` as
-it was (None stays None, as in single-process training) instead of becoming a zero gradient.
+Each bucket carries two extra elements per parameter. The first is 1 where this process
+produced a gradient: after the sum it counts the processes that did, so a parameter no process
+used keeps ``grad`` as it was (None stays None, as in single-process training) instead of
+becoming a zero gradient. The second is 1 where this process still holds the parameter: after
+the sum, 0 says every process has let it go (below).
 
 Deferring (``deferring = True``, ``StrategyExtended.accumulate_gradients``): backward passes then
 only accumulate locally, as DDP's ``no_sync()``. The next backward that is not deferred sends,
@@ -30,8 +32,11 @@ flag of 1 would set over tiny gradients, so under fp16 the flags travel apart, i
 
 Models come and go (tuning loops, evaluation models): the reducer holds its parameters weakly, so
 a dropped model is freed. Its slots stay in the buckets until every process agrees it is gone,
-which they check where they all call ``add_parameters`` together (see there); until then this
-process sends zeros for it, flag 0, as for a parameter it did not use.
+which they check where they all call ``add_parameters`` together (see there), and at every
+reduction through the second flag (every process reads the same sums, so all drop the same
+slots after the same step); until then this process sends zeros for it, flag 0, as for a
+parameter it did not use. A parameter let go right after its adoption (Hugging Face ties
+``lm_head`` to ``wte`` after making both) so costs zeros in one step, not in every step.
 
 The sums are copied back into the ``.grad`` tensors autograd made, as DDP does by default. Leaving
 ``.grad`` as a view of the bucket (DDP's ``gradient_as_bucket_view``) saves that copy but frees
@@ -77,7 +82,7 @@ class _Bucket:
     entries: list[_Entry]
     buffer: torch.Tensor  # the gradients of entries, flat, then one flag per entry
     views: list[torch.Tensor]  # each entry's part of buffer, shaped like its parameter
-    flags: torch.Tensor  # the flag part of buffer
+    flags: torch.Tensor  # the flag part of buffer: a gradient flag per entry, then a live flag
     what: str  # how errors name this bucket's all-reduce
     ready: int = 0
     collected: int = 0  # entries whose parameter this process has let go (they never fill)
@@ -87,7 +92,7 @@ class _Bucket:
 
     @property
     def numel(self) -> int:
-        return self.buffer.numel() - len(self.entries)
+        return self.buffer.numel() - 2 * len(self.entries)
 
 
 class _Both(PendingOp):
@@ -201,7 +206,7 @@ class GradientReducer:
 
     def _add_bucket(self, entries: list[_Entry], device: torch.device, dtype: torch.dtype) -> None:
         total = sum(e.numel for e in entries)
-        buffer = torch.zeros(total + len(entries), device=device, dtype=dtype)
+        buffer = torch.zeros(total + 2 * len(entries), device=device, dtype=dtype)
         views, offset = [], 0
         for e in entries:
             views.append(buffer[offset : offset + e.numel].view(e.shape))
@@ -287,8 +292,9 @@ class GradientReducer:
                         entry.state = _ADDED
                     else:
                         view.zero_()
-                states = [e.state for e in bucket.entries]
-                bucket.flags.copy_(torch.tensor([1 if s else 0 for s in states]))
+                states = [1 if e.state else 0 for e in bucket.entries]
+                live = [0 if e.ref() is None else 1 for e in bucket.entries]
+                bucket.flags.copy_(torch.tensor(states + live))
         compress = self.compression is not None and self.comm.world_size > 1
         if compress and bucket.buffer.dtype == torch.float32:
             # fp16: the flags apart (see the module); bf16: the whole buffer, flags included.
@@ -327,17 +333,31 @@ class GradientReducer:
             self._launch(bucket)
         self._next_launch = len(self._buckets)
         divisor = float(self.comm.world_size) if self.average else 1.0
+        gone: list[_Entry] = []  # let go on every process: the sums say so, alike everywhere
         with torch.no_grad():
             for bucket in self._buckets:
                 assert bucket.pending is not None
                 bucket.pending.wait()
                 bucket.pending = None
-                self._write_back(bucket, divisor)
+                gone += self._write_back(bucket, divisor)
         self._reset()
+        if gone:
+            for entry in gone:
+                for handle in entry.handles:
+                    handle.remove()
+            self._entries = [e for e in self._entries if e not in gone]
+            self._build_buckets()
 
-    def _write_back(self, bucket: _Bucket, divisor: float) -> None:
-        # Where this process had every gradient, every count is at least 1: no need to read.
-        counts = [1] * len(bucket.entries) if bucket.complete else bucket.flags.tolist()
+    def _write_back(self, bucket: _Bucket, divisor: float) -> list[_Entry]:
+        """Write the sums back into the gradients; the entries every process has let go."""
+        n = len(bucket.entries)
+        if bucket.complete:
+            # This process had every gradient: every count is at least 1, every slot lives.
+            counts, gone = [1] * n, []
+        else:
+            flags = bucket.flags.tolist()
+            counts = flags[:n]
+            gone = [e for e, live in zip(bucket.entries, flags[n:]) if live == 0]
         if divisor != 1.0:
             bucket.buffer[: bucket.numel].div_(divisor)
         for entry, summed, count in zip(bucket.entries, bucket.views, counts):
@@ -353,6 +373,7 @@ class GradientReducer:
                 p.grad = summed.clone()
             else:
                 p.grad.add_(summed)
+        return gone
 
     def _reset(self) -> None:
         # Every bucket was sent, with every deferred part (``_launch``): nothing is left local.
