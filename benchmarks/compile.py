@@ -97,8 +97,11 @@ def check_compiled_matches_eager(strategy, data) -> dict:
     }
 
 
-def worker(rank: int, port: int, passes: int, k: int) -> str:
-    """Take turns: MWMS compiled, MWMS eager, DDP compiled; JSON of each step's seconds."""
+def worker(rank: int, port: int, passes: int, k: int, split_ddp: int = 1) -> str:
+    """Take turns: MWMS compiled, MWMS eager, DDP compiled; JSON of each step's seconds.
+    ``split_ddp=0`` turns off dynamo's DDPOptimizer (``optimize_ddp``): compiled DDP is then
+    one graph, as compiled MWMS is."""
+    torch._dynamo.config.optimize_ddp = bool(split_ddp)
     from torch.nn.parallel import DistributedDataParallel
 
     import stratagem as sg
@@ -162,11 +165,16 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--stable-malloc", action="store_true", help="see allreduce_strategies")
     parser.add_argument("--json", help="also write the results here")
-    parser.add_argument("--worker", nargs=4, type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--one-graph-ddp",
+        action="store_true",
+        help="turn off dynamo's DDPOptimizer: compiled DDP in one graph (no cut at buckets)",
+    )
+    parser.add_argument("--worker", nargs=5, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        rank, port, passes, k = args.worker
-        print(worker(rank, port, passes, k), flush=True)
+        rank, port, passes, k, split_ddp = args.worker
+        print(worker(rank, port, passes, k, split_ddp), flush=True)
         return
     jobs, passes, k = (1, 1, 4) if args.quick else (args.jobs, 4, 20)
     extra = {"OMP_NUM_THREADS": "1", **(STABLE_MALLOC if args.stable_malloc else {})}
@@ -175,8 +183,9 @@ def main() -> None:
     checks = []
     for j in range(jobs):
         port = free_port()
+        split = str(int(not args.one_graph_ddp))
         argvs = [
-            [sys.executable, __file__, "--worker", str(r), str(port), str(passes), str(k)]
+            [sys.executable, __file__, "--worker", str(r), str(port), str(passes), str(k), split]
             for r in range(2)
         ]
         out = json.loads(run_processes(argvs, clean_env(extra), timeout=1800)[0])

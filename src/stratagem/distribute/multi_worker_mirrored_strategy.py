@@ -11,8 +11,9 @@
    applies the same update on every worker. In ``extended.accumulate_gradients()`` backward
    passes only accumulate; the next one outside sends everything once. With
    ``CommunicationOptions(compression="bf16")`` buckets travel in 16 bits, summed in float32.
-   The reducer holds parameters weakly: a dropped model is freed, and its buckets go at the
-   next adoption, once every worker has let go of it (they agree there, all together).
+   The reducer holds parameters weakly: a dropped model is freed, and its buckets go once
+   every worker has let go of it (they agree at the next adoption, all together, or at the
+   next reduction, whose sums carry a flag per parameter for "still held").
 4. ``torch.compile``: AOTAutograd makes a compiled model's backward one autograd node, whose
    gradients all appear at its end, so no bucket could start while backward computes. While
    ``run`` runs, dynamo is told what DDP would tell it (the bucket size), and its DDPOptimizer
