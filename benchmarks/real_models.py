@@ -112,7 +112,8 @@ def way_ddp(rank: int, world: int, port: int, batches: list, warmup: int) -> flo
     return _timed(_plain_step(model, _optimizer(model)), batches, warmup)
 
 
-def way_mwms(rank: int, world: int, port: int, batches: list, warmup: int) -> float:
+def _mwms_step(rank: int, world: int, port: int) -> Any:
+    """A step under MultiWorkerMirroredStrategy (which also makes torch's default group)."""
     import stratagem as sg
 
     _tf_config(rank, world, port)
@@ -127,7 +128,11 @@ def way_mwms(rank: int, world: int, port: int, batches: list, warmup: int) -> fl
         (model(input_ids=ids, labels=ids).loss / world).backward()
         optimizer.step()
 
-    return _timed(lambda ids: strategy.run(replica_step, args=(ids,)), batches, warmup)
+    return lambda ids: strategy.run(replica_step, args=(ids,))
+
+
+def way_mwms(rank: int, world: int, port: int, batches: list, warmup: int) -> float:
+    return _timed(_mwms_step(rank, world, port), batches, warmup)
 
 
 def way_fully_shard(rank: int, world: int, port: int, batches: list, warmup: int) -> float:
@@ -201,24 +206,9 @@ def paired(rank: int, world: int, port: int, batches: list, warmup: int) -> floa
     jobs (``--paired``)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    import stratagem as sg
-
-    _tf_config(rank, world, port)
-    strategy = sg.distribute.MultiWorkerMirroredStrategy()  # also torch's default group
-    with strategy.scope():
-        model = _model()
-        optimizer = _optimizer(model)
-
-    def replica_step(ids: torch.Tensor) -> None:
-        optimizer.zero_grad()
-        (model(input_ids=ids, labels=ids).loss / world).backward()
-        optimizer.step()
-
+    mwms = _mwms_step(rank, world, port)
     ddp = DistributedDataParallel(_model())  # outside the scope: stratagem leaves it alone
-    sides = {
-        "mwms": lambda ids: strategy.run(replica_step, args=(ids,)),
-        "ddp": _plain_step(ddp, _optimizer(ddp)),
-    }
+    sides = {"mwms": mwms, "ddp": _plain_step(ddp, _optimizer(ddp))}
     times: dict[str, list[float]] = {"mwms": [], "ddp": []}
     for i, ids in enumerate(batches):
         for name in ("mwms", "ddp") if i % 2 else ("ddp", "mwms"):

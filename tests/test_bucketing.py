@@ -51,46 +51,51 @@ class _Tied(torch.nn.Module):
         return self.head(self.body(self.embed(ids)))
 
 
+def _tied_under_a_reducer() -> tuple[_TwoReplicas, GradientReducer, _Tied]:
+    """A tied model whose parameters the reducer adopted before the tie, in buckets of one or
+    two parameters each (so the order shows)."""
+    torch.manual_seed(0)
+    comm = _TwoReplicas()
+    reducer = GradientReducer(comm, first_bucket_bytes=64 * 4, bucket_bytes=64 * 4)
+    comm.reducer = reducer
+    model = _Tied()
+    reducer.add_parameters(list(model.parameters()))
+    model.head.weight = model.embed.weight  # the tie: the adopted head weight is let go
+    return comm, reducer, model
+
+
+def _reference_grads(model: _Tied, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of one process training a copy of ``model``, untouched by any reducer."""
+    reference = _Tied()
+    reference.load_state_dict(model.state_dict(), strict=False)
+    reference.head.weight = reference.embed.weight
+    reference(ids).square().mean().backward()
+    return [q.grad for q in reference.parameters()]
+
+
 def test_a_parameter_dropped_after_adoption_does_not_hold_back_the_buckets() -> None:
     """The head's first weight, adopted and then replaced by the tie, was last made: it sits in
     the first bucket, which waited for it until the end of backward, and every bucket after it
     with it (no overlap at all: GPT-2 under MWMS). Now every bucket but the last (the tied
     weight's, whose gradient completes last) starts while backward runs, and the gradients are
     the sums."""
-    torch.manual_seed(0)
-    comm = _TwoReplicas()
-    # Small buckets: one or two parameters each, so the order shows.
-    reducer = GradientReducer(comm, first_bucket_bytes=64 * 4, bucket_bytes=64 * 4)
-    comm.reducer = reducer
-    model = _Tied()
-    reducer.add_parameters(list(model.parameters()))
-    model.head.weight = model.embed.weight  # the tie: the adopted head weight is let go
-    reference = _Tied()
-    reference.load_state_dict(model.state_dict(), strict=False)
-    reference.head.weight = reference.embed.weight
-
+    comm, _, model = _tied_under_a_reducer()
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    expected = _reference_grads(model, ids)
     model(ids).square().mean().backward()
-    reference(ids).square().mean().backward()
 
     assert len(comm.launches) >= 4
     assert all(comm.launches[:-1]), comm.launches
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), g in zip(model.named_parameters(), expected):
         assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, 2 * q.grad, msg=name)
+        torch.testing.assert_close(p.grad, 2 * g, msg=name)
 
 
 def test_a_slot_every_process_let_go_leaves_the_buckets_after_one_step() -> None:
     """The tied-away head weight goes out as zeros in the first step (its live flag 0 on both
     replicas), and from then on not at all: the buckets are rebuilt without it, on every
     process alike (they all read the same sums). Gradients stay the sums."""
-    torch.manual_seed(0)
-    comm = _TwoReplicas()
-    reducer = GradientReducer(comm, first_bucket_bytes=64 * 4, bucket_bytes=64 * 4)
-    comm.reducer = reducer
-    model = _Tied()
-    reducer.add_parameters(list(model.parameters()))
-    model.head.weight = model.embed.weight
+    comm, reducer, model = _tied_under_a_reducer()
     ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
     live = list(model.parameters())
     slots = sum(b.numel for b in reducer._buckets)
@@ -103,11 +108,8 @@ def test_a_slot_every_process_let_go_leaves_the_buckets_after_one_step() -> None
     for p in live:
         p.grad = None
     comm.launches.clear()
+    expected = _reference_grads(model, ids)
     model(ids).square().mean().backward()
     assert all(comm.launches[:-1]), comm.launches
-    reference = _Tied()
-    reference.load_state_dict(model.state_dict(), strict=False)
-    reference.head.weight = reference.embed.weight
-    reference(ids).square().mean().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, 2 * q.grad, msg=name)
+    for (name, p), g in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(p.grad, 2 * g, msg=name)
