@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import traceback
 
 import pytest
@@ -33,17 +34,22 @@ def _our_threads() -> list[str]:
 def _settled_threads(allowed: list[str]) -> list[str]:
     """The pipeline threads left once every pass that ended has let its threads go.
 
-    A pass dropped by an exception or a ``break`` is stopped when its iterator is collected.
-    Where the garbage collector happens to run in one of the pass's own background threads,
-    that thread cannot join itself: it ends on its own right after, unjoined. So a thread still
-    listed is waited for (up to ``DEADLOCK_S``, which only a thread that never stops reaches)
-    before it counts as one that outlived its pass."""
-    if _our_threads() != allowed:
-        gc.collect()  # only then: a collection takes a while with torch loaded
-    for thread in threading.enumerate():
-        ours = thread.name.startswith(("stratagem-prefetch", "stratagem-map"))
-        if ours and thread.name not in allowed:
-            thread.join(DEADLOCK_S)
+    A pass dropped by an exception or a ``break`` is stopped when its iterator is collected,
+    and an element's error makes a cycle (its traceback holds the consumer's frames, which hold
+    the iterator) that only the garbage collector frees. The producer thread itself may still
+    hold the error for a moment (a local of the put it has not yet returned from, when the
+    machine is busy), so a collection made then frees nothing. So: collect and wait for the
+    extra threads, again, until they are gone or ``DEADLOCK_S`` has passed (which only a thread
+    that never stops reaches). Where the garbage collector happens to run in one of the pass's
+    own background threads, that thread cannot join itself: it ends on its own right after,
+    unjoined, and the wait covers it too."""
+    deadline = time.monotonic() + DEADLOCK_S
+    while _our_threads() != allowed and time.monotonic() < deadline:
+        gc.collect()  # only while threads are left: a collection takes a while with torch
+        for thread in threading.enumerate():
+            ours = thread.name.startswith(("stratagem-prefetch", "stratagem-map"))
+            if ours and thread.name not in allowed:
+                thread.join(0.5)
     return _our_threads()
 
 
