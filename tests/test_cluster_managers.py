@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -242,8 +243,14 @@ def test_ray_train_torchtrainer_workers_with_its_process_group(tmp_path):
 
 
 def _slurm_job_id() -> int:
-    """A job id whose rendezvous port (29500 + id % 1000) is free on both loopback addresses."""
-    for offset in range(1000):
+    """A job id whose rendezvous port (29500 + id % 1000) is free on both loopback addresses.
+
+    The search starts at a random offset (from the system's randomness, not a seeded
+    generator): starting at 29500 every time, two copies of the suite running side by side
+    found the same free port at the same moment and one job met the other's rendezvous."""
+    start = random.SystemRandom().randrange(1000)
+    for k in range(1000):
+        offset = (start + k) % 1000
         port = 29500 + offset
         try:
             for address in ("127.0.0.1", "127.0.0.2"):
