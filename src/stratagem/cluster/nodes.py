@@ -232,9 +232,8 @@ def meet_nodes(
     puts on it), with the TF_CONFIG of the whole job; None when ``stopped()`` turned true while
     the nodes met (the launcher got a signal). For attempt ``restart`` of a job restarted up to
     ``max_restarts`` times (every node must be given the same): with restarts, the meeting's
-    connections stay
-    open as the attempt's control links (``stratagem.cluster.agreement``), and node 0's attempt
-    number is everyone's."""
+    connections stay open as the attempt's control links (``stratagem.cluster.agreement``),
+    and node 0's attempt number is everyone's."""
     # Every node's tasks must hold one secret, which only the user can give them all (each
     # launcher alone would make its own); it also signs the launchers' meeting.
     secret = given_secret(base_env)

@@ -80,7 +80,7 @@ class _Entry:
 @dataclass
 class _Bucket:
     entries: list[_Entry]
-    buffer: torch.Tensor  # the gradients of entries, flat, then one flag per entry
+    buffer: torch.Tensor  # the gradients of entries, flat, then two flags per entry
     views: list[torch.Tensor]  # each entry's part of buffer, shaped like its parameter
     flags: torch.Tensor  # the flag part of buffer: a gradient flag per entry, then a live flag
     what: str  # how errors name this bucket's all-reduce
@@ -169,14 +169,16 @@ class GradientReducer:
             # Kept while any process still holds it: a slot dropped here alone would make the
             # buckets differ between processes, and their all-reduces would not pair up.
             self.comm.all_reduce(alive, ReduceOp.MAX, what="which adopted parameters still live")
-        kept = []
-        for entry, live in zip(self._entries, alive.tolist()):
-            if live:
-                kept.append(entry)
-            else:
-                for handle in entry.handles:
-                    handle.remove()
-        self._entries = kept
+        self._drop([e for e, live in zip(self._entries, alive.tolist()) if not live])
+
+    def _drop(self, gone: list[_Entry]) -> None:
+        """Let go of entries every process agreed are gone: their hooks and their slots (the
+        caller rebuilds the buckets)."""
+        for entry in gone:
+            for handle in entry.handles:
+                handle.remove()
+        dropped = set(gone)
+        self._entries = [e for e in self._entries if e not in dropped]
 
     def _on_collected(self, ref: weakref.ref) -> None:
         # A parameter let go here (a tie built after the model: Hugging Face's lm_head) never
@@ -342,10 +344,7 @@ class GradientReducer:
                 gone += self._write_back(bucket, divisor)
         self._reset()
         if gone:
-            for entry in gone:
-                for handle in entry.handles:
-                    handle.remove()
-            self._entries = [e for e in self._entries if e not in gone]
+            self._drop(gone)
             self._build_buckets()
 
     def _write_back(self, bucket: _Bucket, divisor: float) -> list[_Entry]:

@@ -148,9 +148,7 @@ def _to_json(obj: Any, tensors: list[torch.Tensor], *, what: str, path: _Path) -
         return [_to_json(v, tensors, what=what, path=(path, i)) for i, v in enumerate(obj)]
     if kind is dict:
         return _dict_to_json(obj, tensors, what=what, path=path)
-    if isinstance(obj, bool):
-        return bool(obj)
-    if isinstance(obj, int):
+    if isinstance(obj, int):  # bool has no subclasses: it was returned above
         return int(obj)
     if isinstance(obj, float):
         return float(obj)
