@@ -228,6 +228,10 @@ def run_cluster(script: Path | str, n: int, workdir: Path, **kwargs: object) -> 
         return cluster.wait(timeout)
 
 
+# ``stratagem run``'s cluster for a coordinator with one worker: a chief, the worker, a ps.
+ONE_WORKER_COORDINATOR = ("--chief", "-n", "1", "--ps", "1")
+
+
 def launch_checks(script: Path, out: Path, mode: str, *cluster: str, done: str) -> None:
     """``stratagem run CLUSTER script mode out`` (a worker script of checks run by the
     launcher, each task its role); checks that the job exited 0 and printed ``done``."""

@@ -24,11 +24,14 @@ import stratagem as sg
 DEADLOCK_S = 60
 
 
+_PIPELINE = ("stratagem-prefetch", "stratagem-map")  # the names of the input pipeline's threads
+
+
 def _our_threads() -> list[str]:
     """The input pipeline's threads (a process-wide service's, such as a liveness server left
     by an earlier test, are not this file's to count)."""
     names = (t.name for t in threading.enumerate())
-    return sorted(n for n in names if n.startswith(("stratagem-prefetch", "stratagem-map")))
+    return sorted(n for n in names if n.startswith(_PIPELINE))
 
 
 def _settled_threads(allowed: list[str]) -> list[str]:
@@ -47,8 +50,7 @@ def _settled_threads(allowed: list[str]) -> list[str]:
     while _our_threads() != allowed and time.monotonic() < deadline:
         gc.collect()  # only while threads are left: a collection takes a while with torch
         for thread in threading.enumerate():
-            ours = thread.name.startswith(("stratagem-prefetch", "stratagem-map"))
-            if ours and thread.name not in allowed:
+            if thread.name.startswith(_PIPELINE) and thread.name not in allowed:
                 thread.join(0.5)
     return _our_threads()
 

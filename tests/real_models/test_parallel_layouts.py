@@ -40,7 +40,7 @@ import pytest
 import torch
 
 import stratagem as sg
-from cluster_utils import WORKERS, launch_checks, run_cluster
+from cluster_utils import ONE_WORKER_COORDINATOR, WORKERS, launch_checks, run_cluster
 from real_models import hf_models
 from real_models.hf_models import (
     SHARDED_LR,
@@ -397,11 +397,7 @@ def test_the_coordinators_one_worker_trains_resnet_as_one_process_on_the_whole_b
         CHECKS,
         tmp_path,
         "coordinator",
-        "--chief",
-        "-n",
-        "1",
-        "--ps",
-        "1",
+        *ONE_WORKER_COORDINATOR,
         done="hf parallel checks coordinator done",
     )
     (s,) = saved(tmp_path, "resnet-coordinator", 1)

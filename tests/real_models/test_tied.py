@@ -20,7 +20,7 @@ from safetensors import safe_open
 from typing_extensions import override
 
 import stratagem as sg
-from cluster_utils import WORKERS, launch_checks, run_cluster
+from cluster_utils import ONE_WORKER_COORDINATOR, WORKERS, launch_checks, run_cluster
 from in_turn_strategy import InTurnExtended
 from real_models import hf_models
 from stratagem.train.dcp_reader import read_dcp_metadata
@@ -285,11 +285,7 @@ def test_the_coordinators_worker_keeps_the_tie_and_trains_as_one_process(tmp_pat
         CHECKS,
         tmp_path,
         "coordinator",
-        "--chief",
-        "-n",
-        "1",
-        "--ps",
-        "1",
+        *ONE_WORKER_COORDINATOR,
         done="tied checks coordinator done",
     )
     facts = _facts(tmp_path, "coordinator")
