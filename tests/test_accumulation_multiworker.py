@@ -103,3 +103,10 @@ def test_the_last_backward_sends_while_it_runs_and_the_others_send_nothing(outs)
         assert deferred == [(0, 0)] * 3
         # The last layers' buckets went out before backward reached the first layer.
         assert 0 < mid < total, out["overlap"]
+
+
+def test_workers_that_fill_one_hosts_cores_send_their_gradients_in_one_pack(outs):
+    # bytes_per_pack=0 (TF's "automatic"), all on one host, the workers' threads filling its
+    # cores: one all-reduce for a model that explicit 4 MiB buckets would send in two.
+    for out in outs:
+        assert out["wide_all_reduces"] == 1

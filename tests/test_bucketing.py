@@ -4,9 +4,11 @@ starts, so overlap with backward is checked by order, never by time."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from stratagem.comm.bucketing import GradientReducer
+from stratagem.comm import bucketing
+from stratagem.comm.bucketing import GradientReducer, one_pack_fits
 from stratagem.comm.communicator import LocalCommunicator, PendingOp
 
 
@@ -113,3 +115,30 @@ def test_a_slot_every_process_let_go_leaves_the_buckets_after_one_step() -> None
     assert all(comm.launches[:-1]), comm.launches
     for (name, p), g in zip(model.named_parameters(), expected):
         torch.testing.assert_close(p.grad, 2 * g, msg=name)
+
+
+class _Gathering(LocalCommunicator):
+    """This process and ``others``, as the host, thread and core counts each reports."""
+
+    def __init__(self, others: list[list]) -> None:
+        super().__init__()
+        self.others = others
+        self.world_size = 1 + len(others)
+
+    def all_gather_object(self, obj, *, what):  # type: ignore[no-untyped-def]
+        return [obj, *self.others]
+
+
+@pytest.mark.parametrize(
+    ("others", "expected"),
+    [
+        ([["here", 1, 4]] * 3, True),  # 4 single-threaded processes on a 4-core host
+        ([["here", 1, 4]], False),  # 2 of them: half its cores idle, overlap can use them
+        ([["elsewhere", 3, 4]], False),  # two hosts: a network between them
+    ],
+)
+def test_one_pack_only_where_the_processes_fill_one_hosts_cores(monkeypatch, others, expected):
+    monkeypatch.setattr(bucketing.socket, "gethostname", lambda: "here")
+    monkeypatch.setattr(bucketing, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(bucketing.torch, "get_num_threads", lambda: 1)
+    assert one_pack_fits(_Gathering(others)) is expected

@@ -6,8 +6,12 @@ import torch.nn.functional as F
 
 import stratagem as sg
 from stratagem.comm.bucketing import GradientReducer
+from stratagem.config.threading import usable_cpus
 from workers.common import build_model
 
+# As many intra-op threads as the host has cores: the workers fill it, so the automatic pack
+# (bytes_per_pack=0) is one pack on any machine (checked last).
+torch.set_num_threads(usable_cpus())
 strategy = sg.distribute.MultiWorkerMirroredStrategy()
 comm = strategy.extended.communicator
 rank = comm.rank
@@ -162,6 +166,14 @@ def overlap():
 
 
 out["overlap"] = overlap()
+
+# The automatic pack: a model of 4.3 MB (four buckets at the sizes given explicitly) goes, with
+# everything else the reducer holds, in one all-reduce. Last, as it adds to every reduction.
+with strategy.scope():
+    wide = torch.nn.Sequential(*(torch.nn.Linear(600, 600) for _ in range(3)))
+before = comm.traffic.all_reduces
+strategy.run(lambda: wide(torch.randn(4, 600)).sum().backward())
+out["wide_all_reduces"] = comm.traffic.all_reduces - before
 
 torch.save(out, f"result-{rank}.pt")
 print(f"worker {rank} done", flush=True)

@@ -7,7 +7,17 @@ work, so setting it later is an error that says so instead of a silent no-op.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask: taskset, cgroup cpusets), not the
+    machine's count."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def _check(num_threads: int, what: str) -> int:

@@ -27,7 +27,10 @@ class CommunicationImplementation(enum.Enum):
 class CommunicationOptions:
     """``sg.distribute.experimental.CommunicationOptions`` (TF's signature).
 
-    ``bytes_per_pack``: gradient bucket size (0 = the default, 4 MiB); ``timeout_seconds``: how
+    ``bytes_per_pack``: gradient bucket size, each all-reduced while backward goes on; 0 (TF's
+    "determined automatically") is one pack at the end of backward (TF's own choice for 0) where
+    all workers share one host whose cores they fill, else 4 MiB buckets after a first of 1 MiB
+    (``comm.bucketing``); ``timeout_seconds``: how
     long one collective may take before it fails naming the peer (None = STRATAGEM_OP_TIMEOUT or
     60 s). ``compression`` (ours; TF has none): None, or ``"bf16"``/``"fp16"`` to send float32
     gradient buckets in 16 bits (half the bytes) while every addition stays float32; fp16

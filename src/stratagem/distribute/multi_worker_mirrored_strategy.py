@@ -7,9 +7,11 @@
    exit the chief's initial values are broadcast to every worker, after checking that all
    workers built the same tensors — so workers seeded differently still start identical.
 3. Backward: gradients are summed over the workers bucket by bucket while backward still runs
-   (``GradientReducer``), and written back when backward ends; ``optimizer.step()`` then
-   applies the same update on every worker. In ``extended.accumulate_gradients()`` backward
-   passes only accumulate; the next one outside sends everything once. With
+   (``GradientReducer``), and written back when backward ends (by default, where the workers
+   fill the cores of one host, in one pack when backward ends, as TF sends them);
+   ``optimizer.step()`` then applies the same update on every worker. In
+   ``extended.accumulate_gradients()`` backward passes only accumulate; the next one outside
+   sends everything once. With
    ``CommunicationOptions(compression="bf16")`` buckets travel in 16 bits, summed in float32.
    The reducer holds parameters weakly: a dropped model is freed, and its buckets go once
    every worker has let go of it (they agree at the next adoption, all together, or at the
@@ -19,6 +21,7 @@
    ``run`` runs, dynamo is told what DDP would tell it (the bucket size), and its DDPOptimizer
    splits each graph it compiles there at bucket boundaries: one backward node per bucket,
    and the all-reduce of each bucket starts while the earlier layers' backward still runs.
+   With one pack there is nothing to overlap, and the graph stays whole.
 5. ``run``/``reduce``/``gather``/datasets come from the Strategy base over the communicator.
 
 The chief and the workers take part; an evaluator task runs alone (a one-replica strategy);
@@ -36,7 +39,7 @@ from typing_extensions import override
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import ReduceOp
-from stratagem.comm.bucketing import GradientReducer
+from stratagem.comm.bucketing import ONE_PACK, GradientReducer, one_pack_fits
 from stratagem.comm.process_group import Timeouts
 from stratagem.distribute.capabilities import DefersGradients
 from stratagem.distribute.communication_options import (
@@ -128,16 +131,29 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
             gradient_aggregation=gradient_aggregation,
             sync_timeout=timeouts.operation,
         )
+        # bytes_per_pack=0, TF's "automatic": one pack where the processes fill one host's
+        # cores, else DDP's overlapped buckets (comm.bucketing explains and measures).
+        one_pack = (
+            options.bytes_per_pack == 0
+            and device.torch_device.type == "cpu"
+            and comm.world_size > 1
+            and one_pack_fits(comm)
+        )
+        pack = ONE_PACK if one_pack else options.bytes_per_pack or (4 << 20)
         self._reducer = GradientReducer(
             comm,
-            bucket_bytes=options.bytes_per_pack or (4 << 20),
+            first_bucket_bytes=pack if one_pack else 1 << 20,
+            bucket_bytes=pack,
             average=self.gradient_aggregation is ReduceOp.MEAN,
             compression=options.compression,
         )
         # DDPOptimizer starts with a first bucket of torch's default size (1 MiB, as ours) and
-        # refuses later buckets smaller than it.
-        self._bucket_plan = _BucketPlan(
-            max(self._reducer.bucket_bytes, self._reducer.first_bucket_bytes)
+        # refuses later buckets smaller than it. With one pack there is nothing to overlap, so
+        # nothing to cut: dynamo compiles one graph.
+        self._bucket_plan = (
+            None
+            if one_pack
+            else _BucketPlan(max(self._reducer.bucket_bytes, self._reducer.first_bucket_bytes))
         )
         self._previous_ddp_module: object = None
 
@@ -164,13 +180,13 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
         # torch's own ``replicate`` (composable DDP) sets the same class attribute in its
         # forward: dynamo reads it when it compiles a frame, and splits the graph at buckets
         # of this size (``torch._dynamo.backends.distributed.DDPOptimizer``).
-        if self._comm.world_size > 1:
+        if self._comm.world_size > 1 and self._bucket_plan is not None:
             self._previous_ddp_module = DistributedDataParallel._active_ddp_module
             DistributedDataParallel._active_ddp_module = self._bucket_plan
 
     @override
     def _leave_run(self) -> None:
-        if self._comm.world_size > 1:
+        if self._comm.world_size > 1 and self._bucket_plan is not None:
             DistributedDataParallel._active_ddp_module = self._previous_ddp_module
             self._previous_ddp_module = None
 
