@@ -12,7 +12,6 @@ the calls not started and waits for the running ones, so no thread outlives the 
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -23,14 +22,6 @@ from stratagem.data import _structure
 from stratagem.data._chunks import Chunk, ErrorChunk, ValueChunk
 from stratagem.data._nodes import Node
 from stratagem.data._values import Map, as_component, call_with_element
-
-
-def usable_cpus() -> int:
-    """The cores this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 class ParallelMap(Map):

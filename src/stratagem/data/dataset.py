@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from stratagem.config.threading import usable_cpus
 from stratagem.data import _structure
 from stratagem.data._chunks import RangeSource, TensorSlices
 from stratagem.data._generator import Generated, signature
@@ -31,7 +32,7 @@ from stratagem.data._nodes import (
     WithOptions,
     fresh_copy,
 )
-from stratagem.data._parallel_map import ParallelMap, usable_cpus
+from stratagem.data._parallel_map import ParallelMap
 from stratagem.data._prefetch import AUTOTUNE_BUFFER, Prefetch
 from stratagem.data._shuffle import Shuffle, scoped_seed
 from stratagem.data._values import Cache, Enumerate, Filter, Map
