@@ -70,8 +70,9 @@ LAYERS: dict[str, set[str]] = {
     "pipeline": {"comm", "data", "errors"},
     # DTensor's meshes and layouts.
     "dtensor": {"comm", "cluster", "errors"},
-    # tf.data: datasets, no distribution.
-    "data": {"errors"},
+    # tf.data: datasets, no distribution. A parallel map's AUTOTUNE reads the cores this
+    # process may use as the thread pools do (`config`).
+    "data": {"config", "errors"},
     # Process groups, collectives, RPC, rendezvous.
     "comm": {"cluster", "errors"},
     # Cluster specs, resolvers, the launcher: no torch.

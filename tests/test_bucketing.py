@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stratagem.comm import bucketing
-from stratagem.comm.bucketing import GradientReducer, one_pack_fits
+from stratagem.comm.bucketing import GradientReducer
 from stratagem.comm.communicator import LocalCommunicator, PendingOp
+from stratagem.distribute import multi_worker_mirrored_strategy as mwms
 
 
 class _Doubled(PendingOp):
@@ -138,7 +138,7 @@ class _Gathering(LocalCommunicator):
     ],
 )
 def test_one_pack_only_where_the_processes_fill_one_hosts_cores(monkeypatch, others, expected):
-    monkeypatch.setattr(bucketing.socket, "gethostname", lambda: "here")
-    monkeypatch.setattr(bucketing, "usable_cpus", lambda: 4)
-    monkeypatch.setattr(bucketing.torch, "get_num_threads", lambda: 1)
-    assert one_pack_fits(_Gathering(others)) is expected
+    monkeypatch.setattr(mwms.socket, "gethostname", lambda: "here")
+    monkeypatch.setattr(mwms, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(mwms.torch, "get_num_threads", lambda: 1)
+    assert mwms.one_pack_fits(_Gathering(others)) is expected

@@ -38,16 +38,16 @@ slots after the same step); until then this process sends zeros for it, flag 0, 
 parameter it did not use. A parameter let go right after its adoption (Hugging Face ties
 ``lm_head`` to ``wte`` after making both) so costs zeros in one step, not in every step.
 
-Packs (``one_pack_fits``): TF's default (``CommunicationOptions(bytes_per_pack=0)``) sends all
-gradients in one pack after backward. Here 0 chooses between that and DDP's overlapped buckets
-by where the job runs. Buckets overlap the all-reduce with backward, which pays where the
-transfer waits on something other than the cores backward computes on: a network between hosts,
-NCCL on a GPU. Where every process is on one host and their intra-op threads together fill its
-cores, gloo's transfer and sum are the same cores' work, and each bucket is one more exchange
-between processes that must each wait for a core: there one pack is faster. Against DDP (its
-two buckets) on 2 processes of one thread on 2 cores: GPT-2 (small config) in one pack 1.02×,
-in 4 MiB buckets 0.99×, 1 MiB 0.96×, 256 KiB 0.84×; the seed CNN 0.97× against 0.95×
-(docs/benchmarks.md).
+Packs (``MultiWorkerMirroredStrategy`` chooses the sizes): TF's default
+(``CommunicationOptions(bytes_per_pack=0)``) sends all gradients in one pack after backward. Here 0
+chooses between that and DDP's overlapped buckets by where the job runs. Buckets overlap the all-
+reduce with backward, which pays where the transfer waits on something other than the cores
+backward computes on: a network between hosts, NCCL on a GPU. Where every process is on one host
+and their intra-op threads together fill its cores, gloo's transfer and sum are the same cores'
+work, and each bucket is one more exchange between processes that must each wait for a core: there
+one pack is faster. Against DDP (its two buckets) on 2 processes of one thread on 2 cores: GPT-2
+(small config) in one pack 1.02×, in 4 MiB buckets 0.99×, 1 MiB 0.96×, 256 KiB 0.84×; the seed CNN
+0.97× against 0.95× (docs/benchmarks.md).
 
 The sums are copied back into the ``.grad`` tensors autograd made, as DDP does by default. Leaving
 ``.grad`` as a view of the bucket (DDP's ``gradient_as_bucket_view``) saves that copy but frees
@@ -57,7 +57,6 @@ page faults every step: measured slower (42 vs 33 ms per step for the seed CNN).
 
 from __future__ import annotations
 
-import socket
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,7 +67,6 @@ import torch
 from stratagem.comm.communicator import Communicator, PendingOp
 from stratagem.comm.compression import CompressedSum
 from stratagem.comm.reduce_op import ReduceOp
-from stratagem.config.threading import usable_cpus
 
 # A bucket size no model reaches: each (device, dtype) in one bucket, launched when its last
 # gradient comes (at the end of backward).
@@ -76,17 +74,6 @@ ONE_PACK = 1 << 62
 
 _FRESH = 1  # .grad was None; the accumulated .grad is exactly this pass's gradient
 _ADDED = 2  # .grad already held a value; this pass's gradient was sent alone
-
-
-def one_pack_fits(comm: Communicator) -> bool:
-    """Whether every process of ``comm`` runs on one host whose cores their intra-op threads
-    fill, where one pack beats overlapped buckets (see the module). Every process calls this
-    together and gets the same answer (the buckets must pair up)."""
-    mine = [socket.gethostname(), torch.get_num_threads(), usable_cpus()]
-    everyone = comm.all_gather_object(mine, what="each process's host and threads (packing)")
-    hosts = {host for host, _, _ in everyone}
-    threads = sum(n for _, n, _ in everyone)
-    return len(hosts) == 1 and threads >= min(cores for _, _, cores in everyone)
 
 
 @dataclass(eq=False)

@@ -30,6 +30,7 @@ a ps task cannot use this strategy.
 
 from __future__ import annotations
 
+import socket
 import warnings
 from dataclasses import dataclass
 
@@ -39,8 +40,10 @@ from typing_extensions import override
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import ReduceOp
-from stratagem.comm.bucketing import ONE_PACK, GradientReducer, one_pack_fits
+from stratagem.comm.bucketing import ONE_PACK, GradientReducer
+from stratagem.comm.communicator import Communicator
 from stratagem.comm.process_group import Timeouts
+from stratagem.config.threading import usable_cpus
 from stratagem.distribute.capabilities import DefersGradients
 from stratagem.distribute.communication_options import (
     CommunicationImplementation,
@@ -74,6 +77,17 @@ class _BucketPlan:
     """What dynamo reads of the active DDP module to split a compiled graph at its buckets."""
 
     bucket_bytes_cap: int
+
+
+def one_pack_fits(comm: Communicator) -> bool:
+    """Whether every process of ``comm`` runs on one host whose cores their intra-op threads
+    fill, where one pack beats overlapped buckets (``comm.bucketing`` says why). Every process
+    calls this together and gets the same answer (the buckets must pair up)."""
+    mine = [socket.gethostname(), torch.get_num_threads(), usable_cpus()]
+    everyone = comm.all_gather_object(mine, what="each process's host and threads (packing)")
+    hosts = {host for host, _, _ in everyone}
+    threads = sum(n for _, n, _ in everyone)
+    return len(hosts) == 1 and threads >= min(cores for _, _, cores in everyone)
 
 
 class MultiWorkerMirroredStrategy(Strategy):
