@@ -40,8 +40,8 @@ parameter it did not use. A parameter let go right after its adoption (Hugging F
 
 Packs (``MultiWorkerMirroredStrategy`` chooses the sizes): TF's default
 (``CommunicationOptions(bytes_per_pack=0)``) sends all gradients in one pack after backward. Here 0
-chooses between that and DDP's overlapped buckets by where the job runs. Buckets overlap the all-
-reduce with backward, which pays where the transfer waits on something other than the cores
+chooses between that and DDP's overlapped buckets by where the job runs. Buckets overlap the
+all-reduce with backward, which pays where the transfer waits on something other than the cores
 backward computes on: a network between hosts, NCCL on a GPU. Where every process is on one host
 and their intra-op threads together fill its cores, gloo's transfer and sum are the same cores'
 work, and each bucket is one more exchange between processes that must each wait for a core: there
