@@ -12,8 +12,11 @@ Its method table is fixed: ``hello`` (the chief's program file must hash as this
 per-worker iterator or its next optimizer step (TF cancels the ops of an in-flight function).
 
 Functions arrive as references (``stratagem.shipping``): this task compiles them
-from its own copy of the program. A function runs on a thread of its own, so the chief's
-connection keeps getting "waiting" notes while it runs (a long function is not a silent worker).
+from its own copy of the program. A function runs on a thread other than the connection's, so
+the chief's connection keeps getting "waiting" notes while it runs (a long function is not a
+silent worker). Those threads are kept for the next call: a new thread per call set up torch's
+per-thread state again every time (the profiler's ``record_function`` of each optimizer step,
+the autograd engine), a fifth of a worker's CPU per update at ten steps per function.
 What it returns must be plain data; what it raises comes back as its type, message and
 traceback text.
 
@@ -31,6 +34,7 @@ its totals go back with the value, and the chief adds them to its own.
 from __future__ import annotations
 
 import contextlib
+import queue
 import sys
 import threading
 import traceback
@@ -120,6 +124,7 @@ class WorkerServer:
         self._cancelled: set[int] = set()  # closure ids the chief cancelled while they ran
         self._cancel_lock = threading.Lock()
         self._goodbye = threading.Event()
+        self._threads = _KeptThreads("scheduled functions")
         self.functions_run = 0
         self.server, self.world = serve_and_join(
             resolver,
@@ -263,12 +268,11 @@ class WorkerServer:
             return {"error": [type(e).__name__, str(e), text]}
 
     def _in_thread(self, body: Callable[[], dict[str, Any]], what: str) -> Later:
-        """Run ``body`` on a thread of its own; the reply (its outcome) comes when it is done,
-        and until then the chief hears that it runs here (a long function is not a silence)."""
+        """Run ``body`` on a thread of its own (``_KeptThreads``); the reply (its outcome)
+        comes when it is done, and until then the chief hears that it runs here (a long
+        function is not a silence)."""
         future: Future = Future()
-        threading.Thread(
-            target=lambda: future.set_result(self._guarded(body)), name=what, daemon=True
-        ).start()
+        self._threads.run(lambda: self._guarded(body), future.set_result)
         return Later(future, lambda: (f"{what} runs on {self.me}", [self.world.name]))
 
     def _make_dataset(
@@ -350,6 +354,49 @@ class WorkerServer:
                 self._seam.finish()
             finally:
                 self.server.close()
+
+
+class _KeptThreads:
+    """Runs each call on a thread other than the caller's: an idle one from an earlier call
+    when there is one, else a new one, kept afterwards. Calls never wait for each other (two
+    at once get two threads), as with a thread per call."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[Any], None]]] = (
+            queue.SimpleQueue()
+        )
+        self._idle = 0  # threads waiting for a call, or about to
+        self._lock = threading.Lock()
+
+    def run(self, work: Callable[[], Any], then: Callable[[Any], None]) -> None:
+        """``then(work())`` on a thread of these; ``then`` runs once the thread counts as
+        idle, so a call made as soon as ``then`` answers finds it (the chief's next function
+        comes right after the reply)."""
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        self._calls.put((work, then))
+        if start:
+            threading.Thread(target=self._serve, name=self._name, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            work, then = self._calls.get()
+            # What a fresh thread would start with: a call that switched gradients off with
+            # torch.set_grad_enabled(False) (not a context manager) leaves it off here.
+            torch.set_grad_enabled(True)
+            try:
+                result = work()  # the worker's calls catch their own errors (``_guarded``)
+            except BaseException:
+                traceback.print_exc()  # a bug of ours: said, and the thread stays for others
+                with self._lock:
+                    self._idle += 1
+                continue
+            with self._lock:
+                self._idle += 1
+            then(result)
 
 
 class _CancellableIterator:
