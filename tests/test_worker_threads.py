@@ -52,3 +52,20 @@ def test_each_call_starts_with_gradients_on() -> None:
     _run_and_wait(threads, lambda: torch.set_grad_enabled(False))  # left off, not restored
     _run_and_wait(threads, lambda: modes.append(torch.is_grad_enabled()))
     assert modes == [True]
+
+
+def test_a_failing_call_leaves_its_thread_serving(capsys) -> None:
+    """Neither part of a call should raise; an answer that does is printed, and its thread
+    takes the next call (a thread that ended while counted idle would leave that call
+    waiting)."""
+    threads = _KeptThreads("test calls")
+    answered = threading.Event()
+
+    def then_fails(_: object) -> None:
+        answered.set()  # the thread already counts as idle here
+        raise RuntimeError("a bug in an answer")
+
+    threads.run(lambda: None, then_fails)
+    assert answered.wait(TIMEOUT_S)
+    _run_and_wait(threads, lambda: None)  # on that idle thread: it must still serve
+    assert "a bug in an answer" in capsys.readouterr().err

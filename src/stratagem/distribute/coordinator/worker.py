@@ -387,16 +387,21 @@ class _KeptThreads:
             # What a fresh thread would start with: a call that switched gradients off with
             # torch.set_grad_enabled(False) (not a context manager) leaves it off here.
             torch.set_grad_enabled(True)
+            # Neither raises (the worker's calls catch their own errors, ``_guarded``; ``then``
+            # sets a future). Should one, it is said and the thread stays: a thread that ended
+            # while counted idle would leave the next call waiting for ever.
             try:
-                result = work()  # the worker's calls catch their own errors (``_guarded``)
+                result, ok = work(), True
             except BaseException:
-                traceback.print_exc()  # a bug of ours: said, and the thread stays for others
-                with self._lock:
-                    self._idle += 1
-                continue
+                traceback.print_exc()
+                result, ok = None, False
             with self._lock:
                 self._idle += 1
-            then(result)
+            if ok:
+                try:
+                    then(result)
+                except BaseException:
+                    traceback.print_exc()
 
 
 class _CancellableIterator:
