@@ -153,20 +153,23 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
             and comm.world_size > 1
             and one_pack_fits(comm)
         )
-        pack = ONE_PACK if one_pack else options.bytes_per_pack or (4 << 20)
+        sizes = (
+            {"first_bucket_bytes": ONE_PACK, "bucket_bytes": ONE_PACK}
+            if one_pack
+            else {"bucket_bytes": options.bytes_per_pack or (4 << 20)}  # after its 1 MiB first
+        )
         self._reducer = GradientReducer(
             comm,
-            first_bucket_bytes=pack if one_pack else 1 << 20,
-            bucket_bytes=pack,
+            **sizes,
             average=self.gradient_aggregation is ReduceOp.MEAN,
             compression=options.compression,
         )
         # DDPOptimizer starts with a first bucket of torch's default size (1 MiB, as ours) and
-        # refuses later buckets smaller than it. With one pack there is nothing to overlap, so
-        # nothing to cut: dynamo compiles one graph.
+        # refuses later buckets smaller than it. None where there is nothing to cut: a world of
+        # one reduces nothing, and one pack overlaps nothing (dynamo compiles one graph).
         self._bucket_plan = (
             None
-            if one_pack
+            if one_pack or comm.world_size == 1
             else _BucketPlan(max(self._reducer.bucket_bytes, self._reducer.first_bucket_bytes))
         )
         self._previous_ddp_module: object = None
@@ -194,13 +197,13 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
         # torch's own ``replicate`` (composable DDP) sets the same class attribute in its
         # forward: dynamo reads it when it compiles a frame, and splits the graph at buckets
         # of this size (``torch._dynamo.backends.distributed.DDPOptimizer``).
-        if self._comm.world_size > 1 and self._bucket_plan is not None:
+        if self._bucket_plan is not None:
             self._previous_ddp_module = DistributedDataParallel._active_ddp_module
             DistributedDataParallel._active_ddp_module = self._bucket_plan
 
     @override
     def _leave_run(self) -> None:
-        if self._comm.world_size > 1 and self._bucket_plan is not None:
+        if self._bucket_plan is not None:
             DistributedDataParallel._active_ddp_module = self._previous_ddp_module
             self._previous_ddp_module = None
 
