@@ -3,6 +3,7 @@ the job secret's challenge, and every wait bounded and named (issue 14)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -272,3 +273,38 @@ def test_a_server_borrows_large_request_tensors_from_shared_memory_without_a_cop
         c.close()
     # Both requests were views of the same bytes of the client's segment: lent, not owned.
     assert kept[0].data_ptr() == kept[1].data_ptr()
+
+
+def test_a_frame_brings_back_tuples_and_tensors_wherever_they_sit() -> None:
+    """The receiver's parse makes tagged tuples as it goes and puts the frame's tensors in
+    afterwards, at any depth (in tuples in tuples, in dicts in lists); a tagged object with a
+    field too many, or a tensor index the frame lacks, is refused."""
+    from stratagem.comm import plain_data
+    from stratagem.errors import PeerDataError
+
+    a, b = torch.arange(3.0), torch.ones(2, 2, dtype=torch.int64)
+    value = {
+        "t": (1, (a, "x"), [None, {"deep": (b,)}]),
+        "l": [True, 2.5, {"e": ()}],
+        "plain": {"k": [1, 2]},
+    }
+    head, tensors = plain_data.encode_parts(value, what="the test")
+    frame = head + b"".join(plain_data.tensor_buffer(t).tobytes() for t in tensors)
+    got = plain_data.decode(frame, sender="peer", what="the test")
+    assert got["l"] == [True, 2.5, {"e": ()}] and got["plain"] == {"k": [1, 2]}
+    one, (ta, x), (none, deep) = got["t"]
+    assert (one, x, none) == (1, "x", None)
+    assert torch.equal(ta, a) and torch.equal(deep["deep"][0], b)
+    assert type(got["t"][1]) is tuple and type(deep["deep"]) is tuple
+
+    def frame_of(header: dict) -> bytes:
+        raw = json.dumps(header).encode()
+        return b"SGO1" + len(raw).to_bytes(8, "little") + raw
+
+    for bad in (
+        {"__sg__": "tuple", "items": [], "more": 1},
+        [{"__sg__": "tensor", "index": 0}],
+        {"__sg__": "tensor", "index": "0"},
+    ):
+        with pytest.raises(PeerDataError, match="peer"):
+            plain_data.decode(frame_of({"value": bad, "tensors": []}), sender="peer", what="t")

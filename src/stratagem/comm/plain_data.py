@@ -123,31 +123,37 @@ def check(obj: Any, *, what: str) -> None:
     _to_json(obj, [], what=what, path="value")
 
 
-# A path into a value, built as it is walked: ``(parent, key)`` pairs from "value" down, made
-# into text (``value[0]['lr']``) only for an error. Formatting every element's path as text up
-# front was a third of a coordinator's CPU per scheduled function.
-_Path = tuple[Any, Any] | str
+class _NotPlain(Exception):
+    """Raised inside the walk: ``message(path_text)`` is the ``TypeError``'s text; each level it
+    passes through adds its key, so a path is made into text only for an error (formatting
+    every element's path up front was a third of a coordinator's CPU per scheduled function)."""
+
+    def __init__(self, message: Callable[[str], str]) -> None:
+        self.message = message
+        self.keys: list[Any] = []  # innermost first
 
 
-def _path_text(path: _Path) -> str:
-    keys = []
-    while isinstance(path, tuple):
-        path, key = path
-        keys.append(f"[{key!r}]")
-    return path + "".join(reversed(keys))
+def _to_json(obj: Any, tensors: list[torch.Tensor], *, what: str, path: str) -> Any:
+    try:
+        return _plain(obj, tensors)
+    except _NotPlain as e:
+        text = path + "".join(f"[{k!r}]" for k in reversed(e.keys))
+        raise TypeError(f"{what}: {e.message(text)}") from None
 
 
-def _to_json(obj: Any, tensors: list[torch.Tensor], *, what: str, path: _Path) -> Any:
+def _plain(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` as JSON's types, its tensors moved to ``tensors`` (tagged by index). Leaves of
+    the exact plain types are taken where they sit, without a call: most of a value is leaves."""
     kind = type(obj)
     # The exact plain types first (nearly everything sent); then their subclasses (an
     # OrderedDict state dict, a float64 numpy scalar, an IntEnum), sent as their plain base
     # type: the receiver never sees the subclass.
-    if obj is None or kind is bool or kind is str or kind is int or kind is float:
+    if obj is None or kind is str or kind is int or kind is float or kind is bool:
         return obj
-    if kind is list:
-        return [_to_json(v, tensors, what=what, path=(path, i)) for i, v in enumerate(obj)]
     if kind is dict:
-        return _dict_to_json(obj, tensors, what=what, path=path)
+        return _plain_dict(obj, tensors)
+    if kind is list:
+        return _plain_items(obj, tensors)
     if isinstance(obj, int):  # bool has no subclasses: it was returned above
         return int(obj)
     if isinstance(obj, float):
@@ -155,47 +161,76 @@ def _to_json(obj: Any, tensors: list[torch.Tensor], *, what: str, path: _Path) -
     if isinstance(obj, str):
         return str(obj)
     if isinstance(obj, tuple):
-        items = [_to_json(v, tensors, what=what, path=(path, i)) for i, v in enumerate(obj)]
-        return {_TAG: "tuple", "items": items}
+        return {_TAG: "tuple", "items": _plain_items(obj, tensors)}
     if isinstance(obj, list):
-        return [_to_json(v, tensors, what=what, path=(path, i)) for i, v in enumerate(obj)]
+        return _plain_items(obj, tensors)
     if isinstance(obj, dict):
-        return _dict_to_json(obj, tensors, what=what, path=path)
+        return _plain_dict(obj, tensors)
     if isinstance(obj, torch.Tensor):
-        tensors.append(_checked_tensor(obj, what=what, path=path))
+        tensors.append(_checked_tensor(obj))
         return {_TAG: "tensor", "index": len(tensors) - 1}
-    raise TypeError(
-        f"{what}: {_path_text(path)} is a {kind.__module__}.{kind.__qualname__}; an object "
-        "exchange carries only None, bool, int, float, str, lists, tuples, dicts with str keys "
-        "and dense tensors (nothing is pickled)"
+    raise _NotPlain(
+        lambda at: (
+            f"{at} is a {kind.__module__}.{kind.__qualname__}; an object exchange "
+            "carries only None, bool, int, float, str, lists, tuples, dicts with str keys and "
+            "dense tensors (nothing is pickled)"
+        )
     )
 
 
-def _dict_to_json(
-    obj: dict, tensors: list[torch.Tensor], *, what: str, path: _Path
-) -> dict[str, Any]:
-    out = {}
-    for k, v in obj.items():
-        if not isinstance(k, str) or k == _TAG:
-            raise TypeError(
-                f"{what}: {_path_text(path)} has the key {k!r}; an object exchange carries "
-                f"dicts with str keys other than {_TAG!r} only"
-            )
-        out[str(k)] = _to_json(v, tensors, what=what, path=(path, k))
+def _plain_items(items: list | tuple, tensors: list[torch.Tensor]) -> list[Any]:
+    out = []
+    for i, v in enumerate(items):
+        kind = type(v)
+        if v is None or kind is str or kind is int or kind is float or kind is bool:
+            out.append(v)
+            continue
+        try:
+            out.append(_plain(v, tensors))
+        except _NotPlain as e:
+            e.keys.append(i)
+            raise
     return out
 
 
-def _checked_tensor(t: torch.Tensor, *, what: str, path: _Path) -> torch.Tensor:
+def _plain_dict(obj: dict, tensors: list[torch.Tensor]) -> dict[str, Any]:
+    out = {}
+    for k, v in obj.items():
+        if type(k) is not str or k == _TAG:
+            if not isinstance(k, str) or k == _TAG:
+                raise _NotPlain(
+                    lambda at, k=k: (
+                        f"{at} has the key {k!r}; an object exchange carries "
+                        f"dicts with str keys other than {_TAG!r} only"
+                    )
+                )
+            k = str(k)
+        kind = type(v)
+        if v is None or kind is str or kind is int or kind is float or kind is bool:
+            out[k] = v
+            continue
+        try:
+            out[k] = _plain(v, tensors)
+        except _NotPlain as e:
+            e.keys.append(k)
+            raise
+    return out
+
+
+def _checked_tensor(t: torch.Tensor) -> torch.Tensor:
     plain = t.detach()
     if type(plain) is not torch.Tensor or plain.layout is not torch.strided:
-        raise TypeError(
-            f"{what}: {_path_text(path)} is a {type(t).__name__} with layout {t.layout}; an "
-            "object exchange carries dense tensors only"
+        raise _NotPlain(
+            lambda at: (
+                f"{at} is a {type(t).__name__} with layout {t.layout}; an object "
+                "exchange carries dense tensors only"
+            )
         )
     if plain.dtype not in _DTYPE_SET:
-        raise TypeError(
-            f"{what}: {_path_text(path)} has dtype {plain.dtype}; an object exchange carries "
-            f"{', '.join(_DTYPES)}"
+        raise _NotPlain(
+            lambda at: (
+                f"{at} has dtype {plain.dtype}; an object exchange carries {', '.join(_DTYPES)}"
+            )
         )
     return plain
 
@@ -234,15 +269,14 @@ def decode(frame: bytes, *, sender: str, what: str) -> Any:
             f"its header claims {size} bytes; the frame holds {len(frame) - 12} after the "
             f"preamble and a header may have at most {MAX_HEADER_BYTES}"
         )
-    try:
-        header = json.loads(bytes(frame[12 : 12 + size]).decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise refuse(f"its header is not JSON ({e})") from None
+    header, tags = _parse_header(bytes(frame[12 : 12 + size]), refuse)
     if not isinstance(header, dict) or set(header) != {"value", "tensors"}:
         raise refuse("its header is not an object with exactly 'value' and 'tensors'")
     tensors = _read_tensors(header["tensors"], memoryview(frame)[12 + size :], refuse)
+    if not tags.tensors:
+        return header["value"]  # no tensor to put in: the parse made the value whole
     try:
-        return _from_json(header["value"], tensors, refuse)
+        return _with_tensors(header["value"], tensors, refuse)
     except RecursionError:
         raise refuse("its value is nested too deeply") from None
 
@@ -303,10 +337,7 @@ def read_frame(
         raise refuse(f"its header claims {size} bytes; a header has at most {MAX_HEADER_BYTES}")
     raw = bytearray(size)
     read_into(memoryview(raw))
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise refuse(f"its header is not JSON ({e})") from None
+    header, tags = _parse_header(raw, refuse)
     if not isinstance(header, dict) or set(header) != {"value", "tensors"}:
         raise refuse("its header is not an object with exactly 'value' and 'tensors'")
     table = _tensor_table(header["tensors"], refuse)
@@ -324,8 +355,10 @@ def read_frame(
         tensors.append(t)
     if kept is not None:
         kept.extend(tensors)
+    if not tags.tensors:
+        return header["value"]  # no tensor to put in: the parse made the value whole
     try:
-        return _from_json(header["value"], tensors, refuse)
+        return _with_tensors(header["value"], tensors, refuse)
     except RecursionError:
         raise refuse("its value is nested too deeply") from None
 
@@ -362,21 +395,70 @@ def _read_tensors(table: Any, body: memoryview, refuse: Any) -> list[torch.Tenso
     return out
 
 
-def _from_json(value: Any, tensors: list[torch.Tensor], refuse: Any) -> Any:
-    if isinstance(value, list):
-        return [_from_json(v, tensors, refuse) for v in value]
-    if not isinstance(value, dict):
-        return value  # JSON scalars: None, bool, int, float, str
-    if _TAG not in value:
-        return {k: _from_json(v, tensors, refuse) for k, v in value.items()}
-    tag = value[_TAG]
-    if tag == "tuple" and set(value) == {_TAG, "items"} and isinstance(value["items"], list):
-        return tuple(_from_json(v, tensors, refuse) for v in value["items"])
-    if tag == "tensor" and set(value) == {_TAG, "index"}:
-        index = value["index"]
-        if type(index) is int and 0 <= index < len(tensors):
-            return tensors[index]
-    raise refuse(f"it holds the tagged value {_shorten(value)}, which is no tuple or tensor")
+class _TensorAt:
+    """A tagged tensor as the parse finds it, before the frame's tensors are read."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _Tags:
+    """The JSON parser's hook for objects: a tagged tuple is made at once, a tagged tensor is
+    noted (``_TensorAt``) and counted; any other tag is refused. JSON's own parser calls it for
+    each object, bottom up, so a value without tensors needs no walk of ours afterwards
+    (walking every element in Python was most of the cost of receiving a scheduled function)."""
+
+    def __init__(self, refuse: Callable[[str], PeerDataError]) -> None:
+        self.refuse = refuse
+        self.tensors = 0
+
+    def __call__(self, value: dict[str, Any]) -> Any:
+        if _TAG not in value:
+            return value
+        tag = value[_TAG]
+        if len(value) == 2:
+            items = value.get("items")
+            if tag == "tuple" and type(items) is list:
+                return tuple(items)
+            index = value.get("index")
+            if tag == "tensor" and type(index) is int:
+                self.tensors += 1
+                return _TensorAt(index)
+        raise self.refuse(
+            f"it holds the tagged value {_shorten(value)}, which is no tuple or tensor"
+        )
+
+
+def _parse_header(
+    raw: bytes | bytearray, refuse: Callable[[str], PeerDataError]
+) -> tuple[Any, _Tags]:
+    tags = _Tags(refuse)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_hook=tags)
+    except PeerDataError:
+        raise  # a tag the hook refused
+    except (ValueError, RecursionError) as e:
+        raise refuse(f"its header is not JSON ({e})") from None
+    return header, tags
+
+
+def _with_tensors(value: Any, tensors: list[torch.Tensor], refuse: Any) -> Any:
+    """``value`` with each ``_TensorAt`` replaced by its tensor."""
+    kind = type(value)
+    if kind is list:
+        return [_with_tensors(v, tensors, refuse) for v in value]
+    if kind is dict:
+        return {k: _with_tensors(v, tensors, refuse) for k, v in value.items()}
+    if kind is tuple:
+        return tuple(_with_tensors(v, tensors, refuse) for v in value)
+    if kind is _TensorAt:
+        if 0 <= value.index < len(tensors):
+            return tensors[value.index]
+        tagged = {_TAG: "tensor", "index": value.index}
+        raise refuse(f"it holds the tagged value {_shorten(tagged)}, which is no tuple or tensor")
+    return value  # JSON scalars: None, bool, int, float, str
 
 
 def _shorten(value: Any) -> str:
