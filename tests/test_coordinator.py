@@ -150,6 +150,36 @@ def test_a_worker_refuses_a_changed_file_changed_code_and_a_module_it_may_not_im
     assert "tabnanny" not in sys.modules
 
 
+def test_a_file_edited_between_calls_is_described_and_checked_anew(tmp_path: Path) -> None:
+    """The chief keeps where a function's code is, and a worker the code it found, per file
+    while the file stays as it was: an edit between two calls sends the new hash, and a
+    worker whose copy changed refuses the old one (it found that code before)."""
+    import importlib.util
+
+    program = tmp_path / "edited_program.py"
+    program.write_text("def f(x):\n    return x + 1\n")
+    spec = importlib.util.spec_from_file_location("edited_program", program)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def describe() -> tuple[dict, dict]:
+        describer = shipping.Describer(root=tmp_path)
+        ref = describer.function(module.f, what="f")
+        return ref, describer.functions
+
+    ref, first = describe()
+    assert shipping.Rebuilder(first, root=tmp_path).function(ref["ref"])(1) == 2
+    assert describe()[1] == first  # unchanged: the same description
+
+    program.write_text("def f(x):\n    return x + 1\n# edited\n")
+    _, second = describe()
+    assert second[ref["ref"]]["where"]["sha"] != first[ref["ref"]]["where"]["sha"]
+    with pytest.raises(ImportError, match="differs from the chief's"):
+        shipping.Rebuilder(first, root=tmp_path).function(ref["ref"])
+    assert shipping.Rebuilder(second, root=tmp_path).function(ref["ref"])(2) == 3
+
+
 def test_a_worker_calls_only_the_programs_functions_and_stratagems_scheduled_steps():
     """What a worker is told to call gets arguments from the wire: a table naming a library
     function (builtins.exec, or subprocess's code rebuilt with the table's globals) is refused

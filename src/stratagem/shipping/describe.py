@@ -27,6 +27,7 @@ import argparse
 import collections
 import enum
 import inspect
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -62,6 +63,8 @@ Special = Callable[[Any], dict[str, Any] | None]
 
 _PLAIN = (type(None), bool, int, float, str)
 _in_program_cache: dict[tuple[type, Path], bool] = {}
+# (code file, module, program root) -> (the file's mode, size and mtime; where it was found)
+_where_cache: dict[tuple[str, str, Path], tuple[tuple[int, int, int], dict[str, Any]]] = {}
 # A module's hook dictionaries: those of this process's own hooks (``StaysHere``) are
 # described without them.
 _HOOK_DICTS = {k for k, v in MODULE_DEFAULTS.items() if k.endswith("hooks") and v == {}}
@@ -87,12 +90,11 @@ class Describer:
         if key is not None:
             return {"k": "function", "ref": key}
         module, qualname = fn.__module__, fn.__qualname__
-        path = Path(fn.__code__.co_filename)
         if (
             isinstance(module, str)
             and module != "__main__"
             and reachable(module, qualname) is fn
-            and not (path.is_file() and resolved(str(path)).is_relative_to(self.root))
+            and not _in_root(Path(fn.__code__.co_filename), self.root)
         ):
             # A library's function (torch's, ours): the worker's own module holds it, with the
             # module's own globals (which need not be plain data).
@@ -132,8 +134,28 @@ class Describer:
         return {"k": "function", "ref": key}
 
     def _where(self, fn: types.FunctionType, name: str) -> dict[str, Any]:
-        path = Path(fn.__code__.co_filename)
+        """Where the worker finds ``fn``'s code: a file of the program, or an importable
+        module, with the file's hash. Kept per file while its size and mtime stay (one stat
+        per function described, not a path resolved and compared each time)."""
+        filename = fn.__code__.co_filename
         module = str(fn.__globals__.get("__name__", "__main__"))
+        try:
+            stat = os.stat(filename)
+        except (OSError, ValueError):
+            stat = None
+        mark = None if stat is None else (stat.st_mode, stat.st_size, stat.st_mtime_ns)
+        key = (filename, module, self.root)
+        known = _where_cache.get(key)
+        if known is not None and mark is not None and known[0] == mark:
+            return dict(known[1])
+        where = self._find_where(fn, name, Path(filename), module)
+        if mark is not None:
+            _where_cache[key] = (mark, dict(where))
+        return where
+
+    def _find_where(
+        self, fn: types.FunctionType, name: str, path: Path, module: str
+    ) -> dict[str, Any]:
         if path.is_file():
             real = resolved(str(path))
             if real.is_relative_to(self.root):
@@ -148,7 +170,12 @@ class Describer:
         )
 
     def value(self, value: Any, *, owner: str, name: str) -> dict[str, Any]:
-        """A capture entry for ``value``, read by ``owner`` as ``name``."""
+        """A capture entry for ``value``, read by ``owner`` as ``name``. Values of the exact
+        plain types are values, never offered to ``special`` (most of a table is such leaves,
+        and each offer is a call)."""
+        kind = type(value)
+        if value is None or kind is str or kind is int or kind is float or kind is bool:
+            return {"k": "value", "v": value}
         special = self.special(value)
         if special is not None:
             return {"k": "special", "v": special}
@@ -242,13 +269,13 @@ class Describer:
         if kind == "module":
             # Empty hooks and the like are left out; the worker puts back fresh empty ones.
             # So are this process's own hooks (``StaysHere``: the chief's read hooks).
-            state = {
-                k: v
-                for k, v in ((k, _without_local_hooks(k, v)) for k, v in vars(value).items())
-                if not (
-                    k in MODULE_DEFAULTS and (v is None or (isinstance(v, dict | set) and not v))
-                )
-            }
+            state = {}
+            for k, v in vars(value).items():
+                if k in _HOOK_DICTS and v:
+                    v = _without_local_hooks(k, v)
+                if k in MODULE_DEFAULTS and (v is None or (isinstance(v, dict | set) and not v)):
+                    continue
+                state[k] = v
         elif kind == "optimizer":
             state = {k: v for k, v in vars(value).items() if k != "state"}  # state: on the ps
         elif kind == "data":
@@ -322,6 +349,10 @@ class Describer:
             if g in glob and glob[g] is not cls
         }
         return {"k": "class", "ref": key}
+
+
+def _in_root(path: Path, root: Path) -> bool:
+    return path.is_file() and resolved(str(path)).is_relative_to(root)
 
 
 def _without_local_hooks(name: str, value: Any) -> Any:

@@ -61,6 +61,9 @@ def file_hash(path: Path) -> str:
     return digest
 
 
+_source_lines: dict[tuple[types.CodeType, str], str] = {}
+
+
 def compiled(path: Path, sha: str) -> types.CodeType:
     """``path`` compiled (nothing executed), once per content."""
     code = _compiled_files.get((path, sha))
@@ -200,9 +203,18 @@ def nested(code: types.CodeType) -> Any:
 
 
 def source_line(fn: Any) -> str:
-    """``"fn (file.py:12)"``: a function named for messages."""
+    """``"fn (file.py:12)"``: a function named for messages (kept per code object and name:
+    ``schedule`` names its function on every call)."""
     fn = unwrap(fn)
+    code = getattr(fn, "__code__", None)
+    key = (code, fn_name(fn)) if isinstance(code, types.CodeType) else None
+    known = _source_lines.get(key) if key is not None else None
+    if known is not None:
+        return known
     try:
-        return f"{fn_name(fn)} ({Path(inspect.getfile(fn)).name}:{fn.__code__.co_firstlineno})"
+        line = f"{fn_name(fn)} ({Path(inspect.getfile(fn)).name}:{fn.__code__.co_firstlineno})"
     except (TypeError, AttributeError):
         return fn_name(fn)
+    if key is not None:
+        _source_lines[key] = line
+    return line

@@ -41,6 +41,11 @@ from stratagem.shipping.program import (
 
 ResolveSpecial = Callable[[dict[str, Any]], Any]
 
+# (program root, where, qualname, line, hash) -> the file and the code found in it: every call
+# of a scheduled function rebuilds the same functions, and finding one (its path resolved, its
+# file's code objects searched) was a third of the rebuild. The file is checked each time.
+_codes: dict[tuple[Any, ...], tuple[Path, types.CodeType]] = {}
+
 # Packages a worker imports a module of when a function needs one it has not imported yet: the
 # ones it runs on anyway (importing their modules runs nothing a peer chose).
 _OUR_PACKAGES = frozenset({"stratagem", "torch"})
@@ -256,6 +261,20 @@ class Rebuilder:
 
     def _code(self, desc: dict[str, Any]) -> types.CodeType:
         where = desc["where"]
+        key = (self.root, repr(where), desc["qualname"], desc["line"], desc["hash"])
+        known = _codes.get(key)
+        if known is not None:
+            path, code = known
+            # Found before in this copy of the file: the copy must still hash as the chief's.
+            same_copy(path, where["sha"], f"{desc['qualname']} (line {desc['line']})")
+            return code
+        path, code = self._find_code(desc, where)
+        _codes[key] = (path, code)
+        return code
+
+    def _find_code(
+        self, desc: dict[str, Any], where: dict[str, Any]
+    ) -> tuple[Path, types.CodeType]:
         if "file" in where:
             path = self._program_path(where, f"{desc['qualname']} (line {desc['line']})")
         else:
@@ -268,7 +287,7 @@ class Rebuilder:
             if code.co_qualname == desc["qualname"] and code.co_firstlineno == desc["line"]:
                 if code_hash(code) != desc["hash"]:
                     raise ImportError(f"{what}: its code differs from the chief's")
-                return code
+                return path, code
         raise ImportError(f"{what} is not in this worker's copy of the program")
 
     def _module(self, name: str) -> types.ModuleType:
