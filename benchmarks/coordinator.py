@@ -281,10 +281,8 @@ def main() -> None:
         for name in ("empty", "coordinated", "coordinated10"):
             if name in samples and f"tf_{name}" in samples:  # --variants may pick a subset
                 ratios[f"{name} / tf_{name}"] = median_round_ratio(samples, name, f"tf_{name}")
-        if "coordinated10" in samples and "between" in samples:
-            ratios["coordinated10 / between"] = median_round_ratio(
-                samples, "coordinated10", "between"
-            )
+    if "coordinated10" in samples and "between" in samples:
+        ratios["coordinated10 / between"] = median_round_ratio(samples, "coordinated10", "between")
     if args.stragglers:
         ratios["coordinated3 / sync"] = median_round_ratio(samples, "coordinated3", "sync")
     if "empty" in medians:
