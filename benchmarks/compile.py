@@ -13,8 +13,9 @@ all four meet the same machine state (the order rotates every step):
 - ``DDP eager``: the same DDP model called uncompiled, with DDP's optimizer.
 
 Each model thus gets two updates per step from the same batch (compiled, then eager, or the
-other way round), so the two models' weights stay the same up to rounding. They must: this
-CNN's step time depends on its weights' values (with the eager side stepping only the MWMS
+other way round), so the two models train alike: their weights drift apart only by what RMSprop
+makes of rounding (each job reports how far). They must: this CNN's step time depends on its
+weights' values (with the eager side stepping only the MWMS
 model, its forward ran about 1 ms (4 %) longer than DDP's in the same process, a difference
 that went away with a learning rate of 0).
 
