@@ -123,6 +123,10 @@ def check(obj: Any, *, what: str) -> None:
     _to_json(obj, [], what=what, path="value")
 
 
+# The exact types a value's leaves are sent as they are (their subclasses are sent as these).
+EXACT_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
 class _NotPlain(Exception):
     """Raised inside the walk: ``message(path_text)`` is the ``TypeError``'s text; each level it
     passes through adds its key, so a path is made into text only for an error (formatting
@@ -148,7 +152,7 @@ def _plain(obj: Any, tensors: list[torch.Tensor]) -> Any:
     # The exact plain types first (nearly everything sent); then their subclasses (an
     # OrderedDict state dict, a float64 numpy scalar, an IntEnum), sent as their plain base
     # type: the receiver never sees the subclass.
-    if obj is None or kind is str or kind is int or kind is float or kind is bool:
+    if kind in EXACT_PLAIN:
         return obj
     if kind is dict:
         return _plain_dict(obj, tensors)
@@ -181,8 +185,7 @@ def _plain(obj: Any, tensors: list[torch.Tensor]) -> Any:
 def _plain_items(items: list | tuple, tensors: list[torch.Tensor]) -> list[Any]:
     out = []
     for i, v in enumerate(items):
-        kind = type(v)
-        if v is None or kind is str or kind is int or kind is float or kind is bool:
+        if type(v) in EXACT_PLAIN:
             out.append(v)
             continue
         try:
@@ -197,16 +200,8 @@ def _plain_dict(obj: dict, tensors: list[torch.Tensor]) -> dict[str, Any]:
     out = {}
     for k, v in obj.items():
         if type(k) is not str or k == _TAG:
-            if not isinstance(k, str) or k == _TAG:
-                raise _NotPlain(
-                    lambda at, k=k: (
-                        f"{at} has the key {k!r}; an object exchange carries "
-                        f"dicts with str keys other than {_TAG!r} only"
-                    )
-                )
-            k = str(k)
-        kind = type(v)
-        if v is None or kind is str or kind is int or kind is float or kind is bool:
+            k = _plain_key(k)
+        if type(v) in EXACT_PLAIN:
             out[k] = v
             continue
         try:
@@ -215,6 +210,18 @@ def _plain_dict(obj: dict, tensors: list[torch.Tensor]) -> dict[str, Any]:
             e.keys.append(k)
             raise
     return out
+
+
+def _plain_key(k: Any) -> str:
+    """A key that is not exactly a ``str`` other than the tag: a ``str`` subclass's text."""
+    if not isinstance(k, str) or k == _TAG:
+        raise _NotPlain(
+            lambda at: (
+                f"{at} has the key {k!r}; an object exchange carries "
+                f"dicts with str keys other than {_TAG!r} only"
+            )
+        )
+    return str(k)
 
 
 def _checked_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -273,12 +280,7 @@ def decode(frame: bytes, *, sender: str, what: str) -> Any:
     if not isinstance(header, dict) or set(header) != {"value", "tensors"}:
         raise refuse("its header is not an object with exactly 'value' and 'tensors'")
     tensors = _read_tensors(header["tensors"], memoryview(frame)[12 + size :], refuse)
-    if not tags.tensors:
-        return header["value"]  # no tensor to put in: the parse made the value whole
-    try:
-        return _with_tensors(header["value"], tensors, refuse)
-    except RecursionError:
-        raise refuse("its value is nested too deeply") from None
+    return _value(header, tags, tensors, refuse)
 
 
 def _tensor_table(table: Any, refuse: Any) -> list[tuple[torch.dtype, list[int], int]]:
@@ -355,12 +357,7 @@ def read_frame(
         tensors.append(t)
     if kept is not None:
         kept.extend(tensors)
-    if not tags.tensors:
-        return header["value"]  # no tensor to put in: the parse made the value whole
-    try:
-        return _with_tensors(header["value"], tensors, refuse)
-    except RecursionError:
-        raise refuse("its value is nested too deeply") from None
+    return _value(header, tags, tensors, refuse)
 
 
 def _fits(t: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
@@ -442,6 +439,16 @@ def _parse_header(
     except (ValueError, RecursionError) as e:
         raise refuse(f"its header is not JSON ({e})") from None
     return header, tags
+
+
+def _value(header: dict[str, Any], tags: _Tags, tensors: list[torch.Tensor], refuse: Any) -> Any:
+    """A parsed frame's value, with its tensors put in where the parse noted them."""
+    if not tags.tensors:
+        return header["value"]  # no tensor to put in: the parse made the value whole
+    try:
+        return _with_tensors(header["value"], tensors, refuse)
+    except RecursionError:
+        raise refuse("its value is nested too deeply") from None
 
 
 def _with_tensors(value: Any, tensors: list[torch.Tensor], refuse: Any) -> Any:

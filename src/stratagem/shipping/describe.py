@@ -173,8 +173,7 @@ class Describer:
         """A capture entry for ``value``, read by ``owner`` as ``name``. Values of the exact
         plain types are values, never offered to ``special`` (most of a table is such leaves,
         and each offer is a call)."""
-        kind = type(value)
-        if value is None or kind is str or kind is int or kind is float or kind is bool:
+        if type(value) in plain_data.EXACT_PLAIN:
             return {"k": "value", "v": value}
         special = self.special(value)
         if special is not None:
