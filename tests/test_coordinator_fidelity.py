@@ -74,6 +74,30 @@ def test_an_int64_variable_made_in_scope_lives_on_the_ps(job):
 
 
 @pytest.mark.multiprocess
+def test_a_function_reads_every_write_that_ended_before_it_was_scheduled(job):
+    got = _part(job, "freshness")
+    w0 = got["w0"]
+    # After join: both workers read both steps (the first to step had the older copy).
+    assert {me: value for me, (value, _) in got["after_join"].items()} == {
+        "0": w0 - 2,
+        "1": w0 - 2,
+    }, got
+    # Scheduled behind a running step: the copy that step's push brought back, no pull.
+    steps, looks = got["queued"]["steps"], got["queued"]["looks"]
+    assert sorted(value for value, _ in looks.values()) == [w0 - 4, w0 - 3], got
+    assert {me: pulls for me, (_, pulls) in looks.items()} == {
+        me: pulls for me, (pulls,) in steps.items()
+    }, got
+    # A copy changed on its worker (not pushed) is pulled again: the ps's value, not the change.
+    steps, looks = got["changed"]["steps"], got["changed"]["looks"]
+    assert [value for value, _ in looks.values()] == [w0 - 6, w0 - 6], got
+    assert {me: pulls for me, (_, pulls) in looks.items()} == {
+        me: pulls + 1 for me, (pulls,) in steps.items()
+    }, got
+    assert got["chief"] == w0 - 6, got
+
+
+@pytest.mark.multiprocess
 def test_a_failure_cancels_the_functions_still_running_and_join_is_clean_after(job):
     got = _part(job, "cancel")
     assert "the failure that cancels the rest" in (got["join"] or ""), got

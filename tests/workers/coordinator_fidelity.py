@@ -9,6 +9,10 @@
   coordinator is a ``ValueError`` (TF's ``DistributedDataset.__iter__`` when not built);
 - a non-float variable made in the scope lives on the ps (``testInputFunction``: an int64
   ``tf.Variable`` that workers ``assign_add`` to and the coordinator reads);
+- what a function reads: the variables as of its start, with every write that ended before it
+  was scheduled (TF's worker reads the ps), yet no pull where the worker's copy came back with
+  its last push after those writes (a function queued behind a running one); a copy changed
+  on the worker is pulled again;
 - cancellation (``testCancellation``): a function still running when another fails is
   cancelled (its ``fetch`` raises ``CancelledError``; it stopped on its worker), ``join`` raises
   the failure once, and the coordinator is used again after.
@@ -40,6 +44,9 @@ coordinator = sg.distribute.coordinator.ClusterCoordinator(strategy)
 with strategy.scope():
     # TF's tf.Variable(initial_value=0, dtype=tf.int64), made in the scope: a ps variable.
     counter = torch.nn.Parameter(torch.tensor(0, dtype=torch.int64), requires_grad=False)
+    scalar = torch.nn.Linear(1, 1, bias=False)  # each step below takes 1 from its weight
+    torch.nn.init.constant_(scalar.weight, 0.5)  # exact in float32, as is each value after
+descent = torch.optim.SGD(scalar.parameters(), lr=1.0)
 
 
 def one_one():
@@ -73,6 +80,48 @@ def both_read(iterator, barrier: str):
             raise TimeoutError("the other worker never read its batch")
         time.sleep(0.02)
     return [me, batch.tolist()]
+
+
+def meet(barrier: str, me: int) -> None:
+    """Wait until both workers reached ``barrier`` (each function of a pair holds a worker)."""
+    Path(barrier, f"worker-{me}").touch()
+    deadline = time.monotonic() + 120
+    while len(list(Path(barrier).glob("worker-*"))) < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other worker never reached {barrier}")
+        time.sleep(0.02)
+
+
+def wait_for(path: str) -> None:
+    deadline = time.monotonic() + 120
+    while not Path(path).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never came")
+        time.sleep(0.02)
+
+
+def descend(barrier: str, go: str | None = None, scribble: bool = False):
+    """One step (the gradient of the weight's sum is 1: the ps takes 1 from it); then, once
+    both workers stepped and ``go`` exists, maybe a change of this worker's copy alone."""
+    me = sg.distribute.coordinator.experimental_get_current_worker_index()
+    descent.zero_grad()
+    scalar.weight.sum().backward()
+    descent.step()
+    meet(barrier, me)
+    if go is not None:
+        wait_for(go)
+    if scribble:
+        with torch.no_grad():
+            scalar.weight.add_(100.0)  # not pushed: the ps never sees it
+    return [me, strategy.extended.client.pulls]
+
+
+def look(barrier: str):
+    """The weight this function reads, and how many pulls its worker has made."""
+    me = sg.distribute.coordinator.experimental_get_current_worker_index()
+    value = float(scalar.weight.detach())
+    meet(barrier, me)
+    return [me, value, strategy.extended.client.pulls]
 
 
 def count(iterator):
@@ -169,6 +218,40 @@ def int64_variable():
     }
 
 
+def freshness():
+    w0 = float(scalar.weight.detach())
+
+    def pair(fn, *args):
+        barrier = OUT / f"barrier-{len(list(OUT.glob('barrier-*')))}"
+        barrier.mkdir()
+        return [coordinator.schedule(fn, args=(str(barrier), *args)) for _ in range(2)]
+
+    def by_worker(values):
+        return {v[0]: v[1:] for v in coordinator.fetch(values)}
+
+    result = {"w0": w0}
+    # Both workers step; the first one's copy came back from the ps before the second step.
+    pair(descend)
+    coordinator.join()
+    result["after_join"] = by_worker(pair(look))  # each reads w0 - 2
+    # Steps held running while two looks are scheduled behind them: each look runs on a copy
+    # its worker's push brought back after every write it must see (no pull).
+    go = OUT / "go"
+    steps = pair(descend, str(go))
+    looks = pair(look)
+    go.touch()
+    result["queued"] = {"steps": by_worker(steps), "looks": by_worker(looks)}
+    # The same, each step then changing its worker's copy alone: the looks pull.
+    go = OUT / "go-scribble"
+    steps = pair(descend, str(go), True)
+    looks = pair(look)
+    go.touch()
+    result["changed"] = {"steps": by_worker(steps), "looks": by_worker(looks)}
+    coordinator.join()
+    result["chief"] = float(scalar.weight.detach())
+    return result
+
+
 def cancellation():
     started, seen = OUT / "started", OUT / "seen"
     iterator = iter(coordinator.create_per_worker_dataset(endless))
@@ -216,6 +299,7 @@ result = {
     "iter": outcome(iter_on_the_coordinator),
     "datasets": outcome(datasets),
     "int64": outcome(int64_variable),
+    "freshness": outcome(freshness),
     "cancel": outcome(cancellation),
 }
 (OUT / "result.json").write_text(json.dumps(result))

@@ -421,6 +421,27 @@ class CoordinatorSeam:
         """These copies (all by default) as the ps has them now."""
         self._client.pull(params)
 
+    @property
+    def writes(self) -> int:
+        """The chief: how many of its requests to the ps changed variables there (its own
+        steps, restores, creations), counted once each ended."""
+        return self._client.writes
+
+    def begin_call(self, call: int) -> None:
+        """A worker task: the chief's call number ``call`` starts (``PsClient.begin_call``)."""
+        self._client.begin_call(call)
+
+    def forget_calls(self) -> None:
+        """A worker task: a chief said hello; its calls are numbered anew."""
+        self._client.forget_calls()
+
+    def pull_unless_fresh(self, params: list[torch.Tensor], since: int) -> None:
+        """A worker task: pull those of ``params`` whose copy here was not written from the
+        ps during call ``since`` or later, or has changed here since."""
+        stale = [p for p in params if not self._client.fresh_since(p, since)]
+        if stale:
+            self._client.pull(stale)
+
     def finish(self) -> None:
         """A worker task, when the chief is done: tell each ps, hang up, leave."""
         self._client.finish()

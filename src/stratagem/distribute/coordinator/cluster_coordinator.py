@@ -86,6 +86,8 @@ class _Closure:
         self.call = call  # the "run" request's arguments
         self.accumulators = accumulators  # the metrics it sent: their totals come back
         self.value = RemoteValue(name, on_fetch)
+        # The writes it must see (``ClusterCoordinator._writes_ended``) when it was scheduled.
+        self.must_see = 0
         # Set when an earlier function failed while this one ran: its outcome is not taken.
         self.cancelled: CancelledError | None = None
 
@@ -165,6 +167,7 @@ class ClusterCoordinator:
         self._finished = 0
         self._fresh = 0
         self._pull_lock = threading.Lock()
+        self._calls = 0  # runs sent to the workers: each is numbered (its worker's pulls)
         program = shipping.program_file()
         root = shipping.program_root()
         hello: list[Any] = [None, None]
@@ -222,6 +225,7 @@ class ClusterCoordinator:
                 describer.accumulators,
                 self._refresh_when_idle,
             )
+            closure.must_see = self._writes_ended()
             if self._error is not None:
                 # A function failed while this one was being described (after the check
                 # above): it is cancelled as the ones queued then were. Queued behind a pending
@@ -374,6 +378,29 @@ class ClusterCoordinator:
         made = all(self._replayed.get(r, 0) == len(self._resources) for r, _ in self._workers)
         return not self._queue and self._inflight == 0 and made
 
+    def _writes_ended(self) -> int:
+        """How many writes to the ps have ended (the lock is held): the runs of functions
+        (each may have pushed) and the chief's own requests that changed the ps."""
+        return self._finished + self._seam.writes
+
+    def _call_numbers(
+        self, closure: _Closure, sent: collections.deque[tuple[int, int]]
+    ) -> list[int]:
+        """Number a run of ``closure`` on a worker (the lock is held): ``[call, since]``.
+
+        ``sent`` holds that worker's recent runs (on this connection) as ``(call, writes
+        ended when it was sent)``. A copy the worker wrote from the ps during call n holds
+        every write that had ended when n was sent; so ``since``, the first such call after
+        which the writes ``closure`` must see (those ended when it was scheduled) had all
+        ended, tells the worker which copies it need not pull again. Functions scheduled ahead
+        of the one running (a loop that keeps several in flight) pull nothing as a rule; one
+        scheduled after ``join`` pulls what was pushed since."""
+        self._calls += 1
+        call = self._calls
+        sent.append((call, self._writes_ended()))
+        since = next(n for n, ended in sent if ended >= closure.must_see)
+        return [call, since]
+
     def _run_ended(self, closure: _Closure) -> None:
         """A function's run on a worker ended, however (the lock is held): what it pushed is
         on the ps, so the chief's copies of the variables are behind until the next pull."""
@@ -470,6 +497,7 @@ class ClusterCoordinator:
 
     def _dispatch(self, rank: int, connection: Connection) -> None:
         replayed = 0  # the per-worker resources this worker has made
+        sent: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
         while True:
             with self._lock:
                 self._lock.wait_for(
@@ -486,6 +514,7 @@ class ClusterCoordinator:
                     closure = self._queue.popleft()
                     self._inflight += 1
                     self._running[closure.cid] = (closure, rank)
+                    calls = self._call_numbers(closure, sent)
                 else:
                     return  # closing, nothing left for this worker
             if closure is None:
@@ -496,7 +525,7 @@ class ClusterCoordinator:
                     self._replayed[rank] = replayed
                     self._lock.notify_all()
                 continue
-            if not self._run(rank, connection, closure):
+            if not self._run(rank, connection, closure, calls):
                 return
 
     def _make_resource(
@@ -523,10 +552,10 @@ class ClusterCoordinator:
                 )
         return True
 
-    def _run(self, rank: int, connection: Connection, closure: _Closure) -> bool:
+    def _run(self, rank: int, connection: Connection, closure: _Closure, calls: list[int]) -> bool:
         try:
             outcome = self._ask(
-                rank, connection, "run", closure.call, f"the function {closure.name}"
+                rank, connection, "run", [*closure.call, calls], f"the function {closure.name}"
             )
         except (PeerLostError, CollectiveTimeoutError) as e:
             # Ended, or stopped answering (stopped or stuck: no note for the operation

@@ -22,11 +22,19 @@ traceback text.
 
 The model, optimizer, loss and metrics a function captures arrive by state and are rebuilt for
 each call. Their parameters are the chief's variables on the ps: this worker keeps one copy of
-each (``bind_variable``, owned by its own ``ParameterServerStrategy``), pulls its current value
-before each call, and an optimizer step inside the function pushes gradients to the ps, which
-applies them (asynchronously, as TF2). What the call changes of a variable it does not train (a
-step counter: ``requires_grad=False``) is sent to the ps as an addition when it ends (TF's
-``assign_add`` on a ps variable). A buffer (a BatchNorm's statistics) is this worker's
+each (``bind_variable``, owned by its own ``ParameterServerStrategy``), and an optimizer step
+inside the function pushes gradients to the ps, which applies them (asynchronously, as TF2) and
+sends back the new values. Before each call the worker pulls the current value of each variable
+the function uses, unless its copy already holds every write the function must see: the chief
+numbers its calls and tells each the first call it sent to this worker after every such write
+had ended (the pushes of the functions that had ended when it was scheduled, the chief's own
+writes); a copy written from the ps during that call or a later one (a pull, a push's answer),
+and not changed here since, is recent enough. A loop that keeps functions queued behind the
+running ones pulls nothing as a rule; a function scheduled after ``join`` pulls.
+
+What the call changes of a variable it does not train (a step counter:
+``requires_grad=False``) is sent to the ps as an addition when it ends (TF's ``assign_add`` on a
+ps variable). A buffer (a BatchNorm's statistics) is this worker's
 own: it starts from the chief's value and then stays here. A metric starts empty in each call;
 its totals go back with the value, and the chief adds them to its own.
 """
@@ -192,6 +200,7 @@ class WorkerServer:
     def _greet(self, program: Any, sha: Any, compression: Any) -> dict[str, Any]:
         check_same_program(program, sha, me=self.me, root=self.root)
         self._seam.use_compression(compression)
+        self._seam.forget_calls()  # a chief (a new one, maybe) numbers its calls from 1
         return {"worker_index": self.worker_index}
 
     def _resolve(
@@ -308,15 +317,24 @@ class WorkerServer:
 
         return self._in_thread(make, "iter() of a per-worker dataset")
 
-    def _run(self, closure_id: int, table: Any, key: Any, args: Any, kwargs: Any) -> Later:
+    def _run(
+        self, closure_id: int, table: Any, key: Any, args: Any, kwargs: Any, calls: Any
+    ) -> Later:
+        call, since = _call_numbers(calls)
+
         def body() -> dict[str, Any]:
+            self._seam.begin_call(call)
             pull: list[torch.Tensor] = []
             rebuilder = self._rebuilder(table, pull)
             fn = rebuilder.entry_point(key, "the scheduled function")
             call_args = [rebuilder.value(a) for a in args]
             call_kwargs = {k: rebuilder.value(v) for k, v in kwargs.items()}
-            if pull:  # the variables' current values (other workers have pushed since)
-                self._seam.pull(list({id(p): p for p in pull}.values()))
+            if pull:
+                # The variables' values as of this call's start, unless this copy has them:
+                # written from the ps during call `since` or later, after every write the
+                # function must see (the chief's, and those of functions that ended before
+                # it was scheduled), and not changed here since.
+                self._seam.pull_unless_fresh(list({id(p): p for p in pull}.values()), since)
             self.functions_run += 1
             # The variables it does not train (a step counter): what it changes of them goes
             # to the ps as an addition (TF's assign_add runs on the ps).
@@ -425,6 +443,21 @@ class _CancellableIterator:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._iterator, name)
+
+
+def _call_numbers(calls: Any) -> tuple[int, int]:
+    """A run's ``[call, since]``: its number among the chief's calls, and the first call
+    during which a copy written from the ps is recent enough for it (``since <= call``)."""
+    if not (
+        isinstance(calls, list)
+        and len(calls) == 2
+        and all(type(n) is int for n in calls)
+        and 1 <= calls[1] <= calls[0]
+    ):
+        raise ValueError(
+            f"a run's call numbers are [call, since] with 1 <= since <= call; got {calls!r}"
+        )
+    return calls[0], calls[1]
 
 
 def _input_options(entry: dict[str, Any]) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -65,6 +66,18 @@ class PsClient:
         self._shards: dict[int, list[Shard]] = {}  # id(param) -> its shards
         self._versions: dict[tuple[int, tuple], int] = {}  # (ps, group keys) -> version pulled
         self._restores = 0  # checkpoints of ours restored: every worker restores the same
+        # Requests of this client that changed the ps (everything but reads), once answered:
+        # a coordinating chief's own writes, which a function scheduled after them must see.
+        self.writes = 0
+        self._writes_lock = threading.Lock()
+        self.pulls = 0  # pulls asked for (a coordinator's worker skips those it need not make)
+        # A coordinator's worker task: the call during which each shard's copy here was last
+        # written from the ps (a pull, or a push's answer), and each variable's version after
+        # that write. The chief's calls are numbered (``begin_call``); a copy written during
+        # call n holds the ps's values as of some time after call n was sent.
+        self._call = 0
+        self._written_in: dict[server.ShardKey, int] = {}
+        self._version_after: dict[int, int] = {}  # variable id -> its version then
         self._ps_ranks = world.ranks("ps")
         self._connections: list[Connection] = []
         try:
@@ -161,6 +174,8 @@ class PsClient:
                     torch.autograd.graph.increment_version(p)
                 else:
                     rows.copy_(value)
+                self._written_in[(variable, index)] = self._call
+                self._version_after[variable] = p._version
 
     def _homes(self, keys: Sequence[server.ShardKey]) -> list[torch.Tensor]:
         """Where a reply's values for ``keys`` may be received: the parameters' own rows."""
@@ -240,9 +255,29 @@ class PsClient:
             ps=[i for i, k in enumerate(keys) if k],
         )
 
+    def begin_call(self, call: int) -> None:
+        """A coordinator's worker task: the chief's call number ``call`` starts here (the
+        numbers grow from call to call)."""
+        self._call = max(self._call, call)
+
+    def forget_calls(self) -> None:
+        """A chief said hello (a new one numbers its calls from the start): what was written
+        during the calls numbered so far no longer counts."""
+        self._written_in.clear()
+        self._call = 0
+
+    def fresh_since(self, p: torch.Tensor, call: int) -> bool:
+        """Whether this copy of ``p`` was written from the ps during call ``call`` or a later
+        one (all its shards), and has not changed here since."""
+        shards = self._shards.get(id(p))
+        if not shards or self._version_after.get(shards[0].variable) != p._version:
+            return False
+        return all(self._written_in.get((s.variable, s.index), -1) >= call for s in shards)
+
     def pull(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Bring this worker's copies (or those of ``params``) up to the ps's current values."""
         keys = self._keys_per_ps(self._variables.values() if params is None else params)
+        self.pulls += 1
         pulled = self._ask(
             "read",
             "a pull of the parameters",
@@ -397,8 +432,17 @@ class PsClient:
                 "restarts from the last checkpoint"
             ) from None
         finally:
+            if method not in _READS:  # counted once over, answered or not (it may have landed)
+                with self._writes_lock:
+                    self.writes += 1
             for connection in connections:
                 connection.lock.release()
+
+
+# The requests that leave the ps's variables as they were.
+_READS = frozenset(
+    {"read", "fetch", "optimizer_state", "stats", "workers_done", "loaded", "leave", "depart"}
+)
 
 
 def _rows(t: torch.Tensor, s: Shard) -> torch.Tensor:
