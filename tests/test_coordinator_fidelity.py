@@ -98,6 +98,18 @@ def test_a_function_reads_every_write_that_ended_before_it_was_scheduled(job):
 
 
 @pytest.mark.multiprocess
+def test_a_worker_uses_a_kept_table_only_while_the_chiefs_is_the_same(job):
+    got = _part(job, "tables")
+    assert got["same"] == [[3, "int"]] * 6, got
+    # Six calls on two workers: each had the table whole once at most, then by its number.
+    assert got["by_number"] >= 4, got
+    # 1, True and 1.0 are equal in Python, yet each is another table.
+    assert got["changed"] == [[3, "bool"], [3.0, "float"], [6, "int"], [3, "int"]], got
+    # A captured tensor is sent each time: a worker's change of its copy never outlives a call.
+    assert got["bumped"] == [2.0, 2.0, 2.0], got
+
+
+@pytest.mark.multiprocess
 def test_a_failure_cancels_the_functions_still_running_and_join_is_clean_after(job):
     got = _part(job, "cancel")
     assert "the failure that cancels the rest" in (got["join"] or ""), got

@@ -13,6 +13,9 @@
   was scheduled (TF's worker reads the ps), yet no pull where the worker's copy came back with
   its last push after those writes (a function queued behind a running one); a copy changed
   on the worker is pulled again;
+- what a function captures is what the chief held when it was scheduled, also where a worker
+  keeps the last table of plain data it was sent (a value of another type is another table; a
+  tensor's table is sent each time);
 - cancellation (``testCancellation``): a function still running when another fails is
   cancelled (its ``fetch`` raises ``CancelledError``; it stopped on its worker), ``join`` raises
   the failure once, and the coordinator is used again after.
@@ -122,6 +125,19 @@ def look(barrier: str):
     value = float(scalar.weight.detach())
     meet(barrier, me)
     return [me, value, strategy.extended.client.pulls]
+
+
+FACTOR: object = 1
+BUMPED = torch.zeros(2)
+
+
+def scale(x):
+    return [x * FACTOR, type(FACTOR).__name__]
+
+
+def bump():
+    BUMPED.add_(1.0)  # this worker's copy: the chief's never changes
+    return float(BUMPED.sum())
 
 
 def count(iterator):
@@ -252,6 +268,20 @@ def freshness():
     return result
 
 
+def tables():
+    global FACTOR
+    by_number = coordinator.tables_sent_by_number
+    same = [coordinator.schedule(scale, args=(3,)).fetch() for _ in range(6)]
+    result = {"same": same, "by_number": coordinator.tables_sent_by_number - by_number}
+    changed = []
+    for factor in (True, 1.0, 2, 1):
+        FACTOR = factor
+        changed.append(coordinator.schedule(scale, args=(3,)).fetch())
+    result["changed"] = changed
+    result["bumped"] = [coordinator.schedule(bump).fetch() for _ in range(3)]
+    return result
+
+
 def cancellation():
     started, seen = OUT / "started", OUT / "seen"
     iterator = iter(coordinator.create_per_worker_dataset(endless))
@@ -300,6 +330,7 @@ result = {
     "datasets": outcome(datasets),
     "int64": outcome(int64_variable),
     "freshness": outcome(freshness),
+    "tables": outcome(tables),
     "cancel": outcome(cancellation),
 }
 (OUT / "result.json").write_text(json.dumps(result))

@@ -8,7 +8,9 @@ TF2's parameter-server training: the chief (the coordinator) runs the training l
    takes the next function from the shared queue: one function in flight per worker.
 2. ``schedule(fn, args, kwargs)`` describes ``fn`` and its arguments by reference
    (``stratagem.shipping``: what cannot be sent is a ``TypeError`` here, in the caller),
-   queues it and returns a ``RemoteValue`` at once.
+   queues it and returns a ``RemoteValue`` at once. A function's table (what it captures) is
+   described on every call; a worker keeps the last table of plain data it was sent, and a run
+   whose table is the same (``_fingerprint``: types included) sends only its number.
 3. Per-worker resources (``create_per_worker_dataset``, ``iter`` of one) are a log every
    worker replays, in order, before its next function: a per-worker iterator passed to
    ``schedule`` is each worker's own. ``create_per_worker_dataset`` takes a dataset function,
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import marshal
 import os
 import sys
 import threading
@@ -83,13 +86,27 @@ class _Closure:
     ) -> None:
         self.cid = cid
         self.name = name
-        self.call = call  # the "run" request's arguments
+        self.call = call  # the "run" request's arguments: [id, table, ref, args, kwargs]
+        # The table's number when a worker may keep it (plain data alone, no tensor), the same
+        # for every function whose table is the same (``_table_id``); else None.
+        self.table_id: int | None = None
         self.accumulators = accumulators  # the metrics it sent: their totals come back
         self.value = RemoteValue(name, on_fetch)
         # The writes it must see (``ClusterCoordinator._writes_ended``) when it was scheduled.
         self.must_see = 0
         # Set when an earlier function failed while this one ran: its outcome is not taken.
         self.cancelled: CancelledError | None = None
+
+
+def _fingerprint(table: dict[str, Any]) -> bytes | None:
+    """Bytes that are equal for equal tables of plain data, types included (``marshal``'s
+    first format: no references, no interning, so equal tables give equal bytes); None for a
+    table a worker may not keep from call to call (a tensor in it may be changed by a call).
+    Local only: nothing here is ever loaded from bytes."""
+    try:
+        return marshal.dumps(table, 0)
+    except ValueError:  # a tensor (a captured one, a buffer's value, a dataset's data)
+        return None
 
 
 def _raised_on_worker(error: Any, headline: Callable[[str, str], str]) -> FunctionError:
@@ -163,11 +180,13 @@ class ClusterCoordinator:
         self._closing = False
         self._buffer_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.completed = 0  # functions whose value was set (each counted once)
+        self.tables_sent_by_number = 0  # runs whose worker had their table (``_fingerprint``)
         # Runs ended (each may have pushed), and how many had when the chief last pulled.
         self._finished = 0
         self._fresh = 0
         self._pull_lock = threading.Lock()
         self._calls = 0  # runs sent to the workers: each is numbered (its worker's pulls)
+        self._last_table: tuple[bytes, int] | None = None  # the last table's fingerprint, id
         program = shipping.program_file()
         root = shipping.program_root()
         hello: list[Any] = [None, None]
@@ -214,6 +233,7 @@ class ClusterCoordinator:
             k: describer.value(v, owner=name, name=f"argument {k!r}")
             for k, v in (kwargs or {}).items()
         }
+        fingerprint = _fingerprint(describer.functions)
         with self._lock:
             if self._closing:
                 raise RuntimeError(f"schedule({name}) after the coordinator shut down")
@@ -226,6 +246,7 @@ class ClusterCoordinator:
                 self._refresh_when_idle,
             )
             closure.must_see = self._writes_ended()
+            closure.table_id = self._table_id(fingerprint)
             if self._error is not None:
                 # A function failed while this one was being described (after the check
                 # above): it is cancelled as the ones queued then were. Queued behind a pending
@@ -383,6 +404,17 @@ class ClusterCoordinator:
         (each may have pushed) and the chief's own requests that changed the ps."""
         return self._finished + self._seam.writes
 
+    def _table_id(self, fingerprint: bytes | None) -> int | None:
+        """The number of a function's table (the lock is held): the last one's when the two
+        are the same, a new one else; None for a table a worker may not keep."""
+        if fingerprint is None:
+            return None
+        if self._last_table is not None and self._last_table[0] == fingerprint:
+            return self._last_table[1]
+        self._next_id += 1
+        self._last_table = (fingerprint, self._next_id)
+        return self._next_id
+
     def _call_numbers(
         self, closure: _Closure, sent: collections.deque[tuple[int, int]]
     ) -> list[int]:
@@ -498,6 +530,7 @@ class ClusterCoordinator:
     def _dispatch(self, rank: int, connection: Connection) -> None:
         replayed = 0  # the per-worker resources this worker has made
         sent: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
+        kept: list[int | None] = [None]  # the table this worker keeps (the last sent it whole)
         while True:
             with self._lock:
                 self._lock.wait_for(
@@ -525,7 +558,7 @@ class ClusterCoordinator:
                     self._replayed[rank] = replayed
                     self._lock.notify_all()
                 continue
-            if not self._run(rank, connection, closure, calls):
+            if not self._run(rank, connection, closure, calls, kept):
                 return
 
     def _make_resource(
@@ -552,11 +585,21 @@ class ClusterCoordinator:
                 )
         return True
 
-    def _run(self, rank: int, connection: Connection, closure: _Closure, calls: list[int]) -> bool:
+    def _run(
+        self,
+        rank: int,
+        connection: Connection,
+        closure: _Closure,
+        calls: list[int],
+        kept: list[int | None],
+    ) -> bool:
+        call = [*closure.call, calls, closure.table_id]
+        if closure.table_id is not None and kept[0] == closure.table_id:
+            call[1] = None  # the worker has this table: its number says which
+            self.tables_sent_by_number += 1
+        kept[0] = closure.table_id
         try:
-            outcome = self._ask(
-                rank, connection, "run", [*closure.call, calls], f"the function {closure.name}"
-            )
+            outcome = self._ask(rank, connection, "run", call, f"the function {closure.name}")
         except (PeerLostError, CollectiveTimeoutError) as e:
             # Ended, or stopped answering (stopped or stuck: no note for the operation
             # timeout): as TF's, another worker runs the function (unless it was cancelled).

@@ -134,6 +134,7 @@ class WorkerServer:
         self._goodbye = threading.Event()
         self._threads = _KeptThreads("scheduled functions")
         self.functions_run = 0
+        self._kept_table: tuple[int, Any] | None = None  # (its number, the table)
         self.server, self.world = serve_and_join(
             resolver,
             me=self.me,
@@ -201,6 +202,7 @@ class WorkerServer:
         check_same_program(program, sha, me=self.me, root=self.root)
         self._seam.use_compression(compression)
         self._seam.forget_calls()  # a chief (a new one, maybe) numbers its calls from 1
+        self._kept_table = None  # and its tables
         return {"worker_index": self.worker_index}
 
     def _resolve(
@@ -318,8 +320,16 @@ class WorkerServer:
         return self._in_thread(make, "iter() of a per-worker dataset")
 
     def _run(
-        self, closure_id: int, table: Any, key: Any, args: Any, kwargs: Any, calls: Any
+        self,
+        closure_id: int,
+        table: Any,
+        key: Any,
+        args: Any,
+        kwargs: Any,
+        calls: Any,
+        table_id: Any,
     ) -> Later:
+        table = self._table(table, table_id)
         call, since = _call_numbers(calls)
 
         def body() -> dict[str, Any]:
@@ -353,6 +363,24 @@ class WorkerServer:
             return {"value": value, "totals": shipping.totals_of(rebuilder.accumulators)}
 
         return self._in_thread(body, f"the scheduled function {closure_id}")
+
+    def _table(self, table: Any, table_id: Any) -> Any:
+        """A run's table: the one sent, kept when it has a number (plain data alone: the
+        rebuild only reads it), or the one kept when the chief sent only its number (the
+        next function of a loop, whose table is the last one's). In the order the chief's
+        runs arrive (the connection's thread)."""
+        if table_id is not None and type(table_id) is not int:
+            raise ValueError(f"a table's number is an int or None; got {table_id!r}")
+        if table is None:
+            if table_id is None or self._kept_table is None or self._kept_table[0] != table_id:
+                kept = None if self._kept_table is None else self._kept_table[0]
+                raise ValueError(
+                    f"the chief sent the number of table {table_id} for {self.me} to use "
+                    f"again; it keeps table {kept}"
+                )
+            return self._kept_table[1]
+        self._kept_table = None if table_id is None else (table_id, table)
+        return table
 
     # --------------------------------------------------------------------------- serving
 
