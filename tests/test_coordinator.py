@@ -336,3 +336,43 @@ def test_a_worker_refuses_a_chief_running_another_program_or_another_copy(monkey
         check_same_program("other.py", sha, me="worker 0", root=tmp_path)
     with pytest.raises(ValueError, match=r"worker 0's copy of train\.py differs from the chief's"):
         check_same_program("train.py", "0" * 64, me="worker 0", root=tmp_path)
+
+
+def test_the_coordinator_is_asked_about_each_kind_it_describes_and_nothing_else():
+    """The describer asks the coordinator only about its kinds (one check in C): each of them
+    still reaches it, and a module, a list or a function does not."""
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    from stratagem.distribute.coordinator.cluster_coordinator import ClusterCoordinator
+    from stratagem.distribute.coordinator.values import PerWorkerDataset, PerWorkerIterator
+
+    class Seam:
+        def shards_of(self, tensor):
+            return None
+
+    coordinator = object.__new__(ClusterCoordinator)  # its specials alone: no cluster
+    coordinator.strategy = object()
+    coordinator._seam = Seam()
+    coordinator._buffer_keys = WeakIdKeyDictionary()
+    asked = []
+    original = coordinator._special
+    coordinator._special = lambda value, describer: (
+        asked.append(value) or original(value, describer)
+    )
+    describer = coordinator._describer()
+    kinds = {
+        "dataset": sg.data.Dataset.range(3),
+        "iterator": PerWorkerIterator(1),
+        "per-worker dataset": PerWorkerDataset(coordinator, 2),
+        "strategy": coordinator.strategy,
+        "coordinator": coordinator,
+    }
+    for name, value in kinds.items():
+        assert describer.value(value, owner="test", name=name)["k"] == "special", name
+    tensor = torch.ones(2)
+    assert describer.value(tensor, owner="test", name="t") == {"k": "value", "v": tensor}
+    assert all(v is w for v, w in zip(asked, [*kinds.values(), tensor], strict=True))
+    asked.clear()
+    for value in (torch.nn.ReLU(), [1, (2, "x")], {"a": 1}, double, torch):
+        describer.value(value, owner="test", name="other")
+    assert asked == []

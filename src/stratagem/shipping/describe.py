@@ -73,9 +73,20 @@ _HOOK_DICTS = {k for k, v in MODULE_DEFAULTS.items() if k.endswith("hooks") and 
 class Describer:
     """Builds the table of plain data that ``rebuild`` turns back into functions."""
 
-    def __init__(self, *, root: Path | None = None, special: Special | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        root: Path | None = None,
+        special: Special | None = None,
+        special_types: tuple[type, ...] = (object,),
+        special_objects: tuple[Any, ...] = (),
+    ) -> None:
         self.root = program_root() if root is None else resolved(str(root))
         self.special = special or (lambda value: None)
+        # What ``special`` is asked about: instances of these types and these objects (one
+        # check in C, not a call per value; ``object``: everything).
+        self._special_types = special_types
+        self._special_ids = frozenset(id(o) for o in special_objects)
         self.functions: dict[str, dict[str, Any]] = {}  # the table: functions, objects, classes
         self._keys: dict[int, str] = {}
         self._keep: list[Any] = []  # the described objects: their ids stay theirs
@@ -171,13 +182,19 @@ class Describer:
 
     def value(self, value: Any, *, owner: str, name: str) -> dict[str, Any]:
         """A capture entry for ``value``, read by ``owner`` as ``name``. Values of the exact
-        plain types are values, never offered to ``special`` (most of a table is such leaves,
-        and each offer is a call)."""
-        if type(value) in plain_data.EXACT_PLAIN:
+        plain types are values, and lists, tuples and dicts of these exact types are walked:
+        neither is offered to ``special`` (most of a table is such, and each offer is a call);
+        nor is what is not of ``special_types`` or one of ``special_objects``."""
+        kind = type(value)
+        if kind in plain_data.EXACT_PLAIN:
             return {"k": "value", "v": value}
-        special = self.special(value)
-        if special is not None:
-            return {"k": "special", "v": special}
+        if kind is list or kind is tuple:
+            items = [self.value(v, owner=owner, name=f"{name}[{i}]") for i, v in enumerate(value)]
+            return {"k": kind.__name__, "items": items}
+        if isinstance(value, self._special_types) or id(value) in self._special_ids:
+            special = self.special(value)
+            if special is not None:
+                return {"k": "special", "v": special}
         if isinstance(value, _PLAIN):
             return {"k": "value", "v": value}
         if isinstance(value, torch.Tensor):

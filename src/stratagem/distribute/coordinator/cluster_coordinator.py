@@ -98,6 +98,18 @@ class _Closure:
         self.cancelled: CancelledError | None = None
 
 
+# What ``ClusterCoordinator._special`` describes, besides its strategy and itself.
+_SPECIAL_TYPES = (
+    torch.Tensor,
+    sg_data.Dataset,
+    PerWorkerDistributedDataset,
+    PerWorkerDistributedDatasetsFromFunction,
+    PerWorkerIterator,
+    PerWorkerDataset,
+    RemoteValue,
+)
+
+
 def _fingerprint(table: dict[str, Any]) -> bytes | None:
     """Bytes that are equal for equal tables of plain data, types included (``marshal``'s
     first format: no references, no interning, so equal tables give equal bytes); None for a
@@ -337,7 +349,11 @@ class ClusterCoordinator:
         def special(value: Any) -> dict[str, Any] | None:
             return self._special(value, describer)
 
-        describer = shipping.Describer(special=special)
+        describer = shipping.Describer(
+            special=special,
+            special_types=_SPECIAL_TYPES,
+            special_objects=(self.strategy, self),
+        )
         return describer
 
     def _special(self, value: Any, describer: shipping.Describer) -> dict[str, Any] | None:
