@@ -68,6 +68,8 @@ _where_cache: dict[tuple[str, str, Path], tuple[tuple[int, int, int], dict[str, 
 # A module's hook dictionaries: those of this process's own hooks (``StaysHere``) are
 # described without them.
 _HOOK_DICTS = {k for k, v in MODULE_DEFAULTS.items() if k.endswith("hooks") and v == {}}
+# The types of a module's defaults that are left out when empty (torch's own: exact types).
+_EMPTIED = frozenset(type(v) for v in MODULE_DEFAULTS.values() if isinstance(v, dict | set))
 
 
 class Describer:
@@ -182,19 +184,39 @@ class Describer:
 
     def value(self, value: Any, *, owner: str, name: str) -> dict[str, Any]:
         """A capture entry for ``value``, read by ``owner`` as ``name``. Values of the exact
-        plain types are values, and lists, tuples and dicts of these exact types are walked:
-        neither is offered to ``special`` (most of a table is such, and each offer is a call);
-        nor is what is not of ``special_types`` or one of ``special_objects``."""
+        plain types are values, and lists, tuples, dicts and ordered dicts of these exact types
+        are walked: neither is offered to ``special`` (most of a table is such, and each offer
+        is a call); nor is what is not of ``special_types`` or one of ``special_objects``."""
         kind = type(value)
         if kind in plain_data.EXACT_PLAIN:
             return {"k": "value", "v": value}
         if kind is list or kind is tuple:
             items = [self.value(v, owner=owner, name=f"{name}[{i}]") for i, v in enumerate(value)]
             return {"k": kind.__name__, "items": items}
+        if kind is dict and all(type(k) is str for k in value):
+            items = {k: self.value(v, owner=owner, name=f"{name}[{k!r}]") for k, v in value.items()}
+            return {"k": "dict", "items": items}
+        if kind is dict or kind is collections.OrderedDict:  # keys of plain data (hook handles)
+            pairs = [
+                [self.value(k, owner=owner, name=f"a key of {name}"),
+                 self.value(v, owner=owner, name=f"{name}[{k!r}]")]
+                for k, v in value.items()
+            ]  # fmt: skip
+            return {"k": "pairs", "ordered": kind is not dict, "items": pairs}
         if isinstance(value, self._special_types) or id(value) in self._special_ids:
             special = self.special(value)
             if special is not None:
                 return {"k": "special", "v": special}
+        # The most common captures next, before the chain below: a torch module (asking it
+        # for a __wrapped__ goes through its __getattr__ and an AttributeError) and a function.
+        if isinstance(value, torch.nn.Module):
+            return self._object(value, "module", owner=owner, name=name)
+        if kind is types.FunctionType:
+            return self.function(value, what=f"{name} of {owner}")
+        if isinstance(value, type):  # a class (each object's own: one per object)
+            if is_named(value) and not self._in_program(value):
+                return {"k": "named", "module": value.__module__, "qualname": value.__qualname__}
+            return self._class(value, owner=owner, name=name)
         if isinstance(value, _PLAIN):
             return {"k": "value", "v": value}
         if isinstance(value, torch.Tensor):
@@ -205,16 +227,6 @@ class Describer:
         if isinstance(value, list | tuple):
             items = [self.value(v, owner=owner, name=f"{name}[{i}]") for i, v in enumerate(value)]
             return {"k": type(value).__name__, "items": items}
-        if type(value) is dict and all(isinstance(k, str) for k in value):
-            items = {k: self.value(v, owner=owner, name=f"{name}[{k!r}]") for k, v in value.items()}
-            return {"k": "dict", "items": items}
-        if type(value) in (dict, collections.OrderedDict):  # keys of plain data (hook handles)
-            pairs = [
-                [self.value(k, owner=owner, name=f"a key of {name}"),
-                 self.value(v, owner=owner, name=f"{name}[{k!r}]")]
-                for k, v in value.items()
-            ]  # fmt: skip
-            return {"k": "pairs", "ordered": type(value) is not dict, "items": pairs}
         if type(value) in (set, frozenset):
             items = [self.value(v, owner=owner, name=f"an item of {name}") for v in value]
             return {"k": type(value).__name__, "items": items}
@@ -232,10 +244,6 @@ class Describer:
         if isinstance(value, enum.Enum) and is_named(type(value)):
             member = f"{type(value).__qualname__}.{value.name}"
             return {"k": "named", "module": type(value).__module__, "qualname": member}
-        if isinstance(value, type):
-            if is_named(value) and not self._in_program(value):
-                return {"k": "named", "module": value.__module__, "qualname": value.__qualname__}
-            return self._class(value, owner=owner, name=name)
         kind = portable_kind(value)
         if kind is not None:
             return self._object(value, kind, owner=owner, name=name)
@@ -287,10 +295,11 @@ class Describer:
             # So are this process's own hooks (``StaysHere``: the chief's read hooks).
             state = {}
             for k, v in vars(value).items():
-                if k in _HOOK_DICTS and v:
-                    v = _without_local_hooks(k, v)
-                if k in MODULE_DEFAULTS and (v is None or (isinstance(v, dict | set) and not v)):
-                    continue
+                if k in MODULE_DEFAULTS:
+                    if k in _HOOK_DICTS and v:
+                        v = _without_local_hooks(k, v)
+                    if v is None or (type(v) in _EMPTIED and not v):
+                        continue
                 state[k] = v
         elif kind == "optimizer":
             state = {k: v for k, v in vars(value).items() if k != "state"}  # state: on the ps

@@ -40,7 +40,14 @@ def resolved(path: str) -> Path:
 def program_root() -> Path:
     """The directory of the program every task runs (``__main__``'s file), else the cwd."""
     main = getattr(sys.modules.get("__main__"), "__file__", None)
-    return resolved(str(main)).parent if main else resolved(os.getcwd())
+    return _directory_of(str(main)) if main else resolved(os.getcwd())
+
+
+@functools.lru_cache(maxsize=64)
+def _directory_of(path: str) -> Path:
+    # The same Path each time: a describer per schedule keys its caches by the root, and a
+    # new Path computes its hash again.
+    return resolved(path).parent
 
 
 def program_file() -> Path | None:
