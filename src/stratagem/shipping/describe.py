@@ -191,8 +191,7 @@ class Describer:
         if kind in plain_data.EXACT_PLAIN:
             return {"k": "value", "v": value}
         if kind is list or kind is tuple:
-            items = [self.value(v, owner=owner, name=f"{name}[{i}]") for i, v in enumerate(value)]
-            return {"k": kind.__name__, "items": items}
+            return self._sequence(value, owner=owner, name=name)
         if kind is dict and all(type(k) is str for k in value):
             items = {k: self.value(v, owner=owner, name=f"{name}[{k!r}]") for k, v in value.items()}
             return {"k": "dict", "items": items}
@@ -224,9 +223,8 @@ class Describer:
             return {"k": "value", "v": value}
         if isinstance(value, types.ModuleType):
             return {"k": "module", "name": value.__name__}
-        if isinstance(value, list | tuple):
-            items = [self.value(v, owner=owner, name=f"{name}[{i}]") for i, v in enumerate(value)]
-            return {"k": type(value).__name__, "items": items}
+        if isinstance(value, list | tuple):  # a subclass (the exact types are taken above)
+            return self._sequence(value, owner=owner, name=name)
         if type(value) in (set, frozenset):
             items = [self.value(v, owner=owner, name=f"an item of {name}") for v in value]
             return {"k": type(value).__name__, "items": items}
@@ -262,6 +260,10 @@ class Describer:
             "attributes (a Hugging Face config), per-worker iterators and the coordinator's "
             f"strategy; a {cls.__qualname__} does not travel by its attributes: {refusal}"
         )
+
+    def _sequence(self, value: list | tuple, *, owner: str, name: str) -> dict[str, Any]:
+        items = [self.value(v, owner=owner, name=f"{name}[{i}]") for i, v in enumerate(value)]
+        return {"k": type(value).__name__, "items": items}
 
     # -------------------------------------------------------------- objects and classes
 
