@@ -5,12 +5,14 @@ worker mid-function."""
 
 from __future__ import annotations
 
+import collections
 import inspect
 import json
 import math
 import subprocess
 import sys
 import threading
+import typing
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,41 @@ def make_functions():
         return x in {"alpha", "beta", "gamma"}  # a frozenset constant: hashed in sorted order
 
     return scaled, factorial, uses_others, members
+
+
+Pair = collections.namedtuple("Pair", "left right", defaults=[0])  # no class statement
+
+
+class Scored(typing.NamedTuple):  # a class statement whose base makes the namedtuple
+    name: str
+    score: float = 1.0
+
+    def doubled(self):
+        return 2 * self.score
+
+
+class Summed(Pair):  # a class statement on a namedtuple
+    def total(self):
+        return self.left + self.right
+
+
+class Stack(list):
+    pass
+
+
+SUBCLASSED = (
+    Pair(1, torch.tensor(2.0)),
+    Scored("a"),
+    Summed(3, 4),
+    inspect.ArgInfo([1], None, None, {}),  # a library's namedtuple
+    torch.Size([2, 3]),
+    torch.max(torch.tensor([[1.0, 3.0]]), 1),  # torch.return_types.max
+    Stack([1, 2]),
+)
+
+
+def uses_subclassed():
+    return SUBCLASSED, Pair(5), Scored("b", 3.0).doubled(), Summed(1, 2).total()
 
 
 def _round_trip(fn, special=None, resolve=None):
@@ -244,6 +281,44 @@ def test_what_cannot_be_sent_is_named_with_its_type():
         resolve=lambda entry: f"iterator {entry['it']}",
     )
     assert rebuilt() == "iterator 7"
+
+
+def test_namedtuples_and_other_list_and_tuple_subclasses_travel_as_their_classes():
+    rebuilt, _ = _round_trip(uses_subclassed)
+    got, expected = rebuilt(), uses_subclassed()
+    assert got[1:] == (Pair(5, 0), 6.0, 3)  # made there: the default, the methods
+    for copy, original in zip(got[0], expected[0], strict=True):
+        assert type(copy).__qualname__ == type(original).__qualname__
+        assert len(copy) == len(original)
+        for a, b in zip(copy, original, strict=True):
+            assert (a == b).all() if isinstance(b, torch.Tensor) else a == b
+    pair, scored, summed, args, size, best, stack = got[0]
+    # The program's classes are made on the worker (from its fields, or its class body);
+    # a library's travel by name and are the same class.
+    assert type(pair) is not Pair and pair._fields == ("left", "right") and pair.right == 2.0
+    assert type(scored) is not Scored and scored.doubled() == 2.0
+    assert scored._fields == Scored._fields
+    assert type(summed) is not Summed and summed.total() == 7 and isinstance(summed, type(got[1]))
+    assert type(args) is inspect.ArgInfo and type(size) is torch.Size
+    assert type(best) is type(expected[0][5]) and best.indices.item() == 1
+    assert type(stack).__qualname__ == "Stack" and isinstance(stack, list)
+    # Only the items travel: a subclass's object with attributes of its own is refused.
+    labelled = Stack([1])
+    labelled.label = "x"
+
+    def uses_labelled():
+        return labelled
+
+    with pytest.raises(TypeError, match=r"'labelled', a .*Stack with attributes besides its items"):
+        _round_trip(uses_labelled)
+    # A worker makes only list and tuple subclasses, with as many items as fields.
+    popen = {"k": "named", "module": "subprocess", "qualname": "Popen"}
+    with pytest.raises(ValueError, match="names a list or tuple subclass; got <class 'subprocess"):
+        shipping.Rebuilder({}, root=HERE).value({"k": "sequence", "class": popen, "items": []})
+    argument = {"k": "named", "module": "inspect", "qualname": "ArgInfo"}
+    one = [{"k": "value", "v": 1}]
+    with pytest.raises(ValueError, match=r"fields \['args', 'varargs', 'keywords', 'locals'\]"):
+        shipping.Rebuilder({}, root=HERE).value({"k": "sequence", "class": argument, "items": one})
 
 
 def test_server_and_coordinator_refuse_a_cluster_without_a_chief():

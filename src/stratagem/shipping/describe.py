@@ -9,12 +9,13 @@ Each global name the function's code loads, each closure cell and each default i
 - a function, by reference (recursively; cycles allowed), or a class or builtin by
   ``module.qualname``;
 - a tensor or plain data (``comm.plain_data``), by value; lists, tuples and dicts of these;
+  a list or tuple subclass (a namedtuple, ``torch.Size``) by its class and its items;
 - an object *by state* (``portable``): a ``torch.nn.Module``, a ``torch.optim.Optimizer`` or a
   ``Portable`` object; an object of a library's plain class by its attributes
   (``by_attributes``: a Hugging Face model's config); the same object described twice is one
   object there;
-- a class of the program's main file, by its class body; other classes, enum members, dtypes and
-  devices by name;
+- a class of the program's main file, by its class body (a ``collections.namedtuple`` by its
+  fields); other classes, enum members, dtypes and devices by name;
 - whatever the caller's ``special`` hook names (the coordinator's per-worker iterators, its
   strategy, the ps variables): the worker's ``resolve_special`` gives its own object for it.
 
@@ -30,6 +31,7 @@ import inspect
 import os
 import sys
 import types
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -191,7 +193,7 @@ class Describer:
         if kind in plain_data.EXACT_PLAIN:
             return {"k": "value", "v": value}
         if kind is list or kind is tuple:
-            return self._sequence(value, owner=owner, name=name)
+            return {"k": kind.__name__, "items": self._sequence(value, owner=owner, name=name)}
         if kind is dict and all(type(k) is str for k in value):
             items = {k: self.value(v, owner=owner, name=f"{name}[{k!r}]") for k, v in value.items()}
             return {"k": "dict", "items": items}
@@ -224,7 +226,7 @@ class Describer:
         if isinstance(value, types.ModuleType):
             return {"k": "module", "name": value.__name__}
         if isinstance(value, list | tuple):  # a subclass (the exact types are taken above)
-            return self._sequence(value, owner=owner, name=name)
+            return self._subclassed(value, owner=owner, name=name)
         if type(value) in (set, frozenset):
             items = [self.value(v, owner=owner, name=f"an item of {name}") for v in value]
             return {"k": type(value).__name__, "items": items}
@@ -254,16 +256,31 @@ class Describer:
         raise TypeError(
             f"{owner} is a function that cannot be sent: it captures {name!r}, a "
             f"{cls.__module__}.{cls.__qualname__}. A scheduled function may capture modules, "
-            "functions, classes, tensors, plain data (None, bool, int, float, str, lists, tuples, "
-            "dicts, sets, argparse namespaces), torch modules and optimizers, Keras losses, "
-            "metrics and optimizers (by state), objects of a library's plain classes by their "
-            "attributes (a Hugging Face config), per-worker iterators and the coordinator's "
-            f"strategy; a {cls.__qualname__} does not travel by its attributes: {refusal}"
+            "functions, classes, tensors, plain data (None, bool, int, float, str, lists, tuples "
+            "and their subclasses, dicts, sets, argparse namespaces), torch modules and "
+            "optimizers, Keras losses, metrics and optimizers (by state), objects of a "
+            "library's plain classes by their attributes (a Hugging Face config), per-worker "
+            f"iterators and the coordinator's strategy; a {cls.__qualname__} does not travel by "
+            f"its attributes: {refusal}"
         )
 
-    def _sequence(self, value: list | tuple, *, owner: str, name: str) -> dict[str, Any]:
-        items = [self.value(v, owner=owner, name=f"{name}[{i}]") for i, v in enumerate(value)]
-        return {"k": type(value).__name__, "items": items}
+    def _sequence(self, value: list | tuple, *, owner: str, name: str) -> list[dict[str, Any]]:
+        return [self.value(v, owner=owner, name=f"{name}[{i}]") for i, v in enumerate(value)]
+
+    def _subclassed(self, value: list | tuple, *, owner: str, name: str) -> dict[str, Any]:
+        """A list or tuple of a subclass (a namedtuple, a ``torch.Size``): its class and its
+        items. Only the items travel, so one with attributes of its own is refused."""
+        cls = type(value)
+        extra = getattr(value, "__dict__", None)
+        if extra:
+            raise TypeError(
+                f"{owner} is a function that cannot be sent: it captures {name!r}, a "
+                f"{cls.__module__}.{cls.__qualname__} with attributes besides its items "
+                f"({sorted(extra)}); only the items of a list or tuple subclass travel"
+            )
+        described = self.value(cls, owner=owner, name=f"the class of {name}")
+        items = self._sequence(value, owner=owner, name=name)
+        return {"k": "sequence", "class": described, "items": items}
 
     # -------------------------------------------------------------- objects and classes
 
@@ -331,6 +348,8 @@ class Describer:
         key = self._keys.get(id(cls))
         if key is not None:
             return {"k": "class", "ref": key}
+        if _made_by_namedtuple(cls):  # no class statement to run: its fields instead
+            return self._namedtuple(cls, owner=owner, name=name)
         what = f"class {cls.__qualname__} (captured as {name!r} by {owner})"
         try:
             path = Path(inspect.getfile(cls)).resolve()
@@ -362,8 +381,13 @@ class Describer:
         }
         self.functions[key] = desc
         glob = vars(sys.modules[module]) if module in sys.modules else {}
+        # A typing.NamedTuple's class statement names NamedTuple (its __orig_bases__), which
+        # makes the namedtuple; run with its resolved base (tuple) it would make a plain tuple.
+        bases = vars(cls).get("__orig_bases__", ())
+        if typing.NamedTuple not in bases:
+            bases = cls.__bases__
         desc["bases"] = [
-            self.value(b, owner=owner, name=f"a base of {cls.__qualname__}") for b in cls.__bases__
+            self.value(b, owner=owner, name=f"a base of {cls.__qualname__}") for b in bases
         ]
         desc["metaclass"] = (
             None
@@ -376,6 +400,40 @@ class Describer:
             if g in glob and glob[g] is not cls
         }
         return {"k": "class", "ref": key}
+
+    def _namedtuple(self, cls: type, *, owner: str, name: str) -> dict[str, Any]:
+        """A class ``collections.namedtuple`` made, by its name, fields and defaults (the
+        worker makes it with ``collections.namedtuple``)."""
+        key = f"c{len(self.functions)}"
+        self._keys[id(cls)] = key
+        self._keep.append(cls)
+        fields: tuple[str, ...] = cls._fields  # type: ignore[attr-defined]
+        defaults: dict[str, Any] = cls._field_defaults  # type: ignore[attr-defined]
+        self.functions[key] = {
+            "kind": "namedtuple",
+            "name": cls.__name__,
+            "qualname": cls.__qualname__,
+            "module": str(cls.__module__),
+            "fields": list(fields),
+            "defaults": [
+                self.value(defaults[f], owner=owner, name=f"the default of {name}.{f}")
+                for f in fields
+                if f in defaults
+            ],
+        }
+        return {"k": "class", "ref": key}
+
+
+def _made_by_namedtuple(cls: type) -> bool:
+    """Whether ``cls`` is what ``collections.namedtuple`` returned (not a class statement:
+    a subclass of one, or a ``typing.NamedTuple``, has a body to run)."""
+    own = vars(cls)
+    return (
+        cls.__bases__ == (tuple,)
+        and "_fields" in own
+        and "_make" in own
+        and "__orig_bases__" not in own
+    )
 
 
 def _in_root(path: Path, root: Path) -> bool:

@@ -41,6 +41,8 @@ from stratagem.shipping.program import (
 
 ResolveSpecial = Callable[[dict[str, Any]], Any]
 
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement (or type())
+
 # (program root, where, qualname, line, hash) -> the file and the code found in it: every call
 # of a scheduled function rebuilds the same functions, and finding one (its path resolved, its
 # file's code objects searched) was a third of the rebuild. The file is checked each time.
@@ -115,6 +117,8 @@ class Rebuilder:
             return self.object(str(entry["ref"]))
         if kind == "class":
             return self.cls(str(entry["ref"]))
+        if kind == "sequence":
+            return sequence_of(self.value(entry["class"]), [self.value(v) for v in entry["items"]])
         raise ValueError(f"unknown capture kind {kind!r}")
 
     def entry_point(self, entry: Any, what: str) -> Callable[..., Any]:
@@ -204,6 +208,8 @@ class Rebuilder:
         if built is not None:
             return built
         desc = self.table[key]
+        if desc["kind"] == "namedtuple":
+            return self._namedtuple(key, desc)
         where = desc["where"]
         cache_key = (where["file"], where["sha"], desc["qualname"], desc["line"], desc["hash"])
         made = self._classes.get(cache_key)
@@ -227,6 +233,22 @@ class Rebuilder:
             made.__qualname__ = desc["qualname"]
             if "." not in desc["qualname"]:
                 glob[desc["name"]] = made  # its methods may name it
+            self._classes[cache_key] = made
+        self._built[key] = made
+        return made
+
+    def _namedtuple(self, key: str, desc: dict[str, Any]) -> type:
+        """A class ``collections.namedtuple`` made on the chief, made here the same way (it
+        checks the names are identifiers); one per worker while its fields and defaults stay."""
+        fields = [str(f) for f in desc["fields"]]
+        defaults = [self.value(d) for d in desc["defaults"]]
+        cache_key = ("namedtuple", desc["module"], desc["qualname"], tuple(fields), repr(defaults))
+        made = self._classes.get(cache_key)
+        if made is None:
+            made = collections.namedtuple(  # type: ignore[misc]
+                str(desc["name"]), fields, defaults=defaults, module=str(desc["module"])
+            )
+            made.__qualname__ = str(desc["qualname"])
             self._classes[cache_key] = made
         self._built[key] = made
         return made
@@ -307,6 +329,26 @@ class Rebuilder:
                 "import GPT2LMHeadModel` imports GPT-2's modules)"
             )
         return importlib.import_module(name)
+
+
+def sequence_of(cls: Any, items: list[Any]) -> list | tuple:
+    """A ``cls`` (a list or tuple subclass) of ``items``. A Python class's own code is not
+    run (a namedtuple's fields are its items, checked by number); a built-in type of an
+    extension (``torch.Size``, ``torch.return_types``) is made by its constructor."""
+    if not isinstance(cls, type) or not issubclass(cls, list | tuple):
+        raise ValueError(f"a sequence entry names a list or tuple subclass; got {cls!r}")
+    if not cls.__flags__ & _HEAP_TYPE:
+        return cls(items)
+    if issubclass(cls, list):
+        made = list.__new__(cls)
+        list.extend(made, items)
+        return made
+    fields = getattr(cls, "_fields", None)
+    if isinstance(fields, tuple) and len(fields) != len(items):
+        raise ValueError(
+            f"{cls.__qualname__} has the fields {list(fields)}; the chief sent {len(items)} items"
+        )
+    return tuple.__new__(cls, items)
 
 
 def dtype_named(name: str) -> torch.dtype:
