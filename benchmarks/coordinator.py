@@ -27,6 +27,10 @@ The ratios are medians over rounds of the two variants measured in the same roun
 by that Python: TF is never stratagem's dependency): empty functions, one and ten training
 steps per function, in the same rounds as ours, with the ratios ours/TF. ``--load N`` runs N
 busy processes (a core each) beside every job: a machine that is not idle.
+
+Each job also reports the CPU its processes used per update over the timed part (``/proc``;
+``job_cpu.py``): other jobs on the machine change it far less than the rates, so it tells what
+a change saved where the rates of one run differ by more than the change.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import median_round_ratio, rotated_rounds, run_launcher_job
+from job_cpu import job_cpu_seconds, per_update_ms
 
 BATCH = 32
 
@@ -89,13 +94,17 @@ def between_task(args: argparse.Namespace) -> None:
 
     step()  # the first push connects and builds the ps's optimizer: not timed
     (before,) = strategy.ps_stats() if task == 0 else [{"steps": 0}]
+    cpu_before = job_cpu_seconds()
     start = time.perf_counter()
     while time.perf_counter() - start < args.seconds:
         step()
     if task == 0:
         (after,) = strategy.ps_stats()
+        cpu_after = job_cpu_seconds()
         seconds = time.perf_counter() - start
-        print("RESULT " + json.dumps({"per_s": (after["steps"] - before["steps"]) / seconds}))
+        updates = after["steps"] - before["steps"]
+        cpu_ms = per_update_ms(cpu_before, cpu_after, updates)
+        print("RESULT " + json.dumps({"per_s": updates / seconds, "cpu_ms": cpu_ms}))
 
 
 def coordinated_task(args: argparse.Namespace) -> None:
@@ -141,6 +150,7 @@ def coordinated_task(args: argparse.Namespace) -> None:
         coordinator.schedule(fn, args=fn_args)
     coordinator.join()
     (before,) = strategy.ps_stats()
+    cpu_before = job_cpu_seconds()
     outstanding: list = []
     done = 0
     start = time.perf_counter()
@@ -151,16 +161,28 @@ def coordinated_task(args: argparse.Namespace) -> None:
         done += 1
     coordinator.join()
     seconds = time.perf_counter() - start
+    cpu_after = job_cpu_seconds()
     (after,) = strategy.ps_stats()
     done += len(outstanding)
-    per_s = done / seconds if args.empty else (after["steps"] - before["steps"]) / seconds
-    print("RESULT " + json.dumps({"per_s": per_s}), flush=True)
+    updates = done if args.empty else after["steps"] - before["steps"]
+    cpu_ms = per_update_ms(cpu_before, cpu_after, updates)
+    print("RESULT " + json.dumps({"per_s": updates / seconds, "cpu_ms": cpu_ms}), flush=True)
+
+
+CPU_MS: dict[str, list[float]] = {}  # variant -> the job's CPU ms per update, per round
 
 
 def job(variant: str, seconds: float, delay: float, steps_per_function: int) -> float:
-    """One job's rate. ``coordinated10`` is ``coordinated`` with ten steps per function; the
-    ``tf_`` variants are TensorFlow's own coordinator on the same work (``coordinator_tf.py``,
-    run by ``TF_PYTHON``)."""
+    """One job's rate (its CPU per update kept in ``CPU_MS``). ``coordinated10`` is
+    ``coordinated`` with ten steps per function; the ``tf_`` variants are TensorFlow's own
+    coordinator on the same work (``coordinator_tf.py``, run by ``TF_PYTHON``)."""
+    result = _job(variant, seconds, delay, steps_per_function)
+    if result.get("cpu_ms") is not None:
+        CPU_MS.setdefault(variant, []).append(float(result["cpu_ms"]))
+    return float(result["per_s"])
+
+
+def _job(variant: str, seconds: float, delay: float, steps_per_function: int) -> dict:
     if variant.endswith("10"):
         variant, steps_per_function = variant[:-2], 10
     if variant.startswith("tf_"):
@@ -177,13 +199,13 @@ def job(variant: str, seconds: float, delay: float, steps_per_function: int) -> 
         argv = ["-n", "3", "--ps", "1", __file__, "--between", "--mode", "sync", "--stragglers"]
     else:  # coordinated3
         argv = ["--chief", "-n", "3", "--ps", "1", __file__, "--coordinated", "--stragglers"]
-    return float(run_launcher_job(argv + common, timeout=seconds + 180)["per_s"])
+    return run_launcher_job(argv + common, timeout=seconds + 180)
 
 
 TF_PYTHON: str | None = None  # --tf-python
 
 
-def tf_job(variant: str, seconds: float, steps_per_function: int) -> float:
+def tf_job(variant: str, seconds: float, steps_per_function: int) -> dict:
     """TensorFlow's coordinator on the same work: ``coordinator_tf.py`` under ``TF_PYTHON``."""
     assert TF_PYTHON is not None
     argv = [TF_PYTHON, str(Path(__file__).with_name("coordinator_tf.py"))]
@@ -203,7 +225,7 @@ def tf_job(variant: str, seconds: float, steps_per_function: int) -> float:
     found = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if not found:
         raise RuntimeError(f"{' '.join(argv)} printed no RESULT:\n{out}")
-    return float(json.loads(found[-1].removeprefix("RESULT "))["per_s"])
+    return json.loads(found[-1].removeprefix("RESULT "))
 
 
 @contextlib.contextmanager
@@ -287,9 +309,18 @@ def main() -> None:
         ratios["coordinated3 / sync"] = median_round_ratio(samples, "coordinated3", "sync")
     if "empty" in medians:
         print(f"\nempty functions/s on 2 workers: {medians['empty']:.0f}")
-    print("| variant | updates/s (median) |\n| --- | --- |")
+    cpu = {n: statistics.median(v) for n, v in CPU_MS.items() if len(v) == len(samples[n])}
+    print("| variant | updates/s (median) | CPU ms per update (median) |\n| --- | --- | --- |")
     for name in [n for n in names if n != "empty"]:
-        print(f"| {name} | {medians[name]:.1f} |")
+        print(f"| {name} | {medians[name]:.1f} | {cpu.get(name, float('nan')):.3f} |")
+    # The CPU per update of every process of the job (/proc), a steadier figure than a rate
+    # where other jobs share the machine: a job that needs less CPU per update is the faster
+    # one on a machine it fills. Each ratio is the base's CPU over the variant's (higher is
+    # better, as with the rates), the median over rounds.
+    for name, base in (("coordinated10", "between"), ("coordinated10", "tf_coordinated10")):
+        if name in cpu and base in cpu:
+            ratio = statistics.median(b / a for a, b in zip(CPU_MS[name], CPU_MS[base]))
+            print(f"CPU per update, {base} / {name}: {ratio:.2f}")
     targets = {"coordinated / between": 0.8, "coordinated3 / sync": 1.8}
     targets |= {"empty / tf_empty": 1.5, "coordinated / tf_coordinated": 1.2}
     targets |= {"coordinated10 / tf_coordinated10": 1.2, "coordinated10 / between": 0.9}
@@ -305,7 +336,8 @@ def main() -> None:
         print(f"{what}: {ratio:.2f} (target >= {targets[what]}): {met}")
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (--load {args.load})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"samples": samples, "ratios": ratios}, indent=1))
+        results = {"samples": samples, "ratios": ratios, "cpu_ms": CPU_MS}
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

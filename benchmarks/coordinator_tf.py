@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from job_cpu import job_cpu_seconds, per_update_ms  # this file's folder: stdlib only
+
 BATCH = 32
 
 
@@ -113,6 +115,7 @@ def chief(args: argparse.Namespace) -> None:
         coordinator.schedule(fn, args=fn_args)
     coordinator.join()
     before = int(steps.numpy())
+    cpu_before = job_cpu_seconds()
     outstanding: list = []
     done = 0
     start = time.perf_counter()
@@ -123,9 +126,11 @@ def chief(args: argparse.Namespace) -> None:
         done += 1
     coordinator.join()
     seconds = time.perf_counter() - start
+    cpu_after = job_cpu_seconds()
     done += len(outstanding)
-    per_s = done / seconds if args.empty else (int(steps.numpy()) - before) / seconds
-    print("RESULT " + json.dumps({"per_s": per_s}), flush=True)
+    updates = done if args.empty else int(steps.numpy()) - before
+    cpu_ms = per_update_ms(cpu_before, cpu_after, updates)
+    print("RESULT " + json.dumps({"per_s": updates / seconds, "cpu_ms": cpu_ms}), flush=True)
 
 
 def launch(args: argparse.Namespace) -> None:
