@@ -75,9 +75,14 @@ def test_coordinator_benchmark_smoke_run_reports_the_coordinated_rate(tmp_path):
     out = tmp_path / "results.json"
     argv = ["--variants", "coordinated", "--delay", "0", "--steps-per-function", "2"]
     output = _smoke_run(tmp_path, "coordinator.py", *argv, "--load", "1", "--json", str(out))
-    (rate,) = json.loads(out.read_text())["samples"]["coordinated"]
+    results = json.loads(out.read_text())
+    (rate,) = results["samples"]["coordinated"]
     assert rate > 0, output
-    assert re.search(r"^\| coordinated \| [0-9.]+ \|$", output, re.MULTILINE), output
+    # The CPU the job's processes used per update (/proc: every CI machine is Linux), a
+    # fraction of a second per update and more than none.
+    (cpu_ms,) = results["cpu_ms"]["coordinated"]
+    assert 0 < cpu_ms < 1000, output
+    assert re.search(r"^\| coordinated \| [0-9.]+ \| [0-9.]+ \|$", output, re.MULTILINE), output
     assert "(--load 1)" in output, output
 
 
