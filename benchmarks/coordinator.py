@@ -11,6 +11,9 @@ ps. Measured, per round (the variants' order rotating from round to round):
 - ``coordinated``: a chief scheduling the same step on 2 workers (``ClusterCoordinator``, each
   function ``--steps-per-function`` steps, 1 by default, on the worker's per-worker iterator):
   updates/s. Target: >= 0.8x between;
+- ``fit10`` and ``between_fit`` (by ``--variants`` only): ``Model.fit`` with
+  ``steps_per_execution=10`` on the same model, on the chief of a coordinated job or on every
+  worker of a between-graph one: updates/s. Target: fit10 >= 0.9x between_fit;
 - with ``--stragglers``, 3 workers of which worker 2 is three times slower: ``sync``
   (between-graph, every update the mean of the 3 workers' gradients, so each waits for the
   straggler) and ``coordinated3`` (functions go to whichever worker is free). Target:
@@ -107,6 +110,54 @@ def between_task(args: argparse.Namespace) -> None:
         print("RESULT " + json.dumps({"per_s": updates / seconds, "cpu_ms": cpu_ms}))
 
 
+def fit_task(args: argparse.Namespace) -> None:
+    """A task of a ``Model.fit`` job, ``steps_per_execution=10``: coordinated (the chief fits,
+    the workers serve), or between-graph (every worker fits; worker 0 reports)."""
+    import torch
+
+    import stratagem as sg
+
+    resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
+    if resolver.task_type in ("worker", "ps") and args.coordinated:
+        sg.distribute.Server(resolver).join()
+        return
+    strategy = sg.distribute.ParameterServerStrategy(resolver)
+    reports = resolver.task_type == "chief" or resolver.task_id == 0
+    with strategy.scope():
+        module, _, x, y = build(sg, torch, 0)
+        model = sg.keras.Model(module)
+        model.compile(
+            sg.keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+            loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=10,
+        )
+    window: dict = {}
+
+    def mark() -> tuple[float, int, float | None]:
+        (stats,) = strategy.ps_stats() if reports else [{"steps": 0}]
+        return time.perf_counter(), stats["steps"], job_cpu_seconds()
+
+    class Timed(sg.keras.callbacks.Callback):
+        """The timed part: from the end of the first epoch (the workers' datasets made, each
+        worker's first functions run: a coordinated fit makes them after it begins) until the
+        end of the epoch that ends after ``--seconds`` (each epoch ends joining the workers)."""
+
+        def on_epoch_end(self, epoch, logs=None):
+            if "begin" not in window:
+                window["begin"] = mark()
+            elif time.perf_counter() - window["begin"][0] >= args.seconds:
+                window["end"] = mark()
+                self.model.stop_training = True
+
+    fit = {"x": x, "y": y, "batch_size": BATCH, "verbose": 0}
+    model.fit(**fit, epochs=1, steps_per_epoch=40)  # the connections, the ps's optimizer
+    model.fit(**fit, epochs=1 << 20, steps_per_epoch=1000, callbacks=[Timed()])
+    if reports:
+        (t0, s0, c0), (t1, s1, c1) = window["begin"], window["end"]
+        cpu_ms = per_update_ms(c0, c1, s1 - s0)
+        print("RESULT " + json.dumps({"per_s": (s1 - s0) / (t1 - t0), "cpu_ms": cpu_ms}))
+
+
 def coordinated_task(args: argparse.Namespace) -> None:
     """A task of a coordinated job: workers and the ps serve, the chief schedules."""
     import torch
@@ -189,7 +240,11 @@ def _job(variant: str, seconds: float, delay: float, steps_per_function: int) ->
         return tf_job(variant.removeprefix("tf_"), seconds, steps_per_function)
     common = ["--seconds", str(seconds), "--delay", str(delay)]
     common += ["--steps-per-function", str(steps_per_function)]
-    if variant == "empty":
+    if variant == "fit":  # fit10: Model.fit on the chief, steps_per_execution=10
+        argv = ["--chief", "-n", "2", "--ps", "1", __file__, "--fit", "--coordinated"]
+    elif variant == "between_fit":  # every worker runs Model.fit itself, the same arguments
+        argv = ["-n", "2", "--ps", "1", __file__, "--fit"]
+    elif variant == "empty":
         argv = ["--chief", "-n", "2", "--ps", "1", __file__, "--coordinated", "--empty"]
     elif variant == "between":
         argv = ["-n", "2", "--ps", "1", __file__, "--between", "--mode", "async"]
@@ -246,6 +301,7 @@ def main() -> None:
     parser.add_argument("--between", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--coordinated", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--empty", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fit", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="async", help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=8.0, help="training time per job")
     parser.add_argument("--delay", type=float, default=0.03, help="injected step time, seconds")
@@ -262,7 +318,8 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         help="comma-separated subset of empty,between,coordinated (all by default), and "
-        "coordinated10 (ten steps per function)",
+        "coordinated10 (ten steps per function), fit10 and between_fit (Model.fit with "
+        "steps_per_execution=10 on the chief of a coordinated job, or on every worker)",
     )
     parser.add_argument(
         "--tf-python",
@@ -270,6 +327,9 @@ def main() -> None:
         "the same rounds (empty, one and ten steps per function; --delay 0), ratios ours/TF",
     )
     args = parser.parse_args()
+    if args.fit:
+        fit_task(args)
+        return
     if args.between:
         between_task(args)
         return
@@ -288,7 +348,8 @@ def main() -> None:
         names += ["sync", "coordinated3"]
     if args.variants:
         wanted = args.variants.split(",")
-        names = [n for n in dict.fromkeys([*names, "coordinated10"]) if n in wanted]
+        every = [*names, "coordinated10", "fit10", "between_fit"]
+        names = [n for n in dict.fromkeys(every) if n in wanted]
     with busy_processes(args.load):
         samples = rotated_rounds(
             {n: (lambda n=n: job(n, seconds, args.delay, args.steps_per_function)) for n in names},
@@ -305,6 +366,8 @@ def main() -> None:
                 ratios[f"{name} / tf_{name}"] = median_round_ratio(samples, name, f"tf_{name}")
     if "coordinated10" in samples and "between" in samples:
         ratios["coordinated10 / between"] = median_round_ratio(samples, "coordinated10", "between")
+    if "fit10" in samples and "between_fit" in samples:
+        ratios["fit10 / between_fit"] = median_round_ratio(samples, "fit10", "between_fit")
     if args.stragglers:
         ratios["coordinated3 / sync"] = median_round_ratio(samples, "coordinated3", "sync")
     if "empty" in medians:
@@ -317,13 +380,15 @@ def main() -> None:
     # where other jobs share the machine: a job that needs less CPU per update is the faster
     # one on a machine it fills. Each ratio is the base's CPU over the variant's (higher is
     # better, as with the rates), the median over rounds.
-    for name, base in (("coordinated10", "between"), ("coordinated10", "tf_coordinated10")):
+    pairs = [("coordinated10", "between"), ("coordinated10", "tf_coordinated10")]
+    for name, base in [*pairs, ("fit10", "between_fit")]:
         if name in cpu and base in cpu:
             ratio = statistics.median(b / a for a, b in zip(CPU_MS[name], CPU_MS[base]))
             print(f"CPU per update, {base} / {name}: {ratio:.2f}")
     targets = {"coordinated / between": 0.8, "coordinated3 / sync": 1.8}
     targets |= {"empty / tf_empty": 1.5, "coordinated / tf_coordinated": 1.2}
     targets |= {"coordinated10 / tf_coordinated10": 1.2, "coordinated10 / between": 0.9}
+    targets |= {"fit10 / between_fit": 0.9}
     if args.delay == 0:
         # The 0.8 is for steps with work of their own (--delay): a step of about 1 ms is
         # mostly dispatch, which one step per function pays in full (docs/benchmarks.md).

@@ -143,3 +143,40 @@ def test_model_call_with_training_is_keras_s_train_mode_for_that_call():
     takes(x, training=True)
     takes(x)
     assert takes.module.seen == [True, None]
+
+
+def test_forward_s_signature_is_read_once_per_class_until_forward_changes(monkeypatch):
+    # Every step reads how the module's forward is called; inspect.signature was a twentieth
+    # of a small model's step. A forward set on the object, or a class's forward replaced,
+    # is read again.
+    from stratagem.keras import module_calls
+
+    read = []
+    real = module_calls.inspect.signature
+    monkeypatch.setattr(module_calls.inspect, "signature", lambda f: read.append(f) or real(f))
+
+    class Fresh(TwoInputs):  # a class no earlier test has asked about
+        pass
+
+    first, second = Fresh(), Fresh()
+    assert module_calls.forward_signature(first).named == {"a", "b"}
+    assert module_calls.forward_signature(second).named == {"a", "b"}
+    assert len(read) == 1  # one class, one read
+
+    def forward(x, training=False):
+        return x
+
+    second.forward = forward  # on the object: read each time, and this one's
+    assert module_calls.forward_signature(second).named == {"x", "training"}
+    assert module_calls.forward_signature(second).named == {"x", "training"}
+    assert len(read) == 3
+
+    class Keyed(TwoInputs):
+        def forward(self, a, b, **kwargs):
+            return super().forward(a, b)
+
+    assert module_calls.forward_signature(Keyed()).takes_any_keyword
+    monkeypatch.setattr(Keyed, "forward", lambda self, c: c)  # the class's, replaced
+    replaced = module_calls.forward_signature(Keyed())
+    assert replaced.named == {"c"} and not replaced.takes_any_keyword
+    assert module_calls.forward_signature(first).named == {"a", "b"} and len(read) == 5

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,12 +45,33 @@ class ForwardSignature:
         return parameter in self.named
 
 
+# A module class -> its forward function and that function's signature: every step of fit
+# asks (inspect.signature was 5 % of a step of a small model).
+_signatures: weakref.WeakKeyDictionary[type, tuple[Any, ForwardSignature]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def forward_signature(module: torch.nn.Module) -> ForwardSignature:
     """``module.forward``'s parameters (a module whose forward hides its signature, a C
-    extension's, is taken to accept any keyword: its own error then names what it lacks)."""
-    name = type(module).__name__
+    extension's, is taken to accept any keyword: its own error then names what it lacks).
+    Read once per class while ``forward`` is the class's own method; a ``forward`` set on the
+    object is read each time."""
+    forward = module.forward
+    function = getattr(forward, "__func__", None)
+    if function is None or getattr(forward, "__self__", None) is not module:
+        return _signature(forward, type(module).__name__)
+    known = _signatures.get(type(module))
+    if known is not None and known[0] is function:
+        return known[1]
+    signature = _signature(forward, type(module).__name__)
+    _signatures[type(module)] = (function, signature)
+    return signature
+
+
+def _signature(forward: Any, name: str) -> ForwardSignature:
     try:
-        parameters = inspect.signature(module.forward).parameters.values()
+        parameters = inspect.signature(forward).parameters.values()
     except (TypeError, ValueError):
         return ForwardSignature(name, frozenset(), takes_any_keyword=True)
     named = frozenset(
