@@ -451,3 +451,23 @@ def test_the_coordinator_is_asked_about_each_kind_it_describes_and_nothing_else(
     for value in (torch.nn.ReLU(), [1, (2, "x")], {"a": 1}, double, torch):
         describer.value(value, owner="test", name="other")
     assert asked == []
+
+
+def test_a_worker_applies_changes_only_to_the_table_it_keeps():
+    """A run may bring the entries that changed since the table the worker keeps (a loop's
+    counter): the worker's table is its kept one with those in place; changes to a table it
+    does not keep, or that are not a table's entries, are refused."""
+    from types import SimpleNamespace
+
+    from stratagem.distribute.coordinator.worker import WorkerServer
+
+    worker = SimpleNamespace(me="worker 0", _kept_table=None)
+    first = {"f0": {"k": "function"}, "o1": {"step": 1}}
+    assert WorkerServer._table(worker, first, 7) == first
+    changed = WorkerServer._table(worker, {"o1": {"step": 2}}, 8, 7)
+    assert changed == {"f0": {"k": "function"}, "o1": {"step": 2}}
+    assert worker._kept_table == (8, changed)
+    for table, changes_to in (({"o1": {}}, 7), ({"o1": {}}, "8"), ([1], 8)):
+        with pytest.raises(ValueError, match=r"sent changes to table .* it keeps table 8"):
+            WorkerServer._table(worker, table, 9, changes_to)
+    assert worker._kept_table == (8, changed)

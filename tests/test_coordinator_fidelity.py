@@ -103,8 +103,11 @@ def test_a_worker_uses_a_kept_table_only_while_the_chiefs_is_the_same(job):
     assert got["same"] == [[3, "int"]] * 6, got
     # Six calls on two workers: each had the table whole once at most, then by its number.
     assert got["by_number"] >= 4, got
-    # 1, True and 1.0 are equal in Python, yet each is another table.
+    # 1, True and 1.0 are equal in Python, yet each is another table; a worker that keeps the
+    # table before is sent only the entry that changed (the function's: its global), so all
+    # four but a worker's first table (one that ran none of the six) went as changes.
     assert got["changed"] == [[3, "bool"], [3.0, "float"], [6, "int"], [3, "int"]], got
+    assert got["as_changes"] >= 3, got
     # A captured tensor is sent each time: a worker's change of its copy never outlives a call.
     assert got["bumped"] == [2.0, 2.0, 2.0], got
 

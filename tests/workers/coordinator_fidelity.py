@@ -274,10 +274,12 @@ def tables():
     same = [coordinator.schedule(scale, args=(3,)).fetch() for _ in range(6)]
     result = {"same": same, "by_number": coordinator.tables_sent_by_number - by_number}
     changed = []
+    as_changes = coordinator.tables_sent_as_changes
     for factor in (True, 1.0, 2, 1):
         FACTOR = factor
         changed.append(coordinator.schedule(scale, args=(3,)).fetch())
     result["changed"] = changed
+    result["as_changes"] = coordinator.tables_sent_as_changes - as_changes
     result["bumped"] = [coordinator.schedule(bump).fetch() for _ in range(3)]
     return result
 

@@ -10,7 +10,8 @@ TF2's parameter-server training: the chief (the coordinator) runs the training l
    (``stratagem.shipping``: what cannot be sent is a ``TypeError`` here, in the caller),
    queues it and returns a ``RemoteValue`` at once. A function's table (what it captures) is
    described on every call; a worker keeps the last table of plain data it was sent, and a run
-   whose table is the same (``_fingerprint``: types included) sends only its number.
+   whose table is the same (``_fingerprint``: types included) sends only its number; one that
+   differs from it in a few entries (a counter a loop advances) sends those entries alone.
 3. Per-worker resources (``create_per_worker_dataset``, ``iter`` of one) are a log every
    worker replays, in order, before its next function: a per-worker iterator passed to
    ``schedule`` is each worker's own. ``create_per_worker_dataset`` takes a dataset function,
@@ -90,6 +91,7 @@ class _Closure:
         # The table's number when a worker may keep it (plain data alone, no tensor), the same
         # for every function whose table is the same (``_table_id``); else None.
         self.table_id: int | None = None
+        self.entries: dict[str, bytes] | None = None  # each table entry's fingerprint
         self.accumulators = accumulators  # the metrics it sent: their totals come back
         self.value = RemoteValue(name, on_fetch)
         # The writes it must see (``ClusterCoordinator._writes_ended``) when it was scheduled.
@@ -110,13 +112,13 @@ _SPECIAL_TYPES = (
 )
 
 
-def _fingerprint(table: dict[str, Any]) -> bytes | None:
-    """Bytes that are equal for equal tables of plain data, types included (``marshal``'s
-    first format: no references, no interning, so equal tables give equal bytes); None for a
-    table a worker may not keep from call to call (a tensor in it may be changed by a call).
-    Local only: nothing here is ever loaded from bytes."""
+def _fingerprint(table: dict[str, Any]) -> dict[str, bytes] | None:
+    """Per entry of a table, bytes that are equal for equal entries of plain data, types
+    included (``marshal``'s first format: no references, no interning, so equal values give
+    equal bytes); None for a table a worker may not keep from call to call (a tensor in it
+    may be changed by a call). Local only: nothing here is ever loaded from bytes."""
     try:
-        return marshal.dumps(table, 0)
+        return {key: marshal.dumps(entry, 0) for key, entry in table.items()}
     except ValueError:  # a tensor (a captured one, a buffer's value, a dataset's data)
         return None
 
@@ -193,12 +195,14 @@ class ClusterCoordinator:
         self._buffer_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.completed = 0  # functions whose value was set (each counted once)
         self.tables_sent_by_number = 0  # runs whose worker had their table (``_fingerprint``)
+        self.tables_sent_as_changes = 0  # runs sent as the entries that changed since its last
         # Runs ended (each may have pushed), and how many had when the chief last pulled.
         self._finished = 0
         self._fresh = 0
         self._pull_lock = threading.Lock()
         self._calls = 0  # runs sent to the workers: each is numbered (its worker's pulls)
-        self._last_table: tuple[bytes, int] | None = None  # the last table's fingerprint, id
+        # The last table's fingerprints and its number.
+        self._last_table: tuple[dict[str, bytes], int] | None = None
         program = shipping.program_file()
         root = shipping.program_root()
         hello: list[Any] = [None, None]
@@ -259,6 +263,7 @@ class ClusterCoordinator:
             )
             closure.must_see = self._writes_ended()
             closure.table_id = self._table_id(fingerprint)
+            closure.entries = fingerprint
             if self._error is not None:
                 # A function failed while this one was being described (after the check
                 # above): it is cancelled as the ones queued then were. Queued behind a pending
@@ -420,7 +425,7 @@ class ClusterCoordinator:
         (each may have pushed) and the chief's own requests that changed the ps."""
         return self._finished + self._seam.writes
 
-    def _table_id(self, fingerprint: bytes | None) -> int | None:
+    def _table_id(self, fingerprint: dict[str, bytes] | None) -> int | None:
         """The number of a function's table (the lock is held): the last one's when the two
         are the same, a new one else; None for a table a worker may not keep."""
         if fingerprint is None:
@@ -546,7 +551,9 @@ class ClusterCoordinator:
     def _dispatch(self, rank: int, connection: Connection) -> None:
         replayed = 0  # the per-worker resources this worker has made
         sent: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
-        kept: list[int | None] = [None]  # the table this worker keeps (the last sent it whole)
+        # The table this worker keeps (the last one it was sent): its number, its entries'
+        # fingerprints.
+        kept: list[Any] = [None, None]
         while True:
             with self._lock:
                 self._lock.wait_for(
@@ -607,13 +614,25 @@ class ClusterCoordinator:
         connection: Connection,
         closure: _Closure,
         calls: list[int],
-        kept: list[int | None],
+        kept: list[Any],
     ) -> bool:
         call = [*closure.call, calls, closure.table_id]
-        if closure.table_id is not None and kept[0] == closure.table_id:
+        entries, kept_id, kept_entries = closure.entries, kept[0], kept[1]
+        if closure.table_id is not None and kept_id == closure.table_id:
             call[1] = None  # the worker has this table: its number says which
             self.tables_sent_by_number += 1
-        kept[0] = closure.table_id
+        elif (
+            entries is not None
+            and kept_entries is not None
+            and entries.keys() == kept_entries.keys()
+        ):
+            # The same entries as the table the worker keeps, some changed (a step counter of
+            # fit's): those alone, and the number of the table they change.
+            table = closure.call[1]
+            call[1] = {k: table[k] for k, f in entries.items() if kept_entries[k] != f}
+            call.append(kept_id)
+            self.tables_sent_as_changes += 1
+        kept[:] = [closure.table_id, entries]
         try:
             outcome = self._ask(rank, connection, "run", call, f"the function {closure.name}")
         except (PeerLostError, CollectiveTimeoutError) as e:

@@ -328,8 +328,9 @@ class WorkerServer:
         kwargs: Any,
         calls: Any,
         table_id: Any,
+        changes_to: Any = None,
     ) -> Later:
-        table = self._table(table, table_id)
+        table = self._table(table, table_id, changes_to)
         call, since = _call_numbers(calls)
 
         def body() -> dict[str, Any]:
@@ -364,13 +365,22 @@ class WorkerServer:
 
         return self._in_thread(body, f"the scheduled function {closure_id}")
 
-    def _table(self, table: Any, table_id: Any) -> Any:
+    def _table(self, table: Any, table_id: Any, changes_to: Any = None) -> Any:
         """A run's table: the one sent, kept when it has a number (plain data alone: the
-        rebuild only reads it), or the one kept when the chief sent only its number (the
-        next function of a loop, whose table is the last one's). In the order the chief's
-        runs arrive (the connection's thread)."""
+        rebuild only reads it); the one kept when the chief sent only its number (the next
+        function of a loop, whose table is the last one's); or, with ``changes_to`` (the kept
+        table's number), the kept one with the entries sent in place of its own (a loop's
+        counter changed). In the order the chief's runs arrive (the connection's thread)."""
         if table_id is not None and type(table_id) is not int:
             raise ValueError(f"a table's number is an int or None; got {table_id!r}")
+        if changes_to is not None:
+            kept_id, kept = self._kept_table or (None, None)
+            if type(changes_to) is not int or kept_id != changes_to or not isinstance(table, dict):
+                raise ValueError(
+                    f"the chief sent changes to table {changes_to!r} for {self.me}; it keeps "
+                    f"table {kept_id}"
+                )
+            table = {**kept, **table}
         if table is None:
             if table_id is None or self._kept_table is None or self._kept_table[0] != table_id:
                 kept = None if self._kept_table is None else self._kept_table[0]
