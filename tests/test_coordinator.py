@@ -311,6 +311,17 @@ def test_namedtuples_and_other_list_and_tuple_subclasses_travel_as_their_classes
 
     with pytest.raises(TypeError, match=r"'labelled', a .*Stack with attributes besides its items"):
         _round_trip(uses_labelled)
+
+    class Slotted(list):  # (a tuple subclass cannot have slots)
+        __slots__ = ("note",)
+
+    slotted = Slotted((1, 2))
+
+    def uses_slotted():
+        return slotted
+
+    with pytest.raises(TypeError, match=r"Slotted with attributes besides its items \(\['note'\]"):
+        _round_trip(uses_slotted)
     # A worker makes only list and tuple subclasses, with as many items as fields.
     popen = {"k": "named", "module": "subprocess", "qualname": "Popen"}
     with pytest.raises(ValueError, match="names a list or tuple subclass; got <class 'subprocess"):

@@ -271,7 +271,7 @@ class Describer:
         """A list or tuple of a subclass (a namedtuple, a ``torch.Size``): its class and its
         items. Only the items travel, so one with attributes of its own is refused."""
         cls = type(value)
-        extra = getattr(value, "__dict__", None)
+        extra = list(getattr(value, "__dict__", None) or ()) + _slots(cls)
         if extra:
             raise TypeError(
                 f"{owner} is a function that cannot be sent: it captures {name!r}, a "
@@ -422,6 +422,16 @@ class Describer:
             ],
         }
         return {"k": "class", "ref": key}
+
+
+def _slots(cls: type) -> list[str]:
+    """The attributes the ``__slots__`` of ``cls`` and its bases add (none for a namedtuple,
+    whose ``__slots__`` is empty)."""
+    names: list[str] = []
+    for c in cls.__mro__:
+        slots = vars(c).get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
 
 
 def _made_by_namedtuple(cls: type) -> bool:
