@@ -380,8 +380,12 @@ def main() -> None:
     # where other jobs share the machine: a job that needs less CPU per update is the faster
     # one on a machine it fills. Each ratio is the base's CPU over the variant's (higher is
     # better, as with the rates), the median over rounds.
-    pairs = [("coordinated10", "between"), ("coordinated10", "tf_coordinated10")]
-    for name, base in [*pairs, ("fit10", "between_fit")]:
+    pairs = [
+        ("coordinated10", "between"),
+        ("coordinated10", "tf_coordinated10"),
+        ("fit10", "between_fit"),
+    ]
+    for name, base in pairs:
         if name in cpu and base in cpu:
             ratio = statistics.median(b / a for a, b in zip(CPU_MS[name], CPU_MS[base]))
             print(f"CPU per update, {base} / {name}: {ratio:.2f}")

@@ -373,8 +373,8 @@ class WorkerServer:
         counter changed). In the order the chief's runs arrive (the connection's thread)."""
         if table_id is not None and type(table_id) is not int:
             raise ValueError(f"a table's number is an int or None; got {table_id!r}")
+        kept_id, kept = self._kept_table or (None, None)
         if changes_to is not None:
-            kept_id, kept = self._kept_table or (None, None)
             if type(changes_to) is not int or kept_id != changes_to or not isinstance(table, dict):
                 raise ValueError(
                     f"the chief sent changes to table {changes_to!r} for {self.me}; it keeps "
@@ -382,13 +382,12 @@ class WorkerServer:
                 )
             table = {**kept, **table}
         if table is None:
-            if table_id is None or self._kept_table is None or self._kept_table[0] != table_id:
-                kept = None if self._kept_table is None else self._kept_table[0]
+            if table_id is None or kept_id != table_id:
                 raise ValueError(
                     f"the chief sent the number of table {table_id} for {self.me} to use "
-                    f"again; it keeps table {kept}"
+                    f"again; it keeps table {kept_id}"
                 )
-            return self._kept_table[1]
+            return kept
         self._kept_table = None if table_id is None else (table_id, table)
         return table
 
