@@ -85,8 +85,7 @@ if cluster_resolver.task_type in ("worker", "ps"):
         protocol="grpc",
         start=True,
     )
-    server.join()
-    sys.exit(0)
+    server.join()  # as TF's, it does not return: the process ends when the job is done
 
 # ---------------------------------------------------------------- the chief (the coordinator)
 

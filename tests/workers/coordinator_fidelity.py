@@ -39,8 +39,9 @@ OUT = Path(sys.argv[1])
 
 resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
 if resolver.task_type in ("worker", "ps"):
+    # As in TF scripts: no else, no exit. join() never returns (TF's blocks for ever; ours
+    # ends the process when the job is done), so the chief's code below runs on the chief only.
     sg.distribute.Server(resolver).join()
-    sys.exit(0)
 
 strategy = sg.distribute.ParameterServerStrategy(resolver)
 coordinator = sg.distribute.coordinator.ClusterCoordinator(strategy)

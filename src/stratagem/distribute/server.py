@@ -10,13 +10,15 @@ config=None, start=True)``).
 The cluster comes from a resolver, a cluster spec with ``job_name`` and ``task_index``, or (with
 neither) from the environment (TF_CONFIG, as the launcher sets it). ``protocol`` and ``config``
 are accepted and ignored: the transport is always ``comm.messages`` (TCP, plain data,
-authenticated with the job's secret). ``join()`` returns when the job is done (TF's never
-returns), so the process can exit 0.
+authenticated with the job's secret). ``join()`` serves until the job is done and then ends
+the process with exit status 0 (``SystemExit(0)``: ``finally`` blocks and ``atexit`` handlers
+run): TF's never returns, so the code after it in a TF script, the chief's as a rule, is never
+run on a worker or ps task, and must not be here either.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from stratagem.cluster import (
     ClusterResolver,
@@ -85,9 +87,16 @@ class Server:
             else:
                 self._impl = WorkerServer(self._resolver)
 
-    def join(self) -> None:
+    def join(self) -> NoReturn:
         """Serve until the job is done (ps: every worker finished; worker: the chief said
-        goodbye or ended)."""
+        goodbye or ended), then end the process with exit status 0.
+
+        TF's ``server.join()`` never returns, and TF scripts rely on it: the chief's code
+        often follows ``if task_type in ("worker", "ps"): server.join()`` with no ``else``.
+        Returning would run the chief's code on this task (another process claiming the
+        chief's place, or a second training loop), so the rest of the script is skipped, as
+        creating the strategy on a ps task does."""
         self.start()
         assert self._impl is not None
         self._impl.join()
+        raise SystemExit(0)  # the job is done: the rest of the script is not this task's
