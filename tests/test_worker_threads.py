@@ -1,71 +1,107 @@
-"""The threads a coordinator's worker runs scheduled functions on (``_KeptThreads``): kept
-from one call to the next, never making one call wait for another, each call starting as a
-fresh thread would (gradients on). Synchronised by events, never by time."""
+"""Where a coordinator's worker runs scheduled functions (``comm.messages.Here``): on the thread
+of the chief's connection, one call after another, each starting as a fresh thread would
+(gradients on), while the server's note thread tells the chief that it runs. Synchronised by
+events, never by time."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
-from stratagem.distribute.coordinator.worker import _KeptThreads
+from cluster_utils import free_ports
+from stratagem.comm.messages import Connection, Here, MessageServer
+from stratagem.distribute.coordinator.worker import WorkerServer
 
 TIMEOUT_S = 30
+CHIEF = "chief:0"
 
 
-def _run_and_wait(threads: _KeptThreads, call) -> None:  # type: ignore[no-untyped-def]
-    """Run ``call`` and wait for its ``then``, as the chief waits for a function's reply."""
-    done = threading.Event()
-    threads.run(call, lambda _: done.set())
-    assert done.wait(TIMEOUT_S), "the call never ran"
+@contextmanager
+def _served(methods: dict[str, Callable[..., Any]], note_every: float) -> Iterator[Connection]:
+    port = free_ports(1)[0]
+    server = MessageServer(
+        "localhost",
+        port,
+        name="worker 0",
+        secret=None,
+        clients=[CHIEF],
+        methods=methods,
+        handshake_timeout=5,
+        note_every=note_every,
+    )
+    try:
+        connection = Connection(
+            f"localhost:{port}", me=CHIEF, peer="worker 0", secret=None, timeout=TIMEOUT_S
+        )
+        try:
+            yield connection
+        finally:
+            connection.close()
+    finally:
+        server.close()
 
 
-def test_calls_one_after_another_run_on_one_kept_thread() -> None:
-    threads = _KeptThreads("test calls")
+def _call(connection: Connection, method: str, silent: Callable[[list[str]], list[str]] = list):
+    return connection.call(method, [], what=method, silent=silent, peer_ended=lambda: False)
+
+
+def test_calls_run_one_after_another_on_the_connections_own_thread() -> None:
     seen: list[threading.Thread] = []
-    for _ in range(3):
-        _run_and_wait(threads, lambda: seen.append(threading.current_thread()))
+
+    def here() -> Here:
+        return Here(lambda: seen.append(threading.current_thread()), lambda: ("runs", []))
+
+    with _served({"run": here}, note_every=5) as connection:
+        for _ in range(3):
+            _call(connection, "run")
     assert seen[0] is not threading.current_thread()
     assert seen == [seen[0]] * 3
 
 
-def test_a_call_never_waits_for_one_still_running() -> None:
-    threads = _KeptThreads("test calls")
-    release, second_ran = threading.Event(), threading.Event()
-    first_done = threading.Event()
+def test_a_call_that_runs_long_is_said_to_run_and_answers_after_the_notes() -> None:
+    notes: list[list[str]] = []
+    heard = threading.Event()
 
-    def first() -> None:
-        # Blocks until the second call has run: on one shared thread this would never end.
-        release.wait(TIMEOUT_S)
-        first_done.set()
+    def silent(tasks: list[str]) -> list[str]:  # the client's look at each note
+        notes.append(tasks)
+        if len(notes) >= 3:
+            heard.set()
+        return []
 
-    threads.run(first, lambda _: None)
-    _run_and_wait(threads, second_ran.set)
-    release.set()
-    assert first_done.wait(TIMEOUT_S)
-    assert second_ran.is_set()
+    def here() -> Here:
+        # Ends only once the client has heard three notes of it: a call the notes did not
+        # cover would time out here instead.
+        return Here(lambda: heard.wait(TIMEOUT_S), lambda: ("the function runs", ["worker:0"]))
+
+    with _served({"run": here}, note_every=0.01) as connection:
+        assert _call(connection, "run", silent) is True
+    assert notes[:3] == [["worker:0"]] * 3
 
 
-def test_each_call_starts_with_gradients_on() -> None:
-    threads = _KeptThreads("test calls")
+def test_each_scheduled_function_starts_with_gradients_on() -> None:
+    worker = WorkerServer.__new__(WorkerServer)  # only what _here reads of a serving worker
+    worker.me = "worker 0"
+    worker.world = SimpleNamespace(name="worker:0")
     modes: list[bool] = []
-    _run_and_wait(threads, lambda: torch.set_grad_enabled(False))  # left off, not restored
-    _run_and_wait(threads, lambda: modes.append(torch.is_grad_enabled()))
+
+    def switch_off() -> dict[str, Any]:
+        torch.set_grad_enabled(False)  # left off, not restored
+        return {"value": None}
+
+    def look() -> dict[str, Any]:
+        modes.append(torch.is_grad_enabled())
+        return {"value": None}
+
+    methods = {
+        "off": lambda: worker._here(switch_off, "off"),
+        "look": lambda: worker._here(look, "look"),
+    }
+    with _served(methods, note_every=5) as connection:
+        _call(connection, "off")
+        _call(connection, "look")
     assert modes == [True]
-
-
-def test_a_failing_call_leaves_its_thread_serving(capsys) -> None:
-    """Neither part of a call should raise; an answer that does is printed, and its thread
-    takes the next call (a thread that ended while counted idle would leave that call
-    waiting)."""
-    threads = _KeptThreads("test calls")
-    answered = threading.Event()
-
-    def then_fails(_: object) -> None:
-        answered.set()  # the thread already counts as idle here
-        raise RuntimeError("a bug in an answer")
-
-    threads.run(lambda: None, then_fails)
-    assert answered.wait(TIMEOUT_S)
-    _run_and_wait(threads, lambda: None)  # on that idle thread: it must still serve
-    assert "a bug in an answer" in capsys.readouterr().err

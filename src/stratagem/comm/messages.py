@@ -90,6 +90,29 @@ class Later:
     value: Callable[[Any], Any] = field(default=lambda result: result)
 
 
+@dataclass(frozen=True)
+class Here:
+    """A reply worked out on the connection's own thread: ``work()``'s result. While it runs,
+    the server's note thread sends the client ``waiting()`` notes, as for a ``Later`` (a long
+    call is not a silence). For a call the client waits on anyway (a coordinator's scheduled
+    function): no second thread on the call's path, no hand-over to it and back (two
+    wake-ups per call, each a trip through a busy machine's scheduler)."""
+
+    work: Callable[[], Any]
+    waiting: Callable[[], tuple[str, list[str]]]
+
+
+class _Working:
+    """A ``Here`` call in progress: its channel and request, and whether notes may still go
+    (cleared, under the channel's send lock, before its reply)."""
+
+    def __init__(self, channel: _Channel, rid: int, waiting: Callable[[], tuple[str, list[str]]]):
+        self.channel = channel
+        self.rid = rid
+        self.waiting = waiting
+        self.active = True
+
+
 # ---------------------------------------------------------------------------------- the wire
 
 
@@ -136,6 +159,9 @@ class _Channel:
         self.borrowed = False  # the last frame's tensors are views of the peer's segment
         self.tensors: list[torch.Tensor] = []  # the last frame's tensors, in order
         self._read_direct = _reader(sock)
+        # Held for each frame sent: a server's note thread and the thread answering a request
+        # both send on it (``Here``); re-entrant, so a note can be sent while it is held.
+        self.send_lock = threading.RLock()
         # What arrived beyond the last read: one recv brings a frame's kind, preamble and
         # header at once (each recv that must wait is a trip through the scheduler).
         self._buffer = bytearray(_BUFFER_BYTES)
@@ -199,14 +225,15 @@ class _Channel:
     def send(self, value: Any, *, what: str) -> None:
         head, tensors = plain_data.encode_parts(value, what=what)
         buffers = [plain_data.tensor_buffer(t) for t in tensors if t.numel()]
-        if self.sending is not None and shared_segment.tensor_bytes(tensors) >= (
-            shared_segment.MIN_BYTES
-        ):
-            announce = self.sending.write(buffers)
-            prefix = b"\x01" if announce is None else b"\x02" + announce
-            _send_all(self.sock, [prefix, head])
-        else:
-            _send_all(self.sock, [b"\x00", head, *buffers])
+        with self.send_lock:
+            if self.sending is not None and shared_segment.tensor_bytes(tensors) >= (
+                shared_segment.MIN_BYTES
+            ):
+                announce = self.sending.write(buffers)
+                prefix = b"\x01" if announce is None else b"\x02" + announce
+                _send_all(self.sock, [prefix, head])
+            else:
+                _send_all(self.sock, [b"\x00", head, *buffers])
 
     def receive(
         self, *, sender: str, what: str, into: Sequence[torch.Tensor] = (), borrow: bool = False
@@ -314,6 +341,9 @@ class MessageServer:
         self._open: dict[socket.socket, str] = {}  # connection -> the task on it
         self._closed = False
         self._threads: list[threading.Thread] = []
+        self._working: set[_Working] = set()  # the ``Here`` calls in progress
+        self._notes: threading.Thread | None = None  # sends their notes (made at the first)
+        self._stop_notes = threading.Event()
         self.refused = 0  # connections and requests refused (for tests)
         self._thread = threading.Thread(target=self._accept, name=f"{name} server", daemon=True)
         self._thread.start()
@@ -332,9 +362,12 @@ class MessageServer:
         except OSError:
             pass
         self._sock.close()
+        self._stop_notes.set()
         with self._lock:
             self._closed = True
             threads = list(self._threads)
+            if self._notes is not None:
+                threads.append(self._notes)
             for conn in list(self._open):
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
@@ -465,6 +498,8 @@ class MessageServer:
 
     def _call(self, channel: _Channel, rid: int, method: Callable[..., Any], args: list) -> Any:
         result = method(*args)
+        if isinstance(result, Here):
+            return self._here(channel, rid, result)
         if not isinstance(result, Later):
             return result
         done = threading.Event()
@@ -475,6 +510,43 @@ class MessageServer:
             why, tasks = result.waiting()
             channel.send({"id": rid, "waiting": [why, tasks]}, what="a note")
         return result.value(result.future.wait())
+
+    def _here(self, channel: _Channel, rid: int, here: Here) -> Any:
+        """Run ``here.work()`` on this thread; the note thread says meanwhile that it runs."""
+        working = _Working(channel, rid, here.waiting)
+        with self._lock:
+            if self._closed:
+                raise ConnectionClosed(f"{self.name} closed")
+            self._working.add(working)
+            if self._notes is None:
+                self._notes = threading.Thread(
+                    target=self._send_notes, name=f"{self.name} notes", daemon=True
+                )
+                self._notes.start()
+        try:
+            return here.work()
+        finally:
+            with self._lock:
+                self._working.discard(working)
+            # A note the note thread is sending goes out before the reply; none after it
+            # (the client would take a note of this request for one of its next).
+            with channel.send_lock:
+                working.active = False
+
+    def _send_notes(self) -> None:
+        """Every ``note_every`` seconds, a note for each ``Here`` call still running."""
+        while not self._stop_notes.wait(self._note_every):
+            with self._lock:
+                working = list(self._working)
+            for w in working:
+                with w.channel.send_lock:
+                    if not w.active:
+                        continue
+                    try:
+                        why, tasks = w.waiting()
+                        w.channel.send({"id": w.rid, "waiting": [why, tasks]}, what="a note")
+                    except (OSError, ConnectionError):
+                        pass  # hung up: the reply's send finds it too
 
 
 def _check_request(

@@ -12,13 +12,15 @@ Its method table is fixed: ``hello`` (the chief's program file must hash as this
 per-worker iterator or its next optimizer step (TF cancels the ops of an in-flight function).
 
 Functions arrive as references (``stratagem.shipping``): this task compiles them
-from its own copy of the program. A function runs on a thread other than the connection's, so
-the chief's connection keeps getting "waiting" notes while it runs (a long function is not a
-silent worker). Those threads are kept for the next call: a new thread per call set up torch's
-per-thread state again every time (the profiler's ``record_function`` of each optimizer step,
-the autograd engine), a fifth of a worker's CPU per update at ten steps per function.
-What it returns must be plain data; what it raises comes back as its type, message and
-traceback text.
+from its own copy of the program. A function runs on the thread of the chief's connection
+(``comm.messages.Here``), one at a time as the chief sends them, while the server's note
+thread tells the chief that it runs (a long function is not a silent worker). That thread
+lives as long as the connection: a new thread per call set up torch's per-thread state again
+every time (the profiler's ``record_function`` of each optimizer step, the autograd engine), a
+fifth of a worker's CPU per update at ten steps per function; and a hand-over to another
+thread and back cost two wake-ups per function, a fifth of the worker's time between two
+functions. What it returns must be plain data; what it raises comes back as its type, message
+and traceback text.
 
 The model, optimizer, loss and metrics a function captures arrive by state and are rebuilt for
 each call. Their parameters are the chief's variables on the ps: this worker keeps one copy of
@@ -42,7 +44,6 @@ its totals go back with the value, and the chief adds them to its own.
 from __future__ import annotations
 
 import contextlib
-import queue
 import sys
 import threading
 import traceback
@@ -57,7 +58,7 @@ from stratagem import data as sg_data
 from stratagem import shipping
 from stratagem.cluster import ClusterResolver
 from stratagem.comm import plain_data
-from stratagem.comm.messages import Later
+from stratagem.comm.messages import Here, Later
 from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import rpc_name, serve_and_join
 from stratagem.distribute.coordinator.values import CancelledError
@@ -132,7 +133,6 @@ class WorkerServer:
         self._cancelled: set[int] = set()  # closure ids the chief cancelled while they ran
         self._cancel_lock = threading.Lock()
         self._goodbye = threading.Event()
-        self._threads = _KeptThreads("scheduled functions")
         self.functions_run = 0
         self._kept_table: tuple[int, Any] | None = None  # (its number, the table)
         self.server, self.world = serve_and_join(
@@ -278,17 +278,21 @@ class WorkerServer:
             text = "".join(traceback.format_exception(type(e), e, tb))
             return {"error": [type(e).__name__, str(e), text]}
 
-    def _in_thread(self, body: Callable[[], dict[str, Any]], what: str) -> Later:
-        """Run ``body`` on a thread of its own (``_KeptThreads``); the reply (its outcome)
-        comes when it is done, and until then the chief hears that it runs here (a long
-        function is not a silence)."""
-        future: Future = Future()
-        self._threads.run(lambda: self._guarded(body), future.set_result)
-        return Later(future, lambda: (f"{what} runs on {self.me}", [self.world.name]))
+    def _here(self, body: Callable[[], dict[str, Any]], what: str) -> Here:
+        """Run ``body`` on the connection's thread; the reply is its outcome, and until then
+        the chief hears that it runs here (a long function is not a silence)."""
+
+        def work() -> dict[str, Any]:
+            # As a fresh thread starts: an earlier call may have switched gradients off with
+            # torch.set_grad_enabled(False) (not a context manager) and left them so.
+            torch.set_grad_enabled(True)
+            return self._guarded(body)
+
+        return Here(work, lambda: (f"{what} runs on {self.me}", [self.world.name]))
 
     def _make_dataset(
         self, ds_id: int, table: Any, key: Any, call: Any = True, seed: Any = None
-    ) -> Later:
+    ) -> Here:
         """This worker's per-worker dataset: ``dataset_fn()`` (``call``), or the dataset sent
         (made here from its recipe). Unseeded shuffles made meanwhile take their seeds from the
         chief's ``seed`` and this worker's index: each worker its own order, as in TF."""
@@ -310,14 +314,14 @@ class WorkerServer:
                 self._datasets[int(ds_id)] = made
             return {"value": None}
 
-        return self._in_thread(make, "dataset_fn")
+        return self._here(make, "dataset_fn")
 
-    def _make_iterator(self, it_id: int, ds_id: int) -> Later:
+    def _make_iterator(self, it_id: int, ds_id: int) -> Here:
         def make() -> dict[str, Any]:
             self._iterators[int(it_id)] = iter(self._datasets[int(ds_id)])
             return {"value": None}
 
-        return self._in_thread(make, "iter() of a per-worker dataset")
+        return self._here(make, "iter() of a per-worker dataset")
 
     def _run(
         self,
@@ -329,7 +333,7 @@ class WorkerServer:
         calls: Any,
         table_id: Any,
         changes_to: Any = None,
-    ) -> Later:
+    ) -> Here:
         table = self._table(table, table_id, changes_to)
         call, since = _call_numbers(calls)
 
@@ -363,7 +367,7 @@ class WorkerServer:
                     self._seam.assign_add(changes)
             return {"value": value, "totals": shipping.totals_of(rebuilder.accumulators)}
 
-        return self._in_thread(body, f"the scheduled function {closure_id}")
+        return self._here(body, f"the scheduled function {closure_id}")
 
     def _table(self, table: Any, table_id: Any, changes_to: Any = None) -> Any:
         """A run's table: the one sent, kept when it has a number (plain data alone: the
@@ -409,54 +413,6 @@ class WorkerServer:
                 self._seam.finish()
             finally:
                 self.server.close()
-
-
-class _KeptThreads:
-    """Runs each call on a thread other than the caller's: an idle one from an earlier call
-    when there is one, else a new one, kept afterwards. Calls never wait for each other (two
-    at once get two threads), as with a thread per call."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Callable[[Any], None]]] = (
-            queue.SimpleQueue()
-        )
-        self._idle = 0  # threads waiting for a call, or about to
-        self._lock = threading.Lock()
-
-    def run(self, work: Callable[[], Any], then: Callable[[Any], None]) -> None:
-        """``then(work())`` on a thread of these; ``then`` runs once the thread counts as
-        idle, so a call made as soon as ``then`` answers finds it (the chief's next function
-        comes right after the reply)."""
-        with self._lock:
-            start = self._idle == 0
-            if not start:
-                self._idle -= 1
-        self._calls.put((work, then))
-        if start:
-            threading.Thread(target=self._serve, name=self._name, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            work, then = self._calls.get()
-            # What a fresh thread would start with: a call that switched gradients off with
-            # torch.set_grad_enabled(False) (not a context manager) leaves it off here.
-            torch.set_grad_enabled(True)
-            # Neither raises (the worker's calls catch their own errors, ``_guarded``; ``then``
-            # sets a future). Should one, it is said and the thread stays: a thread that ended
-            # while counted idle would leave the next call waiting for ever.
-            try:
-                result, ok = work(), True
-            except BaseException:
-                traceback.print_exc()
-                result, ok = None, False
-            with self._lock:
-                self._idle += 1
-            if ok:
-                try:
-                    then(result)
-                except BaseException:
-                    traceback.print_exc()
 
 
 class _CancellableIterator:
