@@ -272,6 +272,10 @@ class ClusterCoordinator:
             else:
                 self._queue.append(closure)
             self._lock.notify_all()
+        # Let a dispatch thread that waits for the GIL have it now (a syscall that releases
+        # it): a loop scheduling many functions at once (fit schedules an epoch) otherwise
+        # holds it for the switch interval, 5 ms, while a worker waits for its next function.
+        time.sleep(0)
         return closure.value
 
     def join(self) -> None:
