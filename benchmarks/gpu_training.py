@@ -212,7 +212,8 @@ def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace) ->
         bytes_per_pack=int(args.bucket_mb * (1 << 20)) if args.bucket_mb else 0
     )
     mwms = sg.distribute.MultiWorkerMirroredStrategy(options)  # starts the group when world > 1
-    if not dist.is_initialized():  # a world of one: DDP needs a group of its own
+    own_group = not dist.is_initialized()
+    if own_group:  # a world of one: DDP needs a group of its own
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
@@ -290,6 +291,8 @@ def worker(rank: int, world: int, ports: list[int], args: argparse.Namespace) ->
         say(f"block {block}/{args.blocks}{' (warm-up)' if block == 0 else ''}: tokens/s "
             + ", ".join(line))  # fmt: skip
     _barrier()
+    if own_group:  # MWMS ends the group it started; this one is the script's (NCCL warns)
+        dist.destroy_process_group()
     if rank:
         return None
     peak, peak_source = peak_flops(device, args.peak_tflops)
