@@ -5,6 +5,7 @@ worker mid-function."""
 
 from __future__ import annotations
 
+import argparse
 import collections
 import inspect
 import json
@@ -118,6 +119,67 @@ def test_a_function_is_rebuilt_from_this_tasks_own_file_with_its_captures():
     kinds = {name: entry["k"] for name, entry in desc["globals"].items()}
     assert kinds == {"double": "function", "TABLE": "dict"}
     assert [c["k"] for c in desc["closure"]] == ["function", "function"]
+
+
+WATCHED_MODEL = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+WATCHED_OPTIMIZER = torch.optim.SGD(WATCHED_MODEL.parameters(), lr=0.5)
+WATCHED_ITEMS = [1, 2]
+WATCHED_OPTIONS = argparse.Namespace(depth=2)
+
+
+def make_watched_step():
+    calls = 0
+
+    def step(x):
+        nonlocal calls
+        loss = WATCHED_MODEL(x).sum() * WATCHED_OPTIONS.depth + len(WATCHED_ITEMS) + calls
+        WATCHED_OPTIMIZER.zero_grad()
+        loss.backward()
+        WATCHED_OPTIMIZER.step()
+        return float(loss.detach())
+
+    return step
+
+
+def _rebuilt_and_watched():
+    describer = shipping.Describer(root=HERE)
+    ref = describer.function(make_watched_step(), what="test")
+    frame = plain_data.encode({"table": describer.functions, "ref": ref}, what="test")
+    sent = plain_data.decode(frame, sender="chief", what="test")
+    rebuilder = shipping.Rebuilder(sent["table"], root=HERE)
+    fn = rebuilder.value(sent["ref"])
+    # Tensors travel as plain values here (no strategy): the worker's variables train.
+    for p in fn.__globals__["WATCHED_MODEL"].parameters():
+        p.requires_grad_(True)
+    snapshot = shipping.watch(rebuilder.built, [fn])
+    assert snapshot is not None and snapshot.unchanged()
+    return fn, fn.__globals__, snapshot
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda fn, g: g["WATCHED_MODEL"].eval(),
+        lambda fn, g: g["WATCHED_MODEL"][0].register_forward_hook(lambda *_: None),
+        lambda fn, g: setattr(g["WATCHED_MODEL"][0], "note", 1),
+        lambda fn, g: setattr(g["WATCHED_MODEL"][0], "in_features", 3),
+        lambda fn, g: setattr(g["WATCHED_MODEL"], "__class__", torch.nn.ModuleList),
+        lambda fn, g: g["WATCHED_MODEL"].append(torch.nn.ReLU()),
+        lambda fn, g: g["WATCHED_OPTIMIZER"].param_groups[0].__setitem__("lr", 0.1),
+        lambda fn, g: g["WATCHED_OPTIMIZER"].state[g["WATCHED_MODEL"][0].weight].update(a=1),
+        lambda fn, g: g["WATCHED_ITEMS"].append(3),
+        lambda fn, g: g.__setitem__("WATCHED_ITEMS", [1, 2]),  # equal, yet another list
+        lambda fn, g: setattr(g["WATCHED_OPTIONS"], "depth", 3),
+        lambda fn, g: setattr(fn.__closure__[0], "cell_contents", 1),
+        lambda fn, g: setattr(fn, "__defaults__", (1,)),
+    ],
+)
+def test_a_snapshot_of_rebuilt_objects_sees_each_change_a_call_can_make(change):
+    fn, glob, snapshot = _rebuilt_and_watched()
+    fn(torch.ones(1, 2))  # a training step: values change in the tensors, no container does
+    assert snapshot.unchanged()
+    change(fn, glob)
+    assert not snapshot.unchanged()
 
 
 def test_a_function_sent_again_resolves_no_path_again(monkeypatch):

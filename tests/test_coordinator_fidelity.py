@@ -113,6 +113,24 @@ def test_a_worker_uses_a_kept_table_only_while_the_chiefs_is_the_same(job):
 
 
 @pytest.mark.multiprocess
+def test_a_worker_calls_its_last_objects_again_only_while_no_call_changed_them(job):
+    got = _part(job, "reuse")
+    # Eight calls on two workers: one of them ran at least four, and from its third on (its
+    # first table whole, the second by number and watched) it called the same objects.
+    assert got["same_objects"][:2] == [False, False], got
+    assert True in got["same_objects"], got
+    # Each of these changes what it captured: the next call on its worker is built again and
+    # sees what the chief holds, as every call does.
+    assert got["grow"] == [[1, 1]] * 8, got
+    assert got["decay"] == [0.25] * 8, got
+    assert got["mark"] == [1] * 8, got
+    assert got["hook"] == [1] * 8, got
+    assert got["evaluate"] == [True] * 8, got
+    assert got["rebind"] == [1] * 8, got
+    assert got["make_counter.<locals>.counter"] == [1] * 8, got
+
+
+@pytest.mark.multiprocess
 def test_a_failure_cancels_the_functions_still_running_and_join_is_clean_after(job):
     got = _part(job, "cancel")
     assert "the failure that cancels the rest" in (got["join"] or ""), got

@@ -16,6 +16,9 @@
 - what a function captures is what the chief held when it was scheduled, also where a worker
   keeps the last table of plain data it was sent (a value of another type is another table; a
   tensor's table is sent each time);
+- a worker calls the objects it built for the last call again when the chief sends the same
+  table, function and arguments, unless that call changed them (a list, a module's attribute,
+  its hooks, its training flag, an optimizer's learning rate, a global, a closure's cell);
 - cancellation (``testCancellation``): a function still running when another fails is
   cancelled (its ``fetch`` raises ``CancelledError``; it stopped on its worker), ``join`` raises
   the failure once, and the coordinator is used again after.
@@ -285,6 +288,77 @@ def tables():
     return result
 
 
+with strategy.scope():
+    probe = torch.nn.Linear(1, 1)  # its parameters are ps variables: its table can be kept
+probe_optimizer = torch.optim.SGD(probe.parameters(), lr=0.5)
+NOTES = [1]
+COUNT = 0
+
+
+def same_objects():
+    """Whether this worker ran a function on this very model before (``sys`` is the worker's
+    own module: what is kept in it outlives the call, and keeps the objects' ids theirs)."""
+    seen = sys.__dict__.setdefault("_coordinator_fidelity_seen", [])
+    again = any(model is probe for model in seen)
+    seen.append(probe)
+    return again
+
+
+def grow():
+    NOTES.append(len(NOTES))
+    return list(NOTES)
+
+
+def decay():
+    probe_optimizer.param_groups[0]["lr"] *= 0.5
+    return probe_optimizer.param_groups[0]["lr"]
+
+
+def mark():
+    probe.calls = getattr(probe, "calls", 0) + 1
+    return probe.calls
+
+
+def hook():
+    probe.register_forward_hook(lambda *_: None)
+    return len(probe._forward_hooks)
+
+
+def evaluate():
+    training = probe.training
+    probe.eval()
+    return training
+
+
+def rebind():
+    global COUNT
+    COUNT += 1
+    return COUNT
+
+
+def make_counter():
+    count = 0
+
+    def counter():
+        nonlocal count
+        count += 1
+        return count
+
+    return counter
+
+
+count_up = make_counter()
+
+
+def reuse():
+    """A worker sent the same table, function and arguments again calls the objects it built
+    for the last call, unless that call changed them: each call sees what the chief holds."""
+    result = {"same_objects": [coordinator.schedule(same_objects).fetch() for _ in range(8)]}
+    for fn in (grow, decay, mark, hook, evaluate, rebind, count_up):
+        result[fn.__qualname__] = [coordinator.schedule(fn).fetch() for _ in range(8)]
+    return result
+
+
 def cancellation():
     started, seen = OUT / "started", OUT / "seen"
     iterator = iter(coordinator.create_per_worker_dataset(endless))
@@ -334,6 +408,7 @@ result = {
     "int64": outcome(int64_variable),
     "freshness": outcome(freshness),
     "tables": outcome(tables),
+    "reuse": outcome(reuse),
     "cancel": outcome(cancellation),
 }
 (OUT / "result.json").write_text(json.dumps(result))

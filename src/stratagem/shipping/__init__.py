@@ -23,12 +23,14 @@ from stratagem.shipping.program import (
     source_line,
 )
 from stratagem.shipping.rebuild import Rebuilder, ResolveSpecial, dtype_named
+from stratagem.shipping.unchanged import Snapshot, watch
 
 __all__ = [
     "Describer",
     "Portable",
     "Rebuilder",
     "ResolveSpecial",
+    "Snapshot",
     "Special",
     "add_totals",
     "code_hash",
@@ -41,4 +43,5 @@ __all__ = [
     "program_root",
     "source_line",
     "totals_of",
+    "watch",
 ]

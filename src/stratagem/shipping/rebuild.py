@@ -73,6 +73,11 @@ class Rebuilder:
         self._classes = classes if classes is not None else {}
         self.accumulators: dict[str, Any] = {}  # table key -> an accumulator made here
 
+    @property
+    def built(self) -> list[Any]:
+        """The functions, objects and classes made so far (``unchanged.watch`` watches them)."""
+        return list(self._built.values())
+
     def value(self, entry: Any) -> Any:
         if not isinstance(entry, dict) or "k" not in entry:
             raise ValueError(f"a capture entry is a dict with 'k'; got {entry!r}")

@@ -23,8 +23,12 @@ functions. What it returns must be plain data; what it raises comes back as its 
 and traceback text.
 
 The model, optimizer, loss and metrics a function captures arrive by state and are rebuilt for
-each call. Their parameters are the chief's variables on the ps: this worker keeps one copy of
-each (``bind_variable``, owned by its own ``ParameterServerStrategy``), and an optimizer step
+each call; or, when the chief sends the table of the last call again (by number) with the same
+function and arguments, and that call left the objects as they were built
+(``shipping.unchanged``: every container they hold, by identity), the last call's objects are
+called again, as a rebuild would make them. Their parameters are the chief's variables on the
+ps: this worker keeps one copy of each (``bind_variable``, owned by its own
+``ParameterServerStrategy``), and an optimizer step
 inside the function pushes gradients to the ps, which applies them (asynchronously, as TF2) and
 sends back the new values. Before each call the worker pulls the current value of each variable
 the function uses, unless its copy already holds every write the function must see: the chief
@@ -44,6 +48,7 @@ its totals go back with the value, and the chief adds them to its own.
 from __future__ import annotations
 
 import contextlib
+import marshal
 import sys
 import threading
 import traceback
@@ -134,7 +139,9 @@ class WorkerServer:
         self._cancel_lock = threading.Lock()
         self._goodbye = threading.Event()
         self.functions_run = 0
+        self.objects_reused = 0  # calls that found the last call's objects as built
         self._kept_table: tuple[int, Any] | None = None  # (its number, the table)
+        self._kept_call: _KeptCall | None = None  # the last call's objects, while unchanged
         self.server, self.world = serve_and_join(
             resolver,
             me=self.me,
@@ -203,6 +210,7 @@ class WorkerServer:
         self._seam.use_compression(compression)
         self._seam.forget_calls()  # a chief (a new one, maybe) numbers its calls from 1
         self._kept_table = None  # and its tables
+        self._kept_call = None
         return {"worker_index": self.worker_index}
 
     def _resolve(
@@ -334,16 +342,38 @@ class WorkerServer:
         table_id: Any,
         changes_to: Any = None,
     ) -> Here:
+        by_number = table is None and changes_to is None
         table = self._table(table, table_id, changes_to)
         call, since = _call_numbers(calls)
 
         def body() -> dict[str, Any]:
             self._seam.begin_call(call)
-            pull: list[torch.Tensor] = []
-            rebuilder = self._rebuilder(table, pull)
-            fn = rebuilder.entry_point(key, "the scheduled function")
-            call_args = [rebuilder.value(a) for a in args]
-            call_kwargs = {k: rebuilder.value(v) for k, v in kwargs.items()}
+            kept, self._kept_call = self._kept_call, None
+            same = _same_call(table_id, key, args, kwargs) if by_number else None
+            if kept is not None and same is not None and kept.same == same:
+                # The table the last call ran on, the same function and arguments, and the
+                # last call left its objects as they were built: they are what a rebuild
+                # would make (TF's worker runs the function it was sent once).
+                rebuilder, fn, call_args, call_kwargs, pull = kept.call
+                self.objects_reused += 1
+            else:
+                pull = []
+                rebuilder = self._rebuilder(table, pull)
+                fn = rebuilder.entry_point(key, "the scheduled function")
+                call_args = [rebuilder.value(a) for a in args]
+                call_kwargs = {k: rebuilder.value(v) for k, v in kwargs.items()}
+                # Watched from the second call of a table on (a loop's): a table sent once
+                # (fit's, a counter changed at each call) is not worth the snapshot.
+                snapshot = (
+                    None
+                    if same is None or rebuilder.accumulators  # a metric starts empty
+                    else shipping.watch(rebuilder.built, [fn, call_args, call_kwargs])
+                )
+                kept = (
+                    None
+                    if snapshot is None
+                    else _KeptCall(same, snapshot, (rebuilder, fn, call_args, call_kwargs, pull))
+                )
             if pull:
                 # The variables' values as of this call's start, unless this copy has them:
                 # written from the ps during call `since` or later, after every write the
@@ -365,6 +395,8 @@ class WorkerServer:
                            if not torch.equal(p.detach(), before)]  # fmt: skip
                 if changes:
                     self._seam.assign_add(changes)
+            if kept is not None and kept.snapshot.unchanged():
+                self._kept_call = kept  # (not after a call that raised: kept stays None)
             return {"value": value, "totals": shipping.totals_of(rebuilder.accumulators)}
 
         return self._here(body, f"the scheduled function {closure_id}")
@@ -413,6 +445,26 @@ class WorkerServer:
                 self._seam.finish()
             finally:
                 self.server.close()
+
+
+class _KeptCall:
+    """A call's rebuilt function, arguments and objects, kept for the next call while the chief
+    sends the same table, function and arguments (``same``) and no call changed them."""
+
+    def __init__(self, same: bytes, snapshot: shipping.Snapshot, call: tuple) -> None:
+        self.same = same
+        self.snapshot = snapshot
+        self.call = call
+
+
+def _same_call(table_id: Any, key: Any, args: Any, kwargs: Any) -> bytes | None:
+    """What makes two runs the same call: the table's number, the function's entry and the
+    arguments' (plain data, types included: ``marshal``'s first format, equal bytes for equal
+    values); None where they hold a tensor, which a call may change in place."""
+    try:
+        return marshal.dumps([table_id, key, args, kwargs], 0)
+    except ValueError:
+        return None
 
 
 class _CancellableIterator:
