@@ -122,8 +122,17 @@ def make_lock() -> object:
     return threading.Lock()
 
 
-def boom(x: int) -> int:
-    raise ValueError(f"boom {x}")
+def opened(gate: str) -> None:
+    """Wait until the chief opens ``gate`` (a file)."""
+    deadline = time.monotonic() + 120
+    while not Path(gate).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gate} was never opened")
+        time.sleep(0.01)
+
+
+def boom(x: int, gate: str) -> int:
+    raise ValueError(f"boom {x}") from opened(gate)  # fails once the chief opens the gate
 
 
 def expect(error_type: type, call, *words: str) -> str:
@@ -174,12 +183,15 @@ def main() -> None:
     coordinator.join()
     result["reads"] = [[w, float(v)] for w, v in coordinator.fetch(reads)]
 
-    # Errors. Worker A holds `hold` until the chief lets it go, worker B runs `boom`: `later`
-    # is still queued when boom fails, so it is cancelled (no timing decides it).
-    release = OUT / "release"
+    # Errors. Worker A holds `hold` until the chief lets it go, worker B runs `boom`, which
+    # fails only once the chief opens its gate: `later` is queued by then, so it is cancelled
+    # (no timing decides it; a boom free to fail at once could fail before `later` was
+    # scheduled on a busy machine, and schedule() would raise its error).
+    release, gate = OUT / "release", OUT / "boom-gate"
     holding = coordinator.schedule(hold, args=(str(release),))
-    failed = coordinator.schedule(boom, args=(7,))
+    failed = coordinator.schedule(boom, args=(7, str(gate)))
     later = coordinator.schedule(helper, args=(1,))
+    gate.touch()
     result["fetch_error"] = expect(
         sg.distribute.coordinator.FunctionError,
         failed.fetch,
