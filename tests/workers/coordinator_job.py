@@ -80,12 +80,17 @@ def failing_dataset_fn() -> list[int]:
     return [1]
 
 
-def hold(release: str) -> str:
+def opened(gate: str, never: str = "the chief never opened the gate") -> None:
+    """Wait until the chief opens ``gate`` (a file); ``never``: the error if it does not."""
     deadline = time.monotonic() + 120
-    while not Path(release).exists():
+    while not Path(gate).exists():
         if time.monotonic() > deadline:
-            raise TimeoutError("the chief never released this function")
-        time.sleep(0.05)
+            raise TimeoutError(never)
+        time.sleep(0.02)
+
+
+def hold(release: str) -> str:
+    opened(release, "the chief never released this function")
     return "held"
 
 
@@ -94,11 +99,7 @@ def ignores(anything: object) -> str:
 
 
 def boom_at(gate: str) -> int:
-    deadline = time.monotonic() + 120
-    while not Path(gate).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError("the chief never opened the gate")
-        time.sleep(0.02)
+    opened(gate)
     raise ValueError("boom 8")
 
 
@@ -120,15 +121,6 @@ class OpensTheGate(sg.shipping.Portable):
 
 def make_lock() -> object:
     return threading.Lock()
-
-
-def opened(gate: str) -> None:
-    """Wait until the chief opens ``gate`` (a file)."""
-    deadline = time.monotonic() + 120
-    while not Path(gate).exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{gate} was never opened")
-        time.sleep(0.01)
 
 
 def boom(x: int, gate: str) -> int:

@@ -271,7 +271,7 @@ class Describer:
         """A list or tuple of a subclass (a namedtuple, a ``torch.Size``): its class and its
         items. Only the items travel, so one with attributes of its own is refused."""
         cls = type(value)
-        extra = list(getattr(value, "__dict__", None) or ()) + _slots(cls)
+        extra = list(getattr(value, "__dict__", None) or ()) + slot_names(cls)
         if extra:
             raise TypeError(
                 f"{owner} is a function that cannot be sent: it captures {name!r}, a "
@@ -424,7 +424,7 @@ class Describer:
         return {"k": "class", "ref": key}
 
 
-def _slots(cls: type) -> list[str]:
+def slot_names(cls: type) -> list[str]:
     """The attributes the ``__slots__`` of ``cls`` and its bases add (none for a namedtuple,
     whose ``__slots__`` is empty)."""
     names: list[str] = []

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from stratagem.shipping.describe import slot_names
+
 _EMPTY = object()  # an empty closure cell
 _NAMESPACES = (argparse.Namespace, types.SimpleNamespace)
 
@@ -134,9 +136,4 @@ def _filled(cell: types.CellType) -> bool:
 @functools.cache
 def _has_slots(cls: type) -> bool:
     """Whether ``cls`` or a base keeps attributes in ``__slots__`` (outside ``__dict__``)."""
-    for c in cls.__mro__:
-        slots = vars(c).get("__slots__", ())
-        names = [slots] if isinstance(slots, str) else list(slots)
-        if any(n not in ("__dict__", "__weakref__") for n in names):
-            return True
-    return False
+    return bool(slot_names(cls))

@@ -139,7 +139,6 @@ class WorkerServer:
         self._cancel_lock = threading.Lock()
         self._goodbye = threading.Event()
         self.functions_run = 0
-        self.objects_reused = 0  # calls that found the last call's objects as built
         self._kept_table: tuple[int, Any] | None = None  # (its number, the table)
         self._kept_call: _KeptCall | None = None  # the last call's objects, while unchanged
         self.server, self.world = serve_and_join(
@@ -355,7 +354,6 @@ class WorkerServer:
                 # last call left its objects as they were built: they are what a rebuild
                 # would make (TF's worker runs the function it was sent once).
                 rebuilder, fn, call_args, call_kwargs, pull = kept.call
-                self.objects_reused += 1
             else:
                 pull = []
                 rebuilder = self._rebuilder(table, pull)
