@@ -6,9 +6,10 @@ functions on fixed batches, in order; then ``Model.fit`` on arrays. The chief tr
 copy of each the same way in its own process and writes both, to compare.
 
 MODE ``faults`` (three workers): in the middle of its 5th step worker 1 kills itself (-9) and
-worker 2 stops itself (SIGSTOP; the chief gives up on it after the operation timeout); another
-worker runs each of those steps again, every scheduled step completes once, and the test
-accuracy is reached. After the join the chief lets worker 2 go on (SIGCONT).
+worker 2 stops itself (SIGSTOP; the chief gives up on it after the operation timeout); worker 0,
+held in its first step until both have, runs each of those steps again, every scheduled step
+completes once, and the test accuracy is reached. After the join the chief lets worker 2 go on
+(SIGCONT).
 """
 
 from __future__ import annotations
@@ -96,9 +97,18 @@ def evaluate(x, y, metric):
 
 def step_or_die(iterator, calls_dir):
     """A step; halfway through its 5th (after the forward pass) worker 1 kills itself (-9)
-    and worker 2 stops itself (SIGSTOP)."""
-    x, y = next(iterator)
+    and worker 2 stops itself (SIGSTOP). Worker 0 waits in its first until both have: which
+    worker takes which function is the schedule's, and a worker slow to start (a loaded
+    machine) could otherwise see workers 0 and 1 run all 90 before it reached its 5th."""
     me = sg.distribute.coordinator.experimental_get_current_worker_index()
+    if me == 0:
+        faults = (Path(calls_dir, "worker-1", "call-4"), Path(calls_dir, "worker-2", "pid.txt"))
+        deadline = time.monotonic() + 120
+        while not all(f.exists() for f in faults):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker 0: workers 1 and 2 not at their faults: {faults}")
+            time.sleep(0.01)
+    x, y = next(iterator)
     pred = model(x)
     loss = loss_fn(y, pred)
     if me in (1, 2):
