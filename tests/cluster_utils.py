@@ -82,9 +82,9 @@ class Result:
         return self
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process descended from ``pid`` (Linux: parent links read from /proc)."""
-    children: dict[int, list[int]] = {}
+def _processes() -> list[tuple[int, int, int]]:
+    """``(pid, parent, process group)`` of every live process (Linux: read from /proc)."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -93,7 +93,15 @@ def _descendants(pid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
+        found.append((int(entry), int(fields[1]), int(fields[2])))
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process descended from ``pid``."""
+    children: dict[int, list[int]] = {}
+    for child, parent, _ in _processes():
+        children.setdefault(parent, []).append(child)
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -133,6 +141,13 @@ class Process:
         return self.proc.pid
 
     def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the child's process group. Once the child is reaped its pid is free: while a
+        process of its group lives the kernel gives that id to no new process, but with the
+        group empty a new session leader (a busy machine wraps pid_max) could hold it."""
+        if self.proc.returncode is not None and not any(
+            group == self.proc.pid for _, _, group in _processes()
+        ):
+            return
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
