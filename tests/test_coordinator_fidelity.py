@@ -164,3 +164,20 @@ def test_a_dataset_is_made_again_from_its_recipe():
     with pytest.raises(sg.errors.InputError, match="is not one of"):
         sg.data.Dataset.from_recipe([["shuffle", [3]]])
     assert sg.data.Dataset.range(3).with_options(Options()).recipe()[-1][0] == "with_options"
+
+
+@pytest.mark.multiprocess
+def test_each_call_sees_what_the_chief_changed_before_it_was_scheduled(job):
+    got = _part(job, "chief_changes")
+    assert got["again"] == [0] * 4, got
+    # Before each pair of schedules the chief changed what the function reads; both calls of
+    # the pair see it (a layer frozen or unfrozen too: the worker's copy follows).
+    rounds = [1, 2, 3, 4]
+    for name in ("setting", "table", "option", "level"):
+        assert got[name] == [[k, k] for k in [0, *rounds]], (name, got[name])
+    assert got["note"] == [[None, None]] + [[k, k] for k in rounds], got["note"]
+    assert got["items"] == [[list(range(k + 1))] * 2 for k in [0, *rounds]], got["items"]
+    assert got["training"] == [[True] * 2] + [[k % 2 == 0] * 2 for k in rounds], got["training"]
+    assert got["lr"] == [[0.5] * 2] + [[k / 4] * 2 for k in rounds], got["lr"]
+    assert got["trainable"] == [[True] * 2] + [[k % 2 == 0] * 2 for k in rounds], got
+    assert got["hooks"] == [[k, k] for k in [0, *rounds]], got["hooks"]

@@ -19,6 +19,8 @@
 - a worker calls the objects it built for the last call again when the chief sends the same
   table, function and arguments, unless that call changed them (a list, a module's attribute,
   its hooks, its training flag, an optimizer's learning rate, a global, a closure's cell);
+- each call sees what the chief changed before it was scheduled (the same kinds of change, a
+  dict's item, an argument's attribute, and whether a variable is trainable);
 - cancellation (``testCancellation``): a function still running when another fails is
   cancelled (its ``fetch`` raises ``CancelledError``; it stopped on its worker), ``join`` raises
   the failure once, and the coordinator is used again after.
@@ -28,6 +30,7 @@ Each part's outcome (or the error it ended with) goes to OUT/result.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -359,6 +362,104 @@ def reuse():
     return result
 
 
+with strategy.scope():
+    # ps variables: tables the chief may keep. One object per reader below, so that a change
+    # made for one reader is not what makes another's description new.
+    noted, switched, frozen, hooked, tuned = (torch.nn.Linear(1, 1) for _ in range(5))
+tuned_optimizer = torch.optim.SGD(tuned.parameters(), lr=0.5)
+SETTING = 0
+ITEMS = [0]
+TABLE = {"k": 0}
+
+
+def read_setting():
+    return SETTING
+
+
+def read_items():
+    return list(ITEMS)
+
+
+def read_table():
+    return TABLE["k"]
+
+
+def read_note():
+    return getattr(noted, "note", None)
+
+
+def read_training():
+    return switched.training
+
+
+def read_lr():
+    return tuned_optimizer.param_groups[0]["lr"]
+
+
+def read_trainable():
+    return frozen.weight.requires_grad
+
+
+def read_hooks():
+    return len(hooked._forward_hooks)
+
+
+def read_option(options):
+    return options.level
+
+
+def no_op_hook(module, inputs, output):
+    return None
+
+
+def make_level():
+    level = 0
+
+    def read():
+        return level
+
+    def set_to(value):
+        nonlocal level
+        level = value
+
+    return read, set_to
+
+
+read_level, set_level = make_level()
+
+
+def chief_changes():
+    """The chief changes what a function captures between two schedules, in each way it can:
+    each call sees what the chief held when it was scheduled."""
+    options = argparse.Namespace(level=0)
+    result = {"again": [coordinator.schedule(read_setting).fetch() for _ in range(4)]}
+
+    def set_setting(k):
+        global SETTING
+        SETTING = k
+
+    readers = {
+        "setting": (read_setting, (), set_setting),
+        "items": (read_items, (), ITEMS.append),
+        "table": (read_table, (), lambda k: TABLE.update(k=k)),
+        "note": (read_note, (), lambda k: setattr(noted, "note", k)),
+        "training": (read_training, (), lambda k: switched.train(k % 2 == 0)),
+        "lr": (read_lr, (), lambda k: tuned_optimizer.param_groups[0].update(lr=k / 4)),
+        "trainable": (read_trainable, (), lambda k: frozen.weight.requires_grad_(k % 2 == 0)),
+        "hooks": (read_hooks, (), lambda k: hooked.register_forward_hook(no_op_hook)),
+        "option": (read_option, (options,), lambda k: setattr(options, "level", k)),
+        "level": (read_level, (), set_level),
+    }
+    for name, (fn, args, change) in readers.items():
+        # A pair of schedules as first described, then after each change.
+        result[name] = []
+        for k in range(5):
+            if k:
+                change(k)
+            result[name].append([coordinator.schedule(fn, args=args).fetch() for _ in range(2)])
+    return result
+
+
 def cancellation():
     started, seen = OUT / "started", OUT / "seen"
     iterator = iter(coordinator.create_per_worker_dataset(endless))
@@ -409,6 +510,7 @@ result = {
     "freshness": outcome(freshness),
     "tables": outcome(tables),
     "reuse": outcome(reuse),
+    "chief_changes": outcome(chief_changes),
     "cancel": outcome(cancellation),
 }
 (OUT / "result.json").write_text(json.dumps(result))

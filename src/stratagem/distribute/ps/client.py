@@ -146,8 +146,9 @@ class PsClient:
         self, shards: list[Shard], shape: tuple[int, ...], dtype: torch.dtype, trainable: bool
     ) -> tuple[torch.Tensor, bool]:
         """This worker's copy of the chief's variable cut into ``shards`` (a coordinator's
-        worker: the chief created it); made on first use, then the same tensor every call.
-        Returns it and whether it is new (its values still to pull)."""
+        worker: the chief created it); made on first use, then the same tensor every call,
+        trainable as the chief's is now (a layer frozen or unfrozen between calls). Returns it
+        and whether it is new (its values still to pull)."""
         vid = shards[0].variable
         p = self._variables.get(vid)
         if p is not None:
@@ -156,6 +157,8 @@ class PsClient:
                     f"variable {vid} is {tuple(shape)} {dtype} on the chief and "
                     f"{tuple(p.shape)} {p.dtype} on this worker"
                 )
+            if p.requires_grad != trainable:
+                p.requires_grad_(trainable)
             return p, False
         p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=trainable)
         self._variables[vid] = p
