@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cluster_utils import CLUSTER_VARS
+
+# Every coordinator a test starts (its jobs inherit this) describes each function again where
+# it kept the last description, and fails if the two differ (ClusterCoordinator.schedule).
+os.environ["STRATAGEM_CHECK_KEPT_DESCRIPTIONS"] = "1"
 
 
 @pytest.fixture(autouse=True)

@@ -182,6 +182,95 @@ def test_a_snapshot_of_rebuilt_objects_sees_each_change_a_call_can_make(change):
     assert not snapshot.unchanged()
 
 
+def _described_and_read(fn):
+    """``fn`` described as the chief does (tensors as variables: their shape and whether they
+    train), with a snapshot of what the describe read."""
+    reads = shipping.Reads()
+    describer = shipping.Describer(
+        root=HERE,
+        special=lambda t: {"variable": list(t.shape), "trainable": t.requires_grad},
+        special_types=(torch.Tensor,),
+        reads=reads,
+    )
+    describer.function(fn, what="test")
+    snapshot = reads.snapshot()
+    assert snapshot is not None and snapshot.unchanged()
+    return describer.functions, snapshot
+
+
+class ComputedState(shipping.Portable):
+    """What travels of it is computed: what that reads, a describe cannot record."""
+
+    def _sg_portable_state(self):
+        return {"items": len(WATCHED_ITEMS)}
+
+
+def uses_late():
+    return WATCHED_LATE if "WATCHED_LATE" in globals() else None  # noqa: F821
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda fn, g: g["WATCHED_MODEL"].eval(),
+        lambda fn, g: g["WATCHED_MODEL"][0].register_forward_hook(lambda *_: None),
+        lambda fn, g: setattr(g["WATCHED_MODEL"][0], "note", 1),
+        lambda fn, g: setattr(g["WATCHED_MODEL"][0], "in_features", 3),
+        lambda fn, g: setattr(g["WATCHED_MODEL"], "__class__", torch.nn.ModuleList),
+        lambda fn, g: g["WATCHED_MODEL"].append(torch.nn.ReLU()),
+        lambda fn, g: g["WATCHED_MODEL"][0].weight.requires_grad_(False),
+        lambda fn, g: setattr(g["WATCHED_MODEL"][0].bias, "data", torch.zeros(3)),
+        lambda fn, g: g["WATCHED_OPTIMIZER"].param_groups[0].__setitem__("lr", 0.1),
+        lambda fn, g: g["WATCHED_ITEMS"].append(3),
+        lambda fn, g: g.__setitem__("WATCHED_ITEMS", [1, 2]),  # equal, yet another list
+        lambda fn, g: setattr(g["WATCHED_OPTIONS"], "depth", 3),
+        lambda fn, g: setattr(fn.__closure__[0], "cell_contents", 1),
+        lambda fn, g: setattr(fn, "__defaults__", (1,)),
+        lambda fn, g: setattr(fn, "__code__", fn.__code__.replace(co_qualname="another")),
+    ],
+)
+def test_the_reads_of_a_chiefs_describe_see_each_change_of_what_it_described(change):
+    # The chief keeps a function's description while nothing its describe read has changed.
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    glob = globals()
+    saved = {k: glob[k] for k in ("WATCHED_MODEL", "WATCHED_OPTIMIZER", "WATCHED_ITEMS")}
+    glob.update(
+        WATCHED_MODEL=model,
+        WATCHED_OPTIMIZER=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+        WATCHED_ITEMS=[1, 2],
+    )
+    try:
+        step = make_watched_step()
+        table, snapshot = _described_and_read(step)
+        # A training step (values and optimizer state change in place) and a pull into the
+        # parameters change no description, and the snapshot says so.
+        step(torch.ones(1, 2))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn_like(p))
+        assert snapshot.unchanged()
+        assert _described_and_read(step)[0] == table
+        change(step, glob)
+        assert not snapshot.unchanged()
+    finally:
+        glob.update(saved)
+        WATCHED_OPTIONS.depth = 2
+
+
+def test_the_reads_of_a_chiefs_describe_see_a_global_added_and_refuse_a_computed_state():
+    table, snapshot = _described_and_read(uses_late)
+    globals()["WATCHED_LATE"] = 1
+    try:
+        assert not snapshot.unchanged()
+        assert _described_and_read(uses_late)[0] != table  # now it captures the global
+    finally:
+        del globals()["WATCHED_LATE"]
+    assert snapshot.unchanged()
+    reads = shipping.Reads()
+    shipping.Describer(root=HERE, reads=reads).value(ComputedState(), owner="test", name="c")
+    assert reads.snapshot() is None and "computes its own state" in (reads.untrusted or "")
+
+
 def test_a_function_sent_again_resolves_no_path_again(monkeypatch):
     # Every schedule describes its function again and the worker rebuilds it: resolving its
     # file's path (a stat per component) each time was a fifth of the chief's time per

@@ -20,7 +20,8 @@ def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("fidelity")
     argv = [sys.executable, "-m", "stratagem.cli", "run", "--chief", "-n", "2", "--ps", "1"]
     argv += [str(WORKERS / "coordinator_fidelity.py"), str(out)]
-    result = Process(argv, child_env(), out, "launcher", merge_output=True).wait(timeout=300)
+    env = child_env({"STRATAGEM_CHECK_KEPT_DESCRIPTIONS": "1"})  # as the whole suite runs
+    result = Process(argv, env, out, "launcher", merge_output=True).wait(timeout=300)
     assert result.returncode == 0, result.stdout
     assert "coordinator fidelity done" in result.stdout, result.stdout
     return json.loads((out / "result.json").read_text())
@@ -167,13 +168,14 @@ def test_a_dataset_is_made_again_from_its_recipe():
 
 
 @pytest.mark.multiprocess
-def test_each_call_sees_what_the_chief_changed_before_it_was_scheduled(job):
+def test_the_chief_describes_a_function_once_yet_each_call_sees_what_the_chief_changed(job):
     got = _part(job, "chief_changes")
     assert got["again"] == [0] * 4, got
+    assert got["kept"] >= 3, got  # the same function and arguments, nothing changed between
     # Before each pair of schedules the chief changed what the function reads; both calls of
-    # the pair see it (a layer frozen or unfrozen too: the worker's copy follows).
+    # the pair see it (the second one's description is the first's, kept, and must be fresh).
     rounds = [1, 2, 3, 4]
-    for name in ("setting", "table", "option", "level"):
+    for name in ("setting", "table", "option", "level", "args", "kwargs"):
         assert got[name] == [[k, k] for k in [0, *rounds]], (name, got[name])
     assert got["note"] == [[None, None]] + [[k, k] for k in rounds], got["note"]
     assert got["items"] == [[list(range(k + 1))] * 2 for k in [0, *rounds]], got["items"]
@@ -181,3 +183,10 @@ def test_each_call_sees_what_the_chief_changed_before_it_was_scheduled(job):
     assert got["lr"] == [[0.5] * 2] + [[k / 4] * 2 for k in rounds], got["lr"]
     assert got["trainable"] == [[True] * 2] + [[k % 2 == 0] * 2 for k in rounds], got
     assert got["hooks"] == [[k, k] for k in [0, *rounds]], got["hooks"]
+
+
+@pytest.mark.multiprocess
+def test_the_suites_check_of_kept_descriptions_catches_a_stale_one(job):
+    got = _part(job, "stale_check")
+    assert "kept the last description, but a new one differs" in (got or ""), got
+    assert "table entry" in got and "'v': 0" in got and "'v': 1" in got, got

@@ -19,8 +19,9 @@
 - a worker calls the objects it built for the last call again when the chief sends the same
   table, function and arguments, unless that call changed them (a list, a module's attribute,
   its hooks, its training flag, an optimizer's learning rate, a global, a closure's cell);
-- each call sees what the chief changed before it was scheduled (the same kinds of change, a
-  dict's item, an argument's attribute, and whether a variable is trainable);
+- the chief describes a function scheduled again with the same arguments once, yet each call
+  sees what the chief changed before it was scheduled (the same kinds of change, a dict's
+  item, an argument's attribute, and whether a variable is trainable);
 - cancellation (``testCancellation``): a function still running when another fails is
   cancelled (its ``fetch`` raises ``CancelledError``; it stopped on its worker), ``join`` raises
   the failure once, and the coordinator is used again after.
@@ -408,6 +409,10 @@ def read_option(options):
     return options.level
 
 
+def read_passed(level):
+    return level
+
+
 def no_op_hook(module, inputs, output):
     return None
 
@@ -430,9 +435,13 @@ read_level, set_level = make_level()
 
 def chief_changes():
     """The chief changes what a function captures between two schedules, in each way it can:
-    each call sees what the chief held when it was scheduled."""
+    each call sees what the chief held when it was scheduled, also where the chief keeps the
+    last description of a function scheduled again with the same arguments."""
     options = argparse.Namespace(level=0)
+    passed_args, passed_kwargs = [0], {"level": 0}  # the same list and dict, changed
+    kept = coordinator.descriptions_kept
     result = {"again": [coordinator.schedule(read_setting).fetch() for _ in range(4)]}
+    result["kept"] = coordinator.descriptions_kept - kept
 
     def set_setting(k):
         global SETTING
@@ -449,15 +458,45 @@ def chief_changes():
         "hooks": (read_hooks, (), lambda k: hooked.register_forward_hook(no_op_hook)),
         "option": (read_option, (options,), lambda k: setattr(options, "level", k)),
         "level": (read_level, (), set_level),
+        "args": (read_passed, passed_args, lambda k: passed_args.__setitem__(0, k)),
+        "kwargs": (read_passed, (), lambda k: passed_kwargs.update(level=k)),
     }
     for name, (fn, args, change) in readers.items():
-        # A pair of schedules as first described, then after each change.
+        # A pair of schedules as first described, then after each change: the second of a
+        # pair, and the first after a change, find the last description (kept: it must be
+        # the chief's view).
         result[name] = []
         for k in range(5):
             if k:
                 change(k)
-            result[name].append([coordinator.schedule(fn, args=args).fetch() for _ in range(2)])
+            kwargs = passed_kwargs if name == "kwargs" else None
+            pair = [coordinator.schedule(fn, args=args, kwargs=kwargs) for _ in range(2)]
+            result[name].append([value.fetch() for value in pair])
     return result
+
+
+STALE = 0
+
+
+def read_stale():
+    return STALE
+
+
+class _Blind:
+    """A snapshot that never sees a change."""
+
+    def unchanged(self):
+        return True
+
+
+def stale_check():
+    """The suite's check of kept descriptions (``STRATAGEM_CHECK_KEPT_DESCRIPTIONS=1``)
+    catches a description kept where a new one differs: here its snapshot is made blind."""
+    global STALE
+    coordinator.schedule(read_stale).fetch()
+    coordinator._kept[id(read_stale)].snapshot = _Blind()
+    STALE = 1
+    return raised(AssertionError, lambda: coordinator.schedule(read_stale))
 
 
 def cancellation():
@@ -511,6 +550,7 @@ result = {
     "tables": outcome(tables),
     "reuse": outcome(reuse),
     "chief_changes": outcome(chief_changes),
+    "stale_check": outcome(stale_check),
     "cancel": outcome(cancellation),
 }
 (OUT / "result.json").write_text(json.dumps(result))

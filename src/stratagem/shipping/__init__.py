@@ -23,11 +23,12 @@ from stratagem.shipping.program import (
     source_line,
 )
 from stratagem.shipping.rebuild import Rebuilder, ResolveSpecial, dtype_named
-from stratagem.shipping.unchanged import Snapshot, watch
+from stratagem.shipping.unchanged import Reads, Snapshot, watch
 
 __all__ = [
     "Describer",
     "Portable",
+    "Reads",
     "Rebuilder",
     "ResolveSpecial",
     "Snapshot",

@@ -34,7 +34,7 @@ import types
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,7 @@ from stratagem.shipping.portable import (
     MODULE_DEFAULTS,
     StaysHere,
     accumulates,
+    computes_its_state,
     portable_kind,
     state_of,
 )
@@ -58,12 +59,17 @@ from stratagem.shipping.program import (
     program_root,
     reachable,
     resolved,
+    slot_names,
     unwrap,
 )
+
+if TYPE_CHECKING:
+    from stratagem.shipping.unchanged import Reads
 
 Special = Callable[[Any], dict[str, Any] | None]
 
 _PLAIN = (type(None), bool, int, float, str)
+_CONTAINERS = frozenset({list, set, dict, collections.OrderedDict})  # walked: their items read
 _in_program_cache: dict[tuple[type, Path], bool] = {}
 # (code file, module, program root) -> (the file's mode, size and mtime; where it was found)
 _where_cache: dict[tuple[str, str, Path], tuple[tuple[int, int, int], dict[str, Any]]] = {}
@@ -84,8 +90,10 @@ class Describer:
         special: Special | None = None,
         special_types: tuple[type, ...] = (object,),
         special_objects: tuple[Any, ...] = (),
+        reads: Reads | None = None,
     ) -> None:
         self.root = program_root() if root is None else resolved(str(root))
+        self.reads = reads  # where to record what this describe reads (``unchanged.Reads``)
         self.special = special or (lambda value: None)
         # What ``special`` is asked about: instances of these types and these objects (one
         # check in C, not a call per value; ``object``: everything).
@@ -98,7 +106,10 @@ class Describer:
 
     def function(self, fn: Any, *, what: str) -> dict[str, Any]:
         """A reference to ``fn`` (a capture entry); ``what`` names it in errors."""
-        fn = unwrap(fn)
+        wrapper, fn = fn, unwrap(fn)
+        reads = self.reads
+        if reads is not None and wrapper is not fn and hasattr(wrapper, "__dict__"):
+            reads.dicts.append(vars(wrapper))  # its __wrapped__
         if not isinstance(fn, types.FunctionType):
             return self.value(fn, owner=what, name="the function itself")
         key = self._keys.get(id(fn))
@@ -127,6 +138,14 @@ class Describer:
             "module": str(fn.__globals__.get("__name__", "__main__")),
         }
         self.functions[key] = desc  # before the captures: a function may capture itself
+        if reads is not None:
+            reads.objects.append(fn)  # its code, defaults and closure
+            reads.cells.extend(fn.__closure__ or ())
+            reads.name(fn.__globals__, "__name__")
+            for g in global_names(code):
+                reads.name(fn.__globals__, g)  # also one not there yet: it may be added
+            if fn.__kwdefaults__ is not None:
+                reads.dicts.append(fn.__kwdefaults__)
         desc["where"] = self._where(fn, name)
         desc["globals"] = {
             g: self.value(fn.__globals__[g], owner=name, name=g)
@@ -192,6 +211,9 @@ class Describer:
         kind = type(value)
         if kind in plain_data.EXACT_PLAIN:
             return {"k": "value", "v": value}
+        reads = self.reads
+        if reads is not None and kind in _CONTAINERS:
+            (reads.lists if kind is list or kind is set else reads.dicts).append(value)
         if kind is list or kind is tuple:
             return {"k": kind.__name__, "items": self._sequence(value, owner=owner, name=name)}
         if kind is dict and all(type(k) is str for k in value):
@@ -207,6 +229,12 @@ class Describer:
         if isinstance(value, self._special_types) or id(value) in self._special_ids:
             special = self.special(value)
             if special is not None:
+                if reads is not None:
+                    if isinstance(value, torch.Tensor):
+                        reads.tensors.append(value)  # described by shape, dtype, trainable
+                    elif id(value) not in self._special_ids and hasattr(value, "__dict__"):
+                        reads.dicts.append(vars(value))  # an iterator's number, a dataset
+                        reads.objects.append(value)
                 return {"k": "special", "v": special}
         # The most common captures next, before the chain below: a torch module (asking it
         # for a __wrapped__ goes through its __getattr__ and an AttributeError) and a function.
@@ -231,6 +259,8 @@ class Describer:
             items = [self.value(v, owner=owner, name=f"an item of {name}") for v in value]
             return {"k": type(value).__name__, "items": items}
         if type(value) in (argparse.Namespace, types.SimpleNamespace):  # a script's options
+            if reads is not None:
+                reads.dicts.append(vars(value))
             items = {
                 k: self.value(v, owner=owner, name=f"{name}.{k}") for k, v in vars(value).items()
             }
@@ -271,6 +301,13 @@ class Describer:
         """A list or tuple of a subclass (a namedtuple, a ``torch.Size``): its class and its
         items. Only the items travel, so one with attributes of its own is refused."""
         cls = type(value)
+        reads = self.reads
+        if reads is not None:
+            reads.objects.append(value)  # its class
+            if isinstance(value, list):
+                reads.lists.append(value)
+            if hasattr(value, "__dict__"):
+                reads.dicts.append(vars(value))  # empty, or the describe refuses it
         extra = list(getattr(value, "__dict__", None) or ()) + slot_names(cls)
         if extra:
             raise TypeError(
@@ -309,6 +346,16 @@ class Describer:
         desc: dict[str, Any] = {"kind": kind}
         self.functions[key] = desc  # before the state: the state may refer back to it
         desc["class"] = self.value(type(value), owner=owner, name=f"the class of {name}")
+        reads = self.reads
+        if reads is not None:
+            reads.objects.append(value)  # its class
+            reads.dicts.append(vars(value))
+            if kind == "module":  # the hook dicts (and sets) it leaves out while empty
+                for k, v in vars(value).items():
+                    if k in MODULE_DEFAULTS and isinstance(v, dict | set):
+                        (reads.lists if isinstance(v, set) else reads.dicts).append(v)
+            elif kind == "portable" and computes_its_state(value):
+                reads.untrusted = f"{type(value).__qualname__} computes its own state"
         if kind == "module":
             # Empty hooks and the like are left out; the worker puts back fresh empty ones.
             # So are this process's own hooks (``StaysHere``: the chief's read hooks).
@@ -381,6 +428,9 @@ class Describer:
         }
         self.functions[key] = desc
         glob = vars(sys.modules[module]) if module in sys.modules else {}
+        if self.reads is not None:
+            for g in global_names(body):
+                self.reads.name(glob, g)
         # A typing.NamedTuple's class statement names NamedTuple (its __orig_bases__), which
         # makes the namedtuple; run with its resolved base (tuple) it would make a plain tuple.
         bases = vars(cls).get("__orig_bases__", ())
@@ -422,16 +472,6 @@ class Describer:
             ],
         }
         return {"k": "class", "ref": key}
-
-
-def slot_names(cls: type) -> list[str]:
-    """The attributes the ``__slots__`` of ``cls`` and its bases add (none for a namedtuple,
-    whose ``__slots__`` is empty)."""
-    names: list[str] = []
-    for c in cls.__mro__:
-        slots = vars(c).get("__slots__", ())
-        names += [slots] if isinstance(slots, str) else list(slots)
-    return [n for n in names if n not in ("__dict__", "__weakref__")]
 
 
 def _made_by_namedtuple(cls: type) -> bool:

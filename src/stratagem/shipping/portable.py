@@ -55,6 +55,12 @@ def state_of(obj: Portable) -> dict[str, Any]:
     return obj._sg_portable_state()
 
 
+def computes_its_state(obj: Portable) -> bool:
+    """Whether ``obj``'s class computes what travels itself (overrides
+    ``_sg_portable_state``) rather than taking its attributes: what that reads is unknown."""
+    return type(obj)._sg_portable_state is not Portable._sg_portable_state
+
+
 def set_state(obj: Portable, state: dict[str, Any]) -> None:
     """Give ``obj`` (made by ``cls.__new__``) the state described on the chief."""
     obj._sg_from_state(state)

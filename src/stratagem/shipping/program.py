@@ -225,3 +225,13 @@ def source_line(fn: Any) -> str:
     if key is not None:
         _source_lines[key] = line
     return line
+
+
+def slot_names(cls: type) -> list[str]:
+    """The attributes the ``__slots__`` of ``cls`` and its bases add (none for a namedtuple,
+    whose ``__slots__`` is empty)."""
+    names: list[str] = []
+    for c in cls.__mro__:
+        slots = vars(c).get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else list(slots)
+    return [n for n in names if n not in ("__dict__", "__weakref__")]

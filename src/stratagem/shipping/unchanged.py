@@ -14,6 +14,11 @@ strategy, per-worker iterators and datasets), which is shared between calls eith
 
 An object whose class keeps attributes in ``__slots__`` cannot be watched so: ``watch``
 returns None and the objects are built again for each call.
+
+The chief uses the same comparison the other way round: ``Reads`` records what a ``Describer``
+read while it described a function (``Describer(reads=...)``), and while its snapshot is
+unchanged, describing the same function and arguments again would read the same and make the
+same table (``ClusterCoordinator.schedule`` keeps the last one).
 """
 
 from __future__ import annotations
@@ -28,23 +33,37 @@ from typing import Any
 
 import torch
 
-from stratagem.shipping.describe import slot_names
+from stratagem.shipping.program import slot_names
 
 _EMPTY = object()  # an empty closure cell
+_ABSENT = object()  # a name not in the dict it was looked up in
 _NAMESPACES = (argparse.Namespace, types.SimpleNamespace)
 
 
 class Snapshot:
-    """The identities of everything a rebuild made, as they were when ``watch`` was called."""
+    """The identities of everything a rebuild made (or a describe read), as they were when
+    taken: whole containers, single names looked up in a dict (``names``: dicts and keys, a
+    function's globals), closure cells, objects (``_identity``), and the shape, dtype and
+    trainability of tensors whose description is those (the ps's variables)."""
 
-    def __init__(self, dicts: list[dict], lists: list[list | set], cells: list, objects: list):
+    def __init__(
+        self,
+        dicts: list[dict],
+        lists: list[list | set],
+        cells: list,
+        objects: list,
+        names: tuple[list[dict], list[str]] = ([], []),
+        tensors: list[torch.Tensor] = [],  # noqa: B006 - read only
+    ):
         self._dicts = dicts
         self._lists = lists
         self._cells = cells
         self._objects = objects  # functions (their code, defaults, closure) and objects (class)
+        self._names = names
+        self._tensors = tensors
         self._taken = self._now()
 
-    def _now(self) -> tuple[list, list, list, list, list, list]:
+    def _now(self) -> tuple[list, list, list, list, list, list, list, list]:
         chain = itertools.chain.from_iterable
         return (
             list(map(len, self._dicts)),
@@ -53,11 +72,13 @@ class Snapshot:
             list(map(len, self._lists)) + list(chain(self._lists)),
             [c.cell_contents if _filled(c) else _EMPTY for c in self._cells],
             list(chain(map(_identity, self._objects))),
+            list(map(dict.get, *self._names, itertools.repeat(_ABSENT))),
+            [(t.shape, t.dtype, t.requires_grad) for t in self._tensors],
         )
 
     def unchanged(self) -> bool:
         """Whether every container holds the same items (by identity) as when taken."""
-        lens, keys, values, lists, cells, objects = self._now()
+        lens, keys, values, lists, cells, objects, names, tensors = self._now()
         then = self._taken
         return (
             lens == then[0]
@@ -67,7 +88,49 @@ class Snapshot:
             and all(map(operator.is_, lists, then[3]))
             and all(map(operator.is_, cells, then[4]))
             and all(map(operator.is_, objects, then[5]))
+            and all(map(operator.is_, names, then[6]))
+            and tensors == then[7]
         )
+
+
+class Reads:
+    """What a ``Describer`` read, recorded as it describes (its ``reads``): the containers it
+    walked (lists, dicts, sets, each described object's ``__dict__``), the names it looked up in
+    a function's or a class's module globals (present or not), closure cells, each function's
+    code, defaults and closure and each object's class, and each tensor described by its
+    shape, dtype and trainability (a variable on the ps). A description is made of these and
+    of immutable values (numbers, strings, tuples, dtypes, names), so while ``snapshot()`` is
+    unchanged a new describe would make the same table.
+
+    What it does not see, and why that is safe: a tensor's values (a table with a tensor by
+    value is never kept: ``ClusterCoordinator``'s fingerprint); a ``Portable`` class that
+    computes its own state (``untrusted``: never kept); the program's files (a running
+    program's code is loaded; a worker checks each file's hash against its own); which module
+    attribute names a library's function or class (libraries do not rebind their own names).
+    """
+
+    def __init__(self) -> None:
+        self.dicts: list[dict] = []
+        self.lists: list[list | set] = []
+        self.cells: list = []
+        self.objects: list = []
+        self.names: tuple[list[dict], list[str]] = ([], [])
+        self.tensors: list[torch.Tensor] = []
+        self.untrusted: str | None = None  # why these reads cannot tell (None: they can)
+
+    def name(self, namespace: dict, key: str) -> None:
+        self.names[0].append(namespace)
+        self.names[1].append(key)
+
+    def snapshot(self) -> Snapshot | None:
+        """The snapshot of what was read; None where the reads cannot tell (``untrusted``)."""
+        if self.untrusted is not None:
+            return None
+        dicts = list({id(d): d for d in self.dicts}.values())
+        lists = list({id(v): v for v in self.lists}.values())
+        objects = list({id(o): o for o in self.objects}.values())
+        tensors = list({id(t): t for t in self.tensors}.values())
+        return Snapshot(dicts, lists, self.cells, objects, self.names, tensors)
 
 
 def watch(built: Iterable[Any], roots: Iterable[Any]) -> Snapshot | None:

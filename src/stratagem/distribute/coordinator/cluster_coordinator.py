@@ -9,9 +9,12 @@ TF2's parameter-server training: the chief (the coordinator) runs the training l
 2. ``schedule(fn, args, kwargs)`` describes ``fn`` and its arguments by reference
    (``stratagem.shipping``: what cannot be sent is a ``TypeError`` here, in the caller),
    queues it and returns a ``RemoteValue`` at once. A function's table (what it captures) is
-   described on every call; a worker keeps the last table of plain data it was sent, and a run
-   whose table is the same (``_fingerprint``: types included) sends only its number; one that
-   differs from it in a few entries (a counter a loop advances) sends those entries alone.
+   described on every call, unless it is the same function with the same arguments as the last
+   call and nothing the last describe read has changed since (``_Described``: a loop's
+   function, described once); a worker keeps the last table of plain data it was sent, and a
+   run whose table is the same (``_fingerprint``: types included) sends only its number; one
+   that differs from it in a few entries (a counter a loop advances) sends those entries
+   alone.
 3. Per-worker resources (``create_per_worker_dataset``, ``iter`` of one) are a log every
    worker replays, in order, before its next function: a per-worker iterator passed to
    ``schedule`` is each worker's own. ``create_per_worker_dataset`` takes a dataset function,
@@ -41,6 +44,7 @@ from __future__ import annotations
 import atexit
 import collections
 import marshal
+import operator
 import os
 import sys
 import threading
@@ -98,6 +102,62 @@ class _Closure:
         self.must_see = 0
         # Set when an earlier function failed while this one ran: its outcome is not taken.
         self.cancelled: CancelledError | None = None
+
+
+class _Described:
+    """A schedule's description (its table, the function's reference, its arguments' entries,
+    its accumulators and fingerprint), kept for the next ``schedule`` of the same function and
+    arguments (by identity) while a snapshot of everything the describe read is unchanged
+    (``shipping.Reads``): describing again would make the same.
+
+    Recording the reads and taking the snapshot cost about half a describe more. A description
+    that cannot be kept (a tensor by value in it) or whose reads changed at two calls in a row
+    (fit's: its step counter) is not watched for the next ``_UNWATCHED`` calls of its function
+    (``ClusterCoordinator._unwatched``); then it is tried again."""
+
+    def __init__(
+        self,
+        fn: Any,
+        args: tuple,
+        kwargs: dict[str, Any],
+        name: str,
+        describer: shipping.Describer,
+        call: tuple[Any, list[Any], dict[str, Any]],
+        fingerprint: dict[str, bytes] | None,
+        snapshot: shipping.Snapshot | None,
+    ) -> None:
+        self.fn = fn
+        self.args = tuple(args)  # copies: a caller may change the list or dict it passed
+        self.kwargs = dict(kwargs)
+        self.name = name
+        self.table = describer.functions
+        self.accumulators = describer.accumulators
+        self.ref, self.call_args, self.call_kwargs = call
+        self.fingerprint = fingerprint  # None: a tensor in the table
+        self.snapshot = snapshot  # None: not to be kept
+        self.changed = 0  # calls in a row, with the same arguments, that found it changed
+
+    def same_call(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+        return (
+            fn is self.fn
+            and len(args) == len(self.args)
+            and all(map(operator.is_, args, self.args))
+            and kwargs.keys() == self.kwargs.keys()
+            and all(kwargs[k] is v for k, v in self.kwargs.items())
+        )
+
+
+_UNWATCHED = 64  # see _Described
+_KEPT_FUNCTIONS = 8  # descriptions kept: the last of each of the last functions scheduled
+
+
+def _call_bytes(call: tuple[Any, list[Any], dict[str, Any]]) -> bytes | None:
+    """A schedule's function reference and arguments' entries as bytes (as ``_fingerprint``);
+    None where they hold a tensor by value (it may change in place: never kept)."""
+    try:
+        return marshal.dumps(list(call), 0)
+    except ValueError:
+        return None
 
 
 # What ``ClusterCoordinator._special`` describes, besides its strategy and itself.
@@ -203,6 +263,13 @@ class ClusterCoordinator:
         self._calls = 0  # runs sent to the workers: each is numbered (its worker's pulls)
         # The last table's fingerprints and its number.
         self._last_table: tuple[dict[str, bytes], int] | None = None
+        self._kept: dict[int, _Described] = {}  # id(function) -> its last description
+        self._unwatched: dict[int, int] = {}  # id(function) -> calls still to describe afresh
+        self._kept_lock = threading.Lock()  # schedule may be called from several threads
+        self.descriptions_kept = 0  # schedules that used the last one's description
+        # A check for tests: describe every function again where the last description is kept,
+        # and raise if the two differ.
+        self._check_kept = os.environ.get("STRATAGEM_CHECK_KEPT_DESCRIPTIONS") == "1"
         program = shipping.program_file()
         root = shipping.program_root()
         hello: list[Any] = [None, None]
@@ -239,17 +306,8 @@ class ClusterCoordinator:
         self._raise_if_error()
         # Variables created in a scope still open are made on the ps before a function uses them.
         self.strategy.extended.adopt_pending()
-        name = shipping.source_line(fn)
-        describer = self._describer()
-        ref = describer.function(fn, what=name)
-        call_args = [
-            describer.value(a, owner=name, name=f"argument {i}") for i, a in enumerate(args)
-        ]
-        call_kwargs = {
-            k: describer.value(v, owner=name, name=f"argument {k!r}")
-            for k, v in (kwargs or {}).items()
-        }
-        fingerprint = _fingerprint(describer.functions)
+        described = self._description(fn, args, kwargs or {})
+        name, fingerprint = described.name, described.fingerprint
         with self._lock:
             if self._closing:
                 raise RuntimeError(f"schedule({name}) after the coordinator shut down")
@@ -257,8 +315,14 @@ class ClusterCoordinator:
             closure = _Closure(
                 self._next_id,
                 name,
-                [self._next_id, describer.functions, ref, call_args, call_kwargs],
-                describer.accumulators,
+                [
+                    self._next_id,
+                    described.table,
+                    described.ref,
+                    described.call_args,
+                    described.call_kwargs,
+                ],
+                described.accumulators,
                 self._refresh_when_idle,
             )
             closure.must_see = self._writes_ended()
@@ -351,7 +415,88 @@ class ClusterCoordinator:
             self._lock.notify_all()
             return PerWorkerIterator(self._next_id)
 
-    def _describer(self) -> shipping.Describer:
+    def _description(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
+    ) -> _Described:
+        """``fn(*args, **kwargs)`` described: the last description of ``fn`` where it is the
+        same call and nothing it read has changed, else a new one (kept, and watched, as
+        ``_Described`` says)."""
+        key = id(fn)  # (a kept description holds its function: the id stays its own)
+        with self._kept_lock:
+            skip = self._unwatched.pop(key, 0)
+            if skip > 1:
+                self._unwatched[key] = skip - 1
+            if skip:
+                return self._describe(fn, args, kwargs, watch=False)
+            kept = self._kept.pop(key, None)
+            changed = 0
+            if kept is not None and kept.snapshot is not None and kept.same_call(fn, args, kwargs):
+                if kept.snapshot.unchanged():
+                    self._kept[key] = kept  # the most recent again
+                    self.descriptions_kept += 1
+                    if self._check_kept:
+                        self._check_kept_description(kept)
+                    return kept
+                changed = kept.changed + 1
+            described = self._describe(fn, args, kwargs, watch=changed < 2)
+            if described.snapshot is None:
+                if len(self._unwatched) >= 4 * _KEPT_FUNCTIONS:
+                    self._unwatched.clear()  # (ids of functions long gone, perhaps)
+                self._unwatched[key] = _UNWATCHED
+                return described
+            described.changed = changed
+            if len(self._kept) >= _KEPT_FUNCTIONS:
+                del self._kept[next(iter(self._kept))]  # the function scheduled longest ago
+            self._kept[key] = described
+            return described
+
+    def _describe(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *, watch: bool
+    ) -> _Described:
+        """Describe ``fn(*args, **kwargs)``; with ``watch``, with a snapshot of what was read
+        where the description may be kept (no tensor by value in it, every read recorded)."""
+        name = shipping.source_line(fn)
+        reads = shipping.Reads() if watch else None
+        describer = self._describer(reads)
+        ref = describer.function(fn, what=name)
+        call_args = [
+            describer.value(a, owner=name, name=f"argument {i}") for i, a in enumerate(args)
+        ]
+        call_kwargs = {
+            k: describer.value(v, owner=name, name=f"argument {k!r}") for k, v in kwargs.items()
+        }
+        call = (ref, call_args, call_kwargs)
+        fingerprint = _fingerprint(describer.functions)
+        snapshot = None
+        if reads is not None and fingerprint is not None and _call_bytes(call) is not None:
+            snapshot = reads.snapshot()
+        return _Described(fn, args, kwargs, name, describer, call, fingerprint, snapshot)
+
+    def _check_kept_description(self, kept: _Described) -> None:
+        """``STRATAGEM_CHECK_KEPT_DESCRIPTIONS=1``: the kept description is what a new one
+        would be, or an ``AssertionError`` names the first difference."""
+        fresh = self._describe(kept.fn, kept.args, kept.kwargs, watch=False)
+        then, now = kept.fingerprint or {}, fresh.fingerprint or {}
+        differences = [
+            f"table entry {k}: kept {kept.table.get(k)!r}, new {fresh.table.get(k)!r}"
+            for k in sorted({*then, *now})
+            if then.get(k) != now.get(k)
+        ]
+        calls = [(kept.ref, kept.call_args, kept.call_kwargs), (fresh.ref, fresh.call_args,
+                 fresh.call_kwargs)]  # fmt: skip
+        if _call_bytes(calls[0]) != _call_bytes(calls[1]):
+            differences.append(f"the function and arguments: kept {calls[0]!r}, new {calls[1]!r}")
+        if kept.accumulators.keys() != fresh.accumulators.keys() or any(
+            fresh.accumulators[k] is not v for k, v in kept.accumulators.items()
+        ):
+            differences.append("the accumulators")
+        if differences:
+            raise AssertionError(
+                f"schedule({kept.name}) kept the last description, but a new one differs: "
+                + "; ".join(differences)
+            )
+
+    def _describer(self, reads: shipping.Reads | None = None) -> shipping.Describer:
         """A describer whose specials (``_special``) may describe what they hold with it."""
         describer: shipping.Describer
 
@@ -362,6 +507,7 @@ class ClusterCoordinator:
             special=special,
             special_types=_SPECIAL_TYPES,
             special_objects=(self.strategy, self),
+            reads=reads,
         )
         return describer
 
@@ -434,8 +580,9 @@ class ClusterCoordinator:
         are the same, a new one else; None for a table a worker may not keep."""
         if fingerprint is None:
             return None
-        if self._last_table is not None and self._last_table[0] == fingerprint:
-            return self._last_table[1]
+        last = self._last_table
+        if last is not None and (last[0] is fingerprint or last[0] == fingerprint):
+            return last[1]
         self._next_id += 1
         self._last_table = (fingerprint, self._next_id)
         return self._next_id
