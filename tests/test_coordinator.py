@@ -156,15 +156,22 @@ def _rebuilt_and_watched():
     return fn, fn.__globals__, snapshot
 
 
+# What a call (on a worker) or the chief's program (between two schedules) may change of a
+# model the function captures.
+MODEL_CHANGES = [
+    lambda fn, g: g["WATCHED_MODEL"].eval(),
+    lambda fn, g: g["WATCHED_MODEL"][0].register_forward_hook(lambda *_: None),
+    lambda fn, g: setattr(g["WATCHED_MODEL"][0], "note", 1),
+    lambda fn, g: setattr(g["WATCHED_MODEL"][0], "in_features", 3),
+    lambda fn, g: setattr(g["WATCHED_MODEL"], "__class__", torch.nn.ModuleList),
+    lambda fn, g: g["WATCHED_MODEL"].append(torch.nn.ReLU()),
+]
+
+
 @pytest.mark.parametrize(
     "change",
     [
-        lambda fn, g: g["WATCHED_MODEL"].eval(),
-        lambda fn, g: g["WATCHED_MODEL"][0].register_forward_hook(lambda *_: None),
-        lambda fn, g: setattr(g["WATCHED_MODEL"][0], "note", 1),
-        lambda fn, g: setattr(g["WATCHED_MODEL"][0], "in_features", 3),
-        lambda fn, g: setattr(g["WATCHED_MODEL"], "__class__", torch.nn.ModuleList),
-        lambda fn, g: g["WATCHED_MODEL"].append(torch.nn.ReLU()),
+        *MODEL_CHANGES,
         lambda fn, g: g["WATCHED_OPTIMIZER"].param_groups[0].__setitem__("lr", 0.1),
         lambda fn, g: g["WATCHED_OPTIMIZER"].state[g["WATCHED_MODEL"][0].weight].update(a=1),
         lambda fn, g: g["WATCHED_ITEMS"].append(3),
@@ -212,12 +219,7 @@ def uses_late():
 @pytest.mark.parametrize(
     "change",
     [
-        lambda fn, g: g["WATCHED_MODEL"].eval(),
-        lambda fn, g: g["WATCHED_MODEL"][0].register_forward_hook(lambda *_: None),
-        lambda fn, g: setattr(g["WATCHED_MODEL"][0], "note", 1),
-        lambda fn, g: setattr(g["WATCHED_MODEL"][0], "in_features", 3),
-        lambda fn, g: setattr(g["WATCHED_MODEL"], "__class__", torch.nn.ModuleList),
-        lambda fn, g: g["WATCHED_MODEL"].append(torch.nn.ReLU()),
+        *MODEL_CHANGES,
         lambda fn, g: g["WATCHED_MODEL"][0].weight.requires_grad_(False),
         lambda fn, g: setattr(g["WATCHED_MODEL"][0].bias, "data", torch.zeros(3)),
         lambda fn, g: g["WATCHED_OPTIMIZER"].param_groups[0].__setitem__("lr", 0.1),
