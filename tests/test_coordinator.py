@@ -273,6 +273,41 @@ def test_the_reads_of_a_chiefs_describe_see_a_global_added_and_refuse_a_computed
     assert reads.snapshot() is None and "computes its own state" in (reads.untrusted or "")
 
 
+def test_a_volatile_attribute_is_read_again_not_watched_and_the_rest_is_watched():
+    # fit's step counter changes at every call: the chief puts its value in the kept table
+    # (ClusterCoordinator) rather than describing again; every other attribute is watched.
+    from stratagem.keras.optimizer_recipes import BoundOptimizer
+
+    model = torch.nn.Linear(2, 2)
+    bound = BoundOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    entry, reads, snapshot = _read(bound)
+    assert [(key, obj, name) for key, obj, name in reads.volatile] == [
+        (entry["ref"], bound, "_batches")
+    ]
+    bound.count_step()
+    assert snapshot.unchanged()
+    for change in (
+        lambda: setattr(bound, "gradient_accumulation_steps", 2),
+        lambda: setattr(bound, "note", 1),  # an attribute added
+        lambda: bound.torch_optimizer.param_groups[0].__setitem__("lr", 0.1),
+    ):
+        change()
+        assert not snapshot.unchanged()
+        snapshot = _read(bound)[2]
+
+
+def _read(obj):
+    """``obj`` described (tensors by shape), what the describe read, and its snapshot."""
+    reads = shipping.Reads()
+    entry = shipping.Describer(
+        root=HERE, special=lambda t: {"shape": list(t.shape)}, special_types=(torch.Tensor,),
+        reads=reads,
+    ).value(obj, owner="test", name="obj")  # fmt: skip
+    snapshot = reads.snapshot()
+    assert snapshot is not None and snapshot.unchanged()
+    return entry, reads, snapshot
+
+
 def test_a_function_sent_again_resolves_no_path_again(monkeypatch):
     # Every schedule describes its function again and the worker rebuilds it: resolving its
     # file's path (a stat per component) each time was a fifth of the chief's time per

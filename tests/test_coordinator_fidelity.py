@@ -175,7 +175,7 @@ def test_the_chief_describes_a_function_once_yet_each_call_sees_what_the_chief_c
     # Before each pair of schedules the chief changed what the function reads; both calls of
     # the pair see it (the second one's description is the first's, kept, and must be fresh).
     rounds = [1, 2, 3, 4]
-    for name in ("setting", "table", "option", "level", "args", "kwargs"):
+    for name in ("setting", "table", "option", "level", "args", "kwargs", "iterations"):
         assert got[name] == [[k, k] for k in [0, *rounds]], (name, got[name])
     assert got["note"] == [[None, None]] + [[k, k] for k in rounds], got["note"]
     assert got["items"] == [[list(range(k + 1))] * 2 for k in [0, *rounds]], got["items"]

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 import stratagem as sg
+from stratagem.keras.optimizer_recipes import BoundOptimizer
 
 OUT = Path(sys.argv[1])
 
@@ -368,6 +369,9 @@ with strategy.scope():
     # made for one reader is not what makes another's description new.
     noted, switched, frozen, hooked, tuned = (torch.nn.Linear(1, 1) for _ in range(5))
 tuned_optimizer = torch.optim.SGD(tuned.parameters(), lr=0.5)
+# A Keras optimizer as compile makes it: its step counter changes at every call of fit (a
+# volatile attribute: the chief reads it again for a description it keeps).
+counted = BoundOptimizer(torch.optim.SGD(tuned.parameters(), lr=0.5))
 SETTING = 0
 ITEMS = [0]
 TABLE = {"k": 0}
@@ -411,6 +415,10 @@ def read_option(options):
 
 def read_passed(level):
     return level
+
+
+def read_iterations():
+    return counted.iterations
 
 
 def no_op_hook(module, inputs, output):
@@ -460,6 +468,7 @@ def chief_changes():
         "level": (read_level, (), set_level),
         "args": (read_passed, passed_args, lambda k: passed_args.__setitem__(0, k)),
         "kwargs": (read_passed, (), lambda k: passed_kwargs.update(level=k)),
+        "iterations": (read_iterations, (), lambda k: counted.count_step()),
     }
     for name, (fn, args, change) in readers.items():
         # A pair of schedules as first described, then after each change: the second of a

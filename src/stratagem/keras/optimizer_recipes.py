@@ -268,6 +268,8 @@ class BoundOptimizer(Portable):
     update runs at the k-th. ``iterations`` counts optimizer steps (Keras: batches // k).
     """
 
+    _sg_volatile = ("_batches",)  # a coordinated fit counts each call's batches
+
     def __init__(
         self, optimizer: torch.optim.Optimizer, gradient_accumulation_steps: int | None = None
     ) -> None:

@@ -47,6 +47,7 @@ from stratagem.shipping.portable import (
     computes_its_state,
     portable_kind,
     state_of,
+    volatile_attributes,
 )
 from stratagem.shipping.program import (
     class_body,
@@ -349,7 +350,17 @@ class Describer:
         reads = self.reads
         if reads is not None:
             reads.objects.append(value)  # its class
-            reads.dicts.append(vars(value))
+            volatile = volatile_attributes(value) if kind == "portable" else ()
+            if volatile:  # each attribute but those, whose values are read again (``Reads``)
+                attributes = vars(value)
+                reads.sized.append(attributes)
+                for k in attributes:
+                    if k in volatile:
+                        reads.volatile.append((key, value, k))
+                    else:
+                        reads.name(attributes, k)
+            else:
+                reads.dicts.append(vars(value))
             if kind == "module":  # the hook dicts (and sets) it leaves out while empty
                 for k, v in vars(value).items():
                     if k in MODULE_DEFAULTS and isinstance(v, dict | set):

@@ -27,6 +27,9 @@ class Portable:
 
     _sg_local: tuple[str, ...] = ()
     _sg_accumulates = False
+    # Attributes whose value, a number or a string, changes from call to call (a step
+    # counter): a description the chief keeps reads them again at each call.
+    _sg_volatile: tuple[str, ...] = ()
 
     def _sg_portable_state(self) -> dict[str, Any]:
         return {k: v for k, v in vars(self).items() if k not in self._sg_local}
@@ -59,6 +62,11 @@ def computes_its_state(obj: Portable) -> bool:
     """Whether ``obj``'s class computes what travels itself (overrides
     ``_sg_portable_state``) rather than taking its attributes: what that reads is unknown."""
     return type(obj)._sg_portable_state is not Portable._sg_portable_state
+
+
+def volatile_attributes(obj: Portable) -> tuple[str, ...]:
+    """The attributes of ``obj`` that change from call to call (``Portable._sg_volatile``)."""
+    return obj._sg_volatile
 
 
 def set_state(obj: Portable, state: dict[str, Any]) -> None:

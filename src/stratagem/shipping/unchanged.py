@@ -54,6 +54,7 @@ class Snapshot:
         objects: list,
         names: tuple[list[dict], list[str]] = ([], []),
         tensors: list[torch.Tensor] = [],  # noqa: B006 - read only
+        sized: list[dict] = [],  # noqa: B006 - read only
     ):
         self._dicts = dicts
         self._lists = lists
@@ -61,12 +62,13 @@ class Snapshot:
         self._objects = objects  # functions (their code, defaults, closure) and objects (class)
         self._names = names
         self._tensors = tensors
+        self._sized = sized  # dicts whose items are read by name: their sizes
         self._taken = self._now()
 
     def _now(self) -> tuple[list, list, list, list, list, list, list, list]:
         chain = itertools.chain.from_iterable
         return (
-            list(map(len, self._dicts)),
+            list(map(len, self._dicts)) + list(map(len, self._sized)),
             list(chain(self._dicts)),  # keys, in each dict's own order
             list(chain(map(operator.methodcaller("values"), self._dicts))),
             list(map(len, self._lists)) + list(chain(self._lists)),
@@ -100,7 +102,8 @@ class Reads:
     code, defaults and closure and each object's class, and each tensor described by its
     shape, dtype and trainability (a variable on the ps). A description is made of these and
     of immutable values (numbers, strings, tuples, dtypes, names), so while ``snapshot()`` is
-    unchanged a new describe would make the same table.
+    unchanged a new describe would make the same table, but for the volatile attributes of a
+    ``Portable`` (``volatile``: a step counter), whose values the keeper reads again itself.
 
     What it does not see, and why that is safe: a tensor's values (a table with a tensor by
     value is never kept: ``ClusterCoordinator``'s fingerprint); a ``Portable`` class that
@@ -116,6 +119,10 @@ class Reads:
         self.objects: list = []
         self.names: tuple[list[dict], list[str]] = ([], [])
         self.tensors: list[torch.Tensor] = []
+        self.sized: list[dict] = []  # an object's attributes read by name (``names``)
+        # (table key, object, attribute): values not watched, read again at each call and put
+        # in the kept table (``Portable._sg_volatile``: a step counter)
+        self.volatile: list[tuple[str, Any, str]] = []
         self.untrusted: str | None = None  # why these reads cannot tell (None: they can)
 
     def name(self, namespace: dict, key: str) -> None:
@@ -130,7 +137,7 @@ class Reads:
         lists = list({id(v): v for v in self.lists}.values())
         objects = list({id(o): o for o in self.objects}.values())
         tensors = list({id(t): t for t in self.tensors}.values())
-        return Snapshot(dicts, lists, self.cells, objects, self.names, tensors)
+        return Snapshot(dicts, lists, self.cells, objects, self.names, tensors, self.sized)
 
 
 def watch(built: Iterable[Any], roots: Iterable[Any]) -> Snapshot | None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import copy
 import marshal
 import operator
 import os
@@ -110,10 +111,13 @@ class _Described:
     arguments (by identity) while a snapshot of everything the describe read is unchanged
     (``shipping.Reads``): describing again would make the same.
 
-    Recording the reads and taking the snapshot cost about half a describe more. A description
-    that cannot be kept (a tensor by value in it) or whose reads changed at two calls in a row
-    (fit's: its step counter) is not watched for the next ``_UNWATCHED`` calls of its function
-    (``ClusterCoordinator._unwatched``); then it is tried again."""
+    The values of volatile attributes (``Portable._sg_volatile``: fit's step counter) are not
+    watched but read again at each call and put in the table (``refreshed``). Recording the
+    reads and taking the snapshot cost about half a describe more. A description that cannot be
+    kept (a tensor by value in it) or whose reads changed at two calls in a row (a loop that
+    changes what its function captures at every call) is not watched for the next
+    ``_UNWATCHED`` calls of its function (``ClusterCoordinator._unwatched``); then it is tried
+    again."""
 
     def __init__(
         self,
@@ -125,6 +129,7 @@ class _Described:
         call: tuple[Any, list[Any], dict[str, Any]],
         fingerprint: dict[str, bytes] | None,
         snapshot: shipping.Snapshot | None,
+        volatile: list[tuple[str, Any, str]],
     ) -> None:
         self.fn = fn
         self.args = tuple(args)  # copies: a caller may change the list or dict it passed
@@ -135,7 +140,36 @@ class _Described:
         self.ref, self.call_args, self.call_kwargs = call
         self.fingerprint = fingerprint  # None: a tensor in the table
         self.snapshot = snapshot  # None: not to be kept
+        self.volatile = volatile  # (table key, object, attribute): read again at each call
         self.changed = 0  # calls in a row, with the same arguments, that found it changed
+
+    def refreshed(self) -> _Described | None:
+        """This description with the values its volatile attributes have now (a step
+        counter's); None where one is no longer a number, a string or None."""
+        patches: dict[str, dict[str, Any]] = {}
+        for key, obj, attribute in self.volatile:
+            now = vars(obj).get(attribute, _ABSENT)
+            if type(now) not in _VOLATILE_TYPES:
+                return None
+            entry = patches.get(key) or self.table[key]
+            was = entry["state"].get(attribute)
+            if was is None:
+                continue  # local to each process: not described
+            if was.get("k") != "value":
+                return None  # it held something else when described
+            if was["v"] is now:
+                continue
+            state = {**entry["state"], attribute: {"k": "value", "v": now}}
+            patches[key] = {**entry, "state": state}
+        if not patches:
+            return self
+        fresh = copy.copy(self)
+        fresh.table = {**self.table, **patches}
+        fresh.fingerprint = {
+            **(self.fingerprint or {}),
+            **{key: marshal.dumps(entry, 0) for key, entry in patches.items()},
+        }
+        return fresh
 
     def same_call(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
         return (
@@ -148,6 +182,8 @@ class _Described:
 
 
 _UNWATCHED = 64  # see _Described
+_ABSENT = object()
+_VOLATILE_TYPES = frozenset({int, float, str, bool, type(None)})
 _KEPT_FUNCTIONS = 8  # descriptions kept: the last of each of the last functions scheduled
 
 
@@ -431,12 +467,13 @@ class ClusterCoordinator:
             kept = self._kept.pop(key, None)
             changed = 0
             if kept is not None and kept.snapshot is not None and kept.same_call(fn, args, kwargs):
-                if kept.snapshot.unchanged():
-                    self._kept[key] = kept  # the most recent again
+                current = kept.refreshed() if kept.snapshot.unchanged() else None
+                if current is not None:
+                    self._kept[key] = current  # the most recent again
                     self.descriptions_kept += 1
                     if self._check_kept:
-                        self._check_kept_description(kept)
-                    return kept
+                        self._check_kept_description(current)
+                    return current
                 changed = kept.changed + 1
             described = self._describe(fn, args, kwargs, watch=changed < 2)
             if described.snapshot is None:
@@ -470,7 +507,8 @@ class ClusterCoordinator:
         snapshot = None
         if reads is not None and fingerprint is not None and _call_bytes(call) is not None:
             snapshot = reads.snapshot()
-        return _Described(fn, args, kwargs, name, describer, call, fingerprint, snapshot)
+        volatile = reads.volatile if reads is not None else []
+        return _Described(fn, args, kwargs, name, describer, call, fingerprint, snapshot, volatile)
 
     def _check_kept_description(self, kept: _Described) -> None:
         """``STRATAGEM_CHECK_KEPT_DESCRIPTIONS=1``: the kept description is what a new one
