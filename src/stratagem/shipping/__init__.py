@@ -23,7 +23,7 @@ from stratagem.shipping.program import (
     source_line,
 )
 from stratagem.shipping.rebuild import Rebuilder, ResolveSpecial, dtype_named
-from stratagem.shipping.unchanged import Reads, Snapshot, watch
+from stratagem.shipping.unchanged import Reads, Snapshot, plain_bytes, watch
 
 __all__ = [
     "Describer",
@@ -40,6 +40,7 @@ __all__ = [
     "entry_point",
     "file_hash",
     "nested_entry_points",
+    "plain_bytes",
     "program_file",
     "program_root",
     "source_line",

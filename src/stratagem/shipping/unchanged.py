@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import marshal
 import operator
 import types
 from collections.abc import Iterable
@@ -38,6 +39,17 @@ from stratagem.shipping.program import slot_names
 _EMPTY = object()  # an empty closure cell
 _ABSENT = object()  # a name not in the dict it was looked up in
 _NAMESPACES = (argparse.Namespace, types.SimpleNamespace)
+
+
+def plain_bytes(value: Any) -> bytes | None:
+    """Bytes equal for equal plain data, types included (``marshal``'s first format: no
+    references, no interning, so equal values give equal bytes; ``1``, ``True`` and ``1.0``
+    differ); None where ``value`` holds a tensor, which a call may change in place. Local only:
+    these bytes are compared, never loaded."""
+    try:
+        return marshal.dumps(value, 0)
+    except ValueError:
+        return None
 
 
 class Snapshot:

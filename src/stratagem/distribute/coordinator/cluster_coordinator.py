@@ -44,7 +44,6 @@ from __future__ import annotations
 import atexit
 import collections
 import copy
-import marshal
 import operator
 import os
 import sys
@@ -167,7 +166,7 @@ class _Described:
         fresh.table = {**self.table, **patches}
         fresh.fingerprint = {
             **(self.fingerprint or {}),
-            **{key: marshal.dumps(entry, 0) for key, entry in patches.items()},
+            **(_fingerprint(patches) or {}),  # (plain: a kept table's entries, a number)
         }
         return fresh
 
@@ -187,15 +186,6 @@ _VOLATILE_TYPES = frozenset({int, float, str, bool, type(None)})
 _KEPT_FUNCTIONS = 8  # descriptions kept: the last of each of the last functions scheduled
 
 
-def _call_bytes(call: tuple[Any, list[Any], dict[str, Any]]) -> bytes | None:
-    """A schedule's function reference and arguments' entries as bytes (as ``_fingerprint``);
-    None where they hold a tensor by value (it may change in place: never kept)."""
-    try:
-        return marshal.dumps(list(call), 0)
-    except ValueError:
-        return None
-
-
 # What ``ClusterCoordinator._special`` describes, besides its strategy and itself.
 _SPECIAL_TYPES = (
     torch.Tensor,
@@ -209,14 +199,16 @@ _SPECIAL_TYPES = (
 
 
 def _fingerprint(table: dict[str, Any]) -> dict[str, bytes] | None:
-    """Per entry of a table, bytes that are equal for equal entries of plain data, types
-    included (``marshal``'s first format: no references, no interning, so equal values give
-    equal bytes); None for a table a worker may not keep from call to call (a tensor in it
-    may be changed by a call). Local only: nothing here is ever loaded from bytes."""
-    try:
-        return {key: marshal.dumps(entry, 0) for key, entry in table.items()}
-    except ValueError:  # a tensor (a captured one, a buffer's value, a dataset's data)
-        return None
+    """Per entry of a table, its ``shipping.plain_bytes``; None for a table a worker may not
+    keep from call to call (a tensor in it: a captured one, a buffer's value, a dataset's
+    data, which a call may change)."""
+    fingerprint: dict[str, bytes] = {}
+    for key, entry in table.items():
+        data = shipping.plain_bytes(entry)
+        if data is None:
+            return None
+        fingerprint[key] = data
+    return fingerprint
 
 
 def _raised_on_worker(error: Any, headline: Callable[[str, str], str]) -> FunctionError:
@@ -505,7 +497,7 @@ class ClusterCoordinator:
         call = (ref, call_args, call_kwargs)
         fingerprint = _fingerprint(describer.functions)
         snapshot = None
-        if reads is not None and fingerprint is not None and _call_bytes(call) is not None:
+        if reads is not None and fingerprint is not None and shipping.plain_bytes(call) is not None:
             snapshot = reads.snapshot()
         volatile = reads.volatile if reads is not None else []
         return _Described(fn, args, kwargs, name, describer, call, fingerprint, snapshot, volatile)
@@ -522,7 +514,7 @@ class ClusterCoordinator:
         ]
         calls = [(kept.ref, kept.call_args, kept.call_kwargs), (fresh.ref, fresh.call_args,
                  fresh.call_kwargs)]  # fmt: skip
-        if _call_bytes(calls[0]) != _call_bytes(calls[1]):
+        if shipping.plain_bytes(calls[0]) != shipping.plain_bytes(calls[1]):
             differences.append(f"the function and arguments: kept {calls[0]!r}, new {calls[1]!r}")
         if kept.accumulators.keys() != fresh.accumulators.keys() or any(
             fresh.accumulators[k] is not v for k, v in kept.accumulators.items()

@@ -48,7 +48,6 @@ its totals go back with the value, and the chief adds them to its own.
 from __future__ import annotations
 
 import contextlib
-import marshal
 import sys
 import threading
 import traceback
@@ -457,12 +456,8 @@ class _KeptCall:
 
 def _same_call(table_id: Any, key: Any, args: Any, kwargs: Any) -> bytes | None:
     """What makes two runs the same call: the table's number, the function's entry and the
-    arguments' (plain data, types included: ``marshal``'s first format, equal bytes for equal
-    values); None where they hold a tensor, which a call may change in place."""
-    try:
-        return marshal.dumps([table_id, key, args, kwargs], 0)
-    except ValueError:
-        return None
+    arguments' (``shipping.plain_bytes``: None where they hold a tensor)."""
+    return shipping.plain_bytes([table_id, key, args, kwargs])
 
 
 class _CancellableIterator:
