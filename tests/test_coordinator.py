@@ -296,6 +296,53 @@ def test_a_volatile_attribute_is_read_again_not_watched_and_the_rest_is_watched(
         snapshot = _read(bound)[2]
 
 
+def test_a_worker_keeps_a_portable_whose_call_changed_only_what_a_rebuild_sets_anew():
+    # A metric's totals (local state) and a Keras optimizer's step counter (volatile) change
+    # at every call; a kept call restarts them (``Rebuilder.restarted``). The rest is watched.
+    from stratagem.keras.optimizer_recipes import BoundOptimizer
+
+    model = torch.nn.Linear(2, 2)
+    objects = [BoundOptimizer(torch.optim.SGD(model.parameters(), lr=0.5)), sg.keras.metrics.Sum()]
+    describer = shipping.Describer(root=HERE)
+    entry = describer.value(objects, owner="test", name="objects")
+    table = plain_data.decode(
+        plain_data.encode(describer.functions, what="test"), sender="chief", what="test"
+    )
+    rebuilder = shipping.Rebuilder(table, root=HERE)
+    bound, total = rebuilder.value(entry)
+    snapshot = shipping.watch(rebuilder.built, [])
+    assert snapshot is not None and snapshot.unchanged()
+    bound.count_step()
+    total.update_state(torch.tensor(3.0))
+    assert snapshot.unchanged()
+    # The chief's next table: its counter moved on by 5 (fit's), nothing else.
+    key = entry["items"][0]["ref"]
+    state = {**table[key]["state"], "_batches": {"k": "value", "v": 5}}
+    changes = {key: {**table[key], "state": state}}
+    assert rebuilder.restarted({**table, **changes}, changes)
+    assert bound.iterations == 5 and float(total.result()) == 0.0  # as a rebuild makes them
+    assert snapshot.unchanged()
+    # Anything else changed is built again: another attribute, another object's entry.
+    lr = {**state, "gradient_accumulation_steps": {"k": "value", "v": 2}}
+    assert not rebuilder.restarted(table, {key: {**table[key], "state": lr}})
+    other = entry["items"][1]["ref"]
+    assert not rebuilder.restarted(table, {other: {**table[other], "kind": "module"}})
+    assert bound.iterations == 5  # (nothing done)
+    for change in (
+        lambda: setattr(total, "name", "renamed"),
+        lambda: setattr(bound, "note", 1),  # an attribute added
+    ):
+        change()
+        assert not snapshot.unchanged()
+        snapshot = shipping.watch(rebuilder.built, [])
+
+    class OwnState(shipping.Portable):
+        def _sg_from_state(self, state):
+            self.__dict__.update(state, seen=True)
+
+    assert shipping.watch([OwnState()], []) is None  # only a rebuild makes it as described
+
+
 def _read(obj):
     """``obj`` described (tensors by shape), what the describe read, and its snapshot."""
     reads = shipping.Reads()

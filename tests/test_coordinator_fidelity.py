@@ -129,6 +129,12 @@ def test_a_worker_calls_its_last_objects_again_only_while_no_call_changed_them(j
     assert got["evaluate"] == [True] * 8, got
     assert got["rebind"] == [1] * 8, got
     assert got["make_counter.<locals>.counter"] == [1] * 8, got
+    # Kept though the call changed them, since a rebuild sets them anew: a metric's totals
+    # (it starts empty: the chief's sum counts each call once) and a volatile attribute (a
+    # Keras optimizer's step counter: each call starts from the chief's).
+    assert True in got["add_one"] and got["tally"] == 8.0, got
+    assert [before for before, _ in got["count_on"]] == [0] * 8, got
+    assert True in [again for _, again in got["count_on"]], got
 
 
 @pytest.mark.multiprocess

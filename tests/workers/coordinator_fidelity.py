@@ -353,14 +353,37 @@ def make_counter():
 
 
 count_up = make_counter()
+tally = sg.keras.metrics.Sum()  # an accumulator: starts empty on the worker at each call
+# A Keras optimizer's step counter (a volatile attribute: not watched, set at each call).
+stepping = BoundOptimizer(torch.optim.SGD(probe.parameters(), lr=0.5))
+
+
+def seen_again(obj, name):
+    """Whether this worker's function ran on this very ``obj`` before (``same_objects``)."""
+    seen = sys.__dict__.setdefault(f"_coordinator_fidelity_{name}", [])
+    again = any(o is obj for o in seen)
+    seen.append(obj)
+    return again
+
+
+def add_one():
+    tally.update_state(torch.tensor(1.0))
+    return seen_again(tally, "tally")
+
+
+def count_on():
+    before = stepping.iterations
+    stepping.iterations = before + 1  # (on this worker's copy: the chief's stays)
+    return [before, seen_again(stepping, "stepping")]
 
 
 def reuse():
     """A worker sent the same table, function and arguments again calls the objects it built
     for the last call, unless that call changed them: each call sees what the chief holds."""
     result = {"same_objects": [coordinator.schedule(same_objects).fetch() for _ in range(8)]}
-    for fn in (grow, decay, mark, hook, evaluate, rebind, count_up):
+    for fn in (grow, decay, mark, hook, evaluate, rebind, count_up, add_one, count_on):
         result[fn.__qualname__] = [coordinator.schedule(fn).fetch() for _ in range(8)]
+    result["tally"] = float(tally.result())
     return result
 
 

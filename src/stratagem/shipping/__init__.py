@@ -13,7 +13,7 @@ only ``portable``.
 
 from stratagem.shipping.describe import Describer, Special
 from stratagem.shipping.entry_points import entry_point, nested_entry_points
-from stratagem.shipping.portable import Portable, add_totals, totals_of
+from stratagem.shipping.portable import VOLATILE_TYPES, Portable, add_totals, totals_of
 from stratagem.shipping.program import (
     code_hash,
     compute_code_hash,
@@ -26,6 +26,7 @@ from stratagem.shipping.rebuild import Rebuilder, ResolveSpecial, dtype_named
 from stratagem.shipping.unchanged import Reads, Snapshot, plain_bytes, watch
 
 __all__ = [
+    "VOLATILE_TYPES",
     "Describer",
     "Portable",
     "Reads",

@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+# What a volatile attribute may hold (``Portable._sg_volatile``).
+VOLATILE_TYPES = frozenset({int, float, str, bool, type(None)})
+
 
 class Portable:
     """A class whose objects a coordinator's worker may rebuild by state: its attributes minus
@@ -67,6 +70,24 @@ def computes_its_state(obj: Portable) -> bool:
 def volatile_attributes(obj: Portable) -> tuple[str, ...]:
     """The attributes of ``obj`` that change from call to call (``Portable._sg_volatile``)."""
     return obj._sg_volatile
+
+
+def remade_attributes(obj: Portable) -> frozenset[str] | None:
+    """The attributes of ``obj`` that a worker sets anew at each call, whether it rebuilds the
+    object or keeps it: those ``_sg_after_rebuild`` remakes (``_sg_local``) and the volatile
+    ones (the table's values); None where its class sets its state its own way
+    (``_sg_from_state``), so that only a rebuild makes it as described."""
+    if type(obj)._sg_from_state is not Portable._sg_from_state:
+        return None
+    return frozenset(obj._sg_local) | frozenset(obj._sg_volatile)
+
+
+def restart(obj: Portable, volatile: dict[str, Any]) -> None:
+    """Make ``obj``, kept from a worker's last call, what a rebuild from its unchanged
+    description would make: the ``volatile`` attributes' new values, then its local state
+    remade (an accumulator starts empty again)."""
+    obj.__dict__.update(volatile)
+    obj._sg_after_rebuild()
 
 
 def set_state(obj: Portable, state: dict[str, Any]) -> None:

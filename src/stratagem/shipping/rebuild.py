@@ -27,7 +27,15 @@ import torch
 
 from stratagem.shipping import by_attributes
 from stratagem.shipping.entry_points import is_entry_point
-from stratagem.shipping.portable import MODULE_DEFAULTS, Portable, accumulates, set_state
+from stratagem.shipping.portable import (
+    MODULE_DEFAULTS,
+    VOLATILE_TYPES,
+    Portable,
+    accumulates,
+    restart,
+    set_state,
+    volatile_attributes,
+)
 from stratagem.shipping.program import (
     class_body,
     code_hash,
@@ -77,6 +85,47 @@ class Rebuilder:
     def built(self) -> list[Any]:
         """The functions, objects and classes made so far (``unchanged.watch`` watches them)."""
         return list(self._built.values())
+
+    def restarted(self, table: dict[str, Any], changes: dict[str, Any]) -> bool:
+        """Make the objects made here, kept after a call that left them as they were built,
+        what a rebuild of ``table`` would make: ``table`` is this one, or this one with the
+        entries ``changes`` in place of its own where those are ``Portable`` objects made here
+        whose volatile attributes alone changed (fit's step counter, ``Portable._sg_volatile``).
+        Each ``Portable`` made here then gets its volatile attributes' values from ``table``
+        (the call may have changed them) and its local state remade (``portable.restart``: a
+        metric starts empty). False, and nothing done, where a change is anything else or a
+        volatile attribute's entry is not a plain value."""
+        for key, entry in changes.items():
+            obj, was = self._built.get(key), self.table.get(key)
+            if not isinstance(obj, Portable) or type(entry) is not dict or type(was) is not dict:
+                return False
+            if entry.keys() != was.keys() or any(entry[f] != was[f] for f in entry if f != "state"):
+                return False
+            state, before = entry["state"], was["state"]
+            if type(state) is not dict or state.keys() != before.keys():
+                return False
+            allowed = volatile_attributes(obj)
+            if any(v != before[k] and k not in allowed for k, v in state.items()):
+                return False
+        volatile: dict[str, dict[str, Any]] = {}
+        for key, obj in self._built.items():
+            if not isinstance(obj, Portable):
+                continue
+            state = table[key]["state"]
+            values = volatile[key] = {}
+            for name in volatile_attributes(obj):
+                entry = state.get(name)
+                if entry is None:
+                    continue  # local to each process: not described
+                if type(entry) is not dict or entry.get("k") != "value":
+                    return False
+                if type(entry.get("v")) not in VOLATILE_TYPES:
+                    return False
+                values[name] = entry["v"]
+        self.table = table
+        for key, values in volatile.items():
+            restart(self._built[key], values)
+        return True
 
     def value(self, entry: Any) -> Any:
         if not isinstance(entry, dict) or "k" not in entry:

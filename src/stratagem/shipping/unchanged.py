@@ -3,7 +3,9 @@ table again may call the same objects again only if the last call left them as t
 
 A snapshot holds, for every container the rebuilt objects reach (their ``__dict__``, the dicts,
 lists and sets in it and in the functions' globals, closure cells, defaults and attributes),
-the identity of each item, and each object's class. ``unchanged()`` compares them by identity,
+the identity of each item, and each object's class; a ``Portable``'s attributes by name, but
+for those the worker sets anew at each call it keeps the objects for (``Rebuilder.restarted``:
+its local state, its volatile attributes). ``unchanged()`` compares them by identity,
 in C (``itertools.chain``, ``map(operator.is_)``): about a sixth of a rebuild's time for a
 model and its optimizer. Immutable values (numbers, strings, tuples) can only be replaced, which
 the identity shows; a tensor can change in place, so a table holding one is never kept
@@ -12,8 +14,9 @@ ps's variables and the worker's own buffers, which persist from call to call by 
 walked: what the rebuild did not make (library modules and their objects, classes, the
 strategy, per-worker iterators and datasets), which is shared between calls either way.
 
-An object whose class keeps attributes in ``__slots__`` cannot be watched so: ``watch``
-returns None and the objects are built again for each call.
+An object whose class keeps attributes in ``__slots__`` cannot be watched so, nor a
+``Portable`` that sets its own state (``_sg_from_state``): ``watch`` returns None and the
+objects are built again for each call.
 
 The chief uses the same comparison the other way round: ``Reads`` records what a ``Describer``
 read while it described a function (``Describer(reads=...)``), and while its snapshot is
@@ -34,6 +37,7 @@ from typing import Any
 
 import torch
 
+from stratagem.shipping.portable import Portable, remade_attributes
 from stratagem.shipping.program import slot_names
 
 _EMPTY = object()  # an empty closure cell
@@ -161,6 +165,8 @@ def watch(built: Iterable[Any], roots: Iterable[Any]) -> Snapshot | None:
     lists: list[list | set] = []
     cells: list = []
     objects: list = []
+    names: tuple[list[dict], list[str]] = ([], [])
+    sized: list[dict] = []  # a Portable's attributes, watched by name: their number
     seen: set[int] = set()
     stack = [*roots, *made.values()]
     while stack:
@@ -195,8 +201,22 @@ def watch(built: Iterable[Any], roots: Iterable[Any]) -> Snapshot | None:
             if _has_slots(type(value)):
                 return None
             objects.append(value)
-            stack.append(vars(value))
-    return Snapshot(dicts, lists, cells, objects)
+            if not isinstance(value, Portable):
+                stack.append(vars(value))
+                continue
+            # Each attribute by name but those the worker sets anew at each call
+            # (``portable.restart``): its local state (a metric's totals), its volatile ones.
+            remade = remade_attributes(value)
+            if remade is None:
+                return None
+            attributes = vars(value)
+            sized.append(attributes)
+            for k, v in attributes.items():
+                if k not in remade:
+                    names[0].append(attributes)
+                    names[1].append(k)
+                    stack.append(v)
+    return Snapshot(dicts, lists, cells, objects, names, sized=sized)
 
 
 def _identity(obj: Any) -> tuple:

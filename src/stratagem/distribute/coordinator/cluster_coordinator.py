@@ -148,7 +148,7 @@ class _Described:
         patches: dict[str, dict[str, Any]] = {}
         for key, obj, attribute in self.volatile:
             now = vars(obj).get(attribute, _ABSENT)
-            if type(now) not in _VOLATILE_TYPES:
+            if type(now) not in shipping.VOLATILE_TYPES:
                 return None
             entry = patches.get(key) or self.table[key]
             was = entry["state"].get(attribute)
@@ -182,7 +182,6 @@ class _Described:
 
 _UNWATCHED = 64  # see _Described
 _ABSENT = object()
-_VOLATILE_TYPES = frozenset({int, float, str, bool, type(None)})
 _KEPT_FUNCTIONS = 8  # descriptions kept: the last of each of the last functions scheduled
 
 

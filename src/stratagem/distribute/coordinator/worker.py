@@ -23,10 +23,13 @@ functions. What it returns must be plain data; what it raises comes back as its 
 and traceback text.
 
 The model, optimizer, loss and metrics a function captures arrive by state and are rebuilt for
-each call; or, when the chief sends the table of the last call again (by number) with the same
+each call; or, when the chief sends the table of the last call again (by number, or as the
+entries that changed where only volatile attributes did: fit's step counter) with the same
 function and arguments, and that call left the objects as they were built
-(``shipping.unchanged``: every container they hold, by identity), the last call's objects are
-called again, as a rebuild would make them. Their parameters are the chief's variables on the
+(``shipping.unchanged``: every container they hold, by identity, but what a restart sets
+anew), the last call's objects are restarted (``Rebuilder.restarted``: volatile attributes
+from the table, local state remade, a metric empty) and called again, as a rebuild would make
+them. Their parameters are the chief's variables on the
 ps: this worker keeps one copy of each (``bind_variable``, owned by its own
 ``ParameterServerStrategy``), and an optimizer step
 inside the function pushes gradients to the ps, which applies them (asynchronously, as TF2) and
@@ -341,35 +344,50 @@ class WorkerServer:
         changes_to: Any = None,
     ) -> Here:
         by_number = table is None and changes_to is None
+        sent_changes = table if changes_to is not None else None
         table = self._table(table, table_id, changes_to)
         call, since = _call_numbers(calls)
 
         def body() -> dict[str, Any]:
             self._seam.begin_call(call)
             kept, self._kept_call = self._kept_call, None
-            same = _same_call(table_id, key, args, kwargs) if by_number else None
-            if kept is not None and same is not None and kept.same == same:
-                # The table the last call ran on, the same function and arguments, and the
-                # last call left its objects as they were built: they are what a rebuild
-                # would make (TF's worker runs the function it was sent once).
+            # A table the worker keeps, after the first of its loop (sent by number, or as a
+            # few changed entries: fit's step counter): worth watching.
+            same = (
+                _same_call(key, args, kwargs)
+                if table_id is not None and (by_number or sent_changes is not None)
+                else None
+            )
+            if (
+                kept is not None
+                and same is not None
+                and kept.same == same
+                and kept.table_id == (table_id if by_number else changes_to)
+                and kept.call[0].restarted(table, sent_changes or {})
+            ):
+                # The table the last call ran on (or it with new values of volatile
+                # attributes), the same function and arguments, and the last call left its
+                # objects as they were built: restarted, they are what a rebuild would make
+                # (TF's worker runs the function it was sent once).
                 rebuilder, fn, call_args, call_kwargs, pull = kept.call
+                kept.table_id = table_id
             else:
                 pull = []
                 rebuilder = self._rebuilder(table, pull)
                 fn = rebuilder.entry_point(key, "the scheduled function")
                 call_args = [rebuilder.value(a) for a in args]
                 call_kwargs = {k: rebuilder.value(v) for k, v in kwargs.items()}
-                # Watched from the second call of a table on (a loop's): a table sent once
-                # (fit's, a counter changed at each call) is not worth the snapshot.
                 snapshot = (
                     None
-                    if same is None or rebuilder.accumulators  # a metric starts empty
+                    if same is None
                     else shipping.watch(rebuilder.built, [fn, call_args, call_kwargs])
                 )
                 kept = (
                     None
                     if snapshot is None
-                    else _KeptCall(same, snapshot, (rebuilder, fn, call_args, call_kwargs, pull))
+                    else _KeptCall(
+                        same, table_id, snapshot, (rebuilder, fn, call_args, call_kwargs, pull)
+                    )
                 )
             if pull:
                 # The variables' values as of this call's start, unless this copy has them:
@@ -448,16 +466,19 @@ class _KeptCall:
     """A call's rebuilt function, arguments and objects, kept for the next call while the chief
     sends the same table, function and arguments (``same``) and no call changed them."""
 
-    def __init__(self, same: bytes, snapshot: shipping.Snapshot, call: tuple) -> None:
+    def __init__(
+        self, same: bytes, table_id: int, snapshot: shipping.Snapshot, call: tuple
+    ) -> None:
         self.same = same
+        self.table_id = table_id  # the number of the table its objects are as built from
         self.snapshot = snapshot
         self.call = call
 
 
-def _same_call(table_id: Any, key: Any, args: Any, kwargs: Any) -> bytes | None:
-    """What makes two runs the same call: the table's number, the function's entry and the
+def _same_call(key: Any, args: Any, kwargs: Any) -> bytes | None:
+    """What makes two runs on one table the same call: the function's entry and the
     arguments' (``shipping.plain_bytes``: None where they hold a tensor)."""
-    return shipping.plain_bytes([table_id, key, args, kwargs])
+    return shipping.plain_bytes([key, args, kwargs])
 
 
 class _CancellableIterator:
