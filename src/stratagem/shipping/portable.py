@@ -23,15 +23,17 @@ VOLATILE_TYPES = frozenset({int, float, str, bool, type(None)})
 class Portable:
     """A class whose objects a coordinator's worker may rebuild by state: its attributes minus
     those named in ``_sg_local`` (a lock, a strategy, per-replica state: one process's own),
-    which ``_sg_after_rebuild`` remakes there. Keras losses, metrics and optimizers derive from
-    it. An accumulator (``_sg_accumulates``, a metric) starts empty on the worker; what it
-    accumulated during a call (``_sg_totals``) comes back and is added to the chief's
-    (``_sg_add_totals``)."""
+    which ``_sg_after_rebuild`` remakes there: after each rebuild, and before each call of
+    objects a worker kept from its last call (``restart``), so it must remake them whole from
+    the other attributes. Keras losses, metrics and optimizers derive from it. An accumulator
+    (``_sg_accumulates``, a metric) starts empty on the worker; what it accumulated during a
+    call (``_sg_totals``) comes back and is added to the chief's (``_sg_add_totals``)."""
 
     _sg_local: tuple[str, ...] = ()
     _sg_accumulates = False
     # Attributes whose value, a number or a string, changes from call to call (a step
-    # counter): a description the chief keeps reads them again at each call.
+    # counter): a description the chief keeps reads them again at each call, and a worker
+    # sets them from the table on objects it keeps.
     _sg_volatile: tuple[str, ...] = ()
 
     def _sg_portable_state(self) -> dict[str, Any]:
