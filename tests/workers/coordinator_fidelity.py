@@ -300,13 +300,18 @@ NOTES = [1]
 COUNT = 0
 
 
-def same_objects():
-    """Whether this worker ran a function on this very model before (``sys`` is the worker's
+def seen_again(obj, name):
+    """Whether this worker's function ran on this very ``obj`` before (``sys`` is the worker's
     own module: what is kept in it outlives the call, and keeps the objects' ids theirs)."""
-    seen = sys.__dict__.setdefault("_coordinator_fidelity_seen", [])
-    again = any(model is probe for model in seen)
-    seen.append(probe)
+    seen = sys.__dict__.setdefault(f"_coordinator_fidelity_{name}", [])
+    again = any(o is obj for o in seen)
+    seen.append(obj)
     return again
+
+
+def same_objects():
+    """Whether this worker ran a function on this very model before."""
+    return seen_again(probe, "seen")
 
 
 def grow():
@@ -356,14 +361,6 @@ count_up = make_counter()
 tally = sg.keras.metrics.Sum()  # an accumulator: starts empty on the worker at each call
 # A Keras optimizer's step counter (a volatile attribute: not watched, set at each call).
 stepping = BoundOptimizer(torch.optim.SGD(probe.parameters(), lr=0.5))
-
-
-def seen_again(obj, name):
-    """Whether this worker's function ran on this very ``obj`` before (``same_objects``)."""
-    seen = sys.__dict__.setdefault(f"_coordinator_fidelity_{name}", [])
-    again = any(o is obj for o in seen)
-    seen.append(obj)
-    return again
 
 
 def add_one():

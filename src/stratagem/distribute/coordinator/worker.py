@@ -464,7 +464,8 @@ class WorkerServer:
 
 class _KeptCall:
     """A call's rebuilt function, arguments and objects, kept for the next call while the chief
-    sends the same table, function and arguments (``same``) and no call changed them."""
+    sends the same function and arguments (``same``) on the same table (``table_id``, or that
+    table with new values of volatile attributes) and no call changed them."""
 
     def __init__(
         self, same: bytes, table_id: int, snapshot: shipping.Snapshot, call: tuple
