@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import typing
+import warnings
 from pathlib import Path
 
 import pytest
@@ -341,6 +342,38 @@ def test_a_worker_keeps_a_portable_whose_call_changed_only_what_a_rebuild_sets_a
             self.__dict__.update(state, seen=True)
 
     assert shipping.watch([OwnState()], []) is None  # only a rebuild makes it as described
+
+
+def warns_of_its_target(x):
+    # A warning shown for this function's own line (as torch's loss functions warn of a
+    # target's size, stacklevel 2): its registry goes into this function's globals.
+    warnings.warn(f"a target of size {tuple(x.shape)}", UserWarning, stacklevel=1)
+    return x + 1
+
+
+def test_a_worker_keeps_a_function_that_warned_and_warns_once():
+    # Python records a warning it showed in the warning frame's globals
+    # (``__warningregistry__``): for a rebuilt function, the globals the worker made. That is
+    # the interpreter's bookkeeping, not the program's: the kept call stays kept, and (its
+    # registry kept with it) shows the warning once, as the same function called in one
+    # process would.
+    describer = shipping.Describer(root=HERE)
+    ref = describer.function(warns_of_its_target, what="test")
+    rebuilder = shipping.Rebuilder(
+        plain_data.decode(plain_data.encode(describer.functions, what="t"), sender="c", what="t"),
+        root=HERE,
+    )
+    fn = rebuilder.value(ref)
+    snapshot = shipping.watch(rebuilder.built, [fn])
+    assert snapshot is not None
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            assert float(fn(torch.zeros(2))[0]) == 1.0
+            assert snapshot.unchanged()
+    assert [str(w.message) for w in shown] == ["a target of size (2,)"]
+    fn.__globals__["added"] = 1  # the program's own globals are still watched
+    assert not snapshot.unchanged()
 
 
 def _read(obj):

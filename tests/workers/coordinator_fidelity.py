@@ -36,6 +36,7 @@ import json
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -374,11 +375,17 @@ def count_on():
     return [before, seen_again(stepping, "stepping")]
 
 
+def warn():
+    # Python records the warning in this function's globals (``__warningregistry__``).
+    warnings.warn("a warning of the function's own", UserWarning, stacklevel=1)
+    return seen_again(probe, "warned")
+
+
 def reuse():
     """A worker sent the same table, function and arguments again calls the objects it built
     for the last call, unless that call changed them: each call sees what the chief holds."""
     result = {"same_objects": [coordinator.schedule(same_objects).fetch() for _ in range(8)]}
-    for fn in (grow, decay, mark, hook, evaluate, rebind, count_up, add_one, count_on):
+    for fn in (grow, decay, mark, hook, evaluate, rebind, count_up, add_one, count_on, warn):
         result[fn.__qualname__] = [coordinator.schedule(fn).fetch() for _ in range(8)]
     result["tally"] = float(tally.result())
     return result

@@ -46,6 +46,7 @@ from stratagem.shipping.program import (
     resolved,
     same_copy,
 )
+from stratagem.shipping.unchanged import WARNING_REGISTRY
 
 ResolveSpecial = Callable[[dict[str, Any]], Any]
 
@@ -322,7 +323,13 @@ class Rebuilder:
         code = self._code(desc)
         freevars = code.co_freevars
         cells = tuple(types.CellType() for _ in freevars)
-        glob: dict[str, Any] = {"__builtins__": builtins, "__name__": desc["module"]}
+        # With the registry of the warnings it shows (``warnings`` would add one at its first):
+        # kept with the function, so a kept call shows a warning once, as one process would.
+        glob: dict[str, Any] = {
+            "__builtins__": builtins,
+            "__name__": desc["module"],
+            WARNING_REGISTRY: {},
+        }
         fn = types.FunctionType(code, glob, desc["name"], None, cells or None)
         fn.__qualname__ = desc["qualname"]
         fn.__module__ = desc["module"]

@@ -12,7 +12,10 @@ the identity shows; a tensor can change in place, so a table holding one is neve
 (``ClusterCoordinator``'s fingerprint), and the tensors the objects hold otherwise are the
 ps's variables and the worker's own buffers, which persist from call to call by design. Not
 walked: what the rebuild did not make (library modules and their objects, classes, the
-strategy, per-worker iterators and datasets), which is shared between calls either way.
+strategy, per-worker iterators and datasets), which is shared between calls either way; the
+registry of the warnings Python showed for a function's lines (``__warningregistry__`` in its
+globals: made empty with the function, so only its contents change), so a function that warns
+is kept, and warns once.
 
 An object whose class keeps attributes in ``__slots__`` cannot be watched so, nor a
 ``Portable`` that sets its own state (``_sg_from_state``): ``watch`` returns None and the
@@ -43,6 +46,9 @@ from stratagem.shipping.program import slot_names
 _EMPTY = object()  # an empty closure cell
 _ABSENT = object()  # a name not in the dict it was looked up in
 _NAMESPACES = (argparse.Namespace, types.SimpleNamespace)
+# The name under which ``warnings`` records, in a function's globals, the warnings it showed
+# for that function's lines: the interpreter's bookkeeping, not the program's state.
+WARNING_REGISTRY = "__warningregistry__"
 
 
 def plain_bytes(value: Any) -> bytes | None:
@@ -188,7 +194,11 @@ def watch(built: Iterable[Any], roots: Iterable[Any]) -> Snapshot | None:
             if id(value) not in made:
                 continue  # a library's function (its module's): shared, not rebuilt
             objects.append(value)
-            stack.append(value.__globals__)
+            glob = value.__globals__
+            if id(glob) not in seen:  # watched but for what ``warnings`` writes in it
+                seen.add(id(glob))
+                dicts.append(glob)
+                stack.extend(v for k, v in glob.items() if k != WARNING_REGISTRY)
             stack.append(value.__dict__)
             stack.extend(value.__defaults__ or ())
             if value.__kwdefaults__ is not None:
