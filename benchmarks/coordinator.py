@@ -14,6 +14,10 @@ ps. Measured, per round (the variants' order rotating from round to round):
 - ``fit10`` and ``between_fit`` (by ``--variants`` only): ``Model.fit`` with
   ``steps_per_execution=10`` on the same model, on the chief of a coordinated job or on every
   worker of a between-graph one: updates/s. Target: fit10 >= 0.9x between_fit;
+- ``between_waker`` (by ``--variants`` only): ``between`` beside a process that wakes and
+  spins as a coordinated job's chief does, without its work (``--waker RATE,MICROSECONDS``):
+  what a fourth process with the chief's pattern costs a between-graph job on this machine,
+  the part of ``coordinated10 / between`` that is not a function's path;
 - with ``--stragglers``, 3 workers of which worker 2 is three times slower: ``sync``
   (between-graph, every update the mean of the 3 workers' gradients, so each waits for the
   straggler) and ``coordinated3`` (functions go to whichever worker is free). Target:
@@ -238,6 +242,9 @@ def _job(variant: str, seconds: float, delay: float, steps_per_function: int) ->
         variant, steps_per_function = variant[:-2], 10
     if variant.startswith("tf_"):
         return tf_job(variant.removeprefix("tf_"), seconds, steps_per_function)
+    if variant == "between_waker":
+        with waking_process(*WAKER):
+            return _job("between", seconds, delay, steps_per_function)
     common = ["--seconds", str(seconds), "--delay", str(delay)]
     common += ["--steps-per-function", str(steps_per_function)]
     if variant == "fit":  # fit10: Model.fit on the chief, steps_per_execution=10
@@ -296,6 +303,31 @@ def busy_processes(n: int) -> Iterator[None]:
             proc.wait()
 
 
+WAKER = (700.0, 80.0)  # --waker: wake-ups per second, microseconds of CPU each
+
+
+@contextlib.contextmanager
+def waking_process(rate: float, busy_us: float) -> Iterator[None]:
+    """A process beside the job that wakes ``rate`` times a second and spins ``busy_us``
+    microseconds each time: what a coordinated job's chief does to the machine, without its
+    work (at ten steps per function on 2 workers its threads wake about 700 times a second
+    and use about 5.5 % of a core, 80 us a wake-up)."""
+    wake = (
+        "import time\n"
+        "while True:\n"
+        f"    time.sleep({1.0 / rate!r})\n"
+        "    t = time.thread_time()\n"
+        f"    while time.thread_time() - t < {busy_us / 1e6!r}:\n"
+        "        pass\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", wake])
+    try:
+        yield
+    finally:
+        proc.kill()  # the process started here, by its own handle
+        proc.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--between", action="store_true", help=argparse.SUPPRESS)
@@ -319,7 +351,13 @@ def main() -> None:
         "--variants",
         help="comma-separated subset of empty,between,coordinated (all by default), and "
         "coordinated10 (ten steps per function), fit10 and between_fit (Model.fit with "
-        "steps_per_execution=10 on the chief of a coordinated job, or on every worker)",
+        "steps_per_execution=10 on the chief of a coordinated job, or on every worker), "
+        "between_waker (between beside a process that wakes and spins as a chief does: --waker)",
+    )
+    parser.add_argument(
+        "--waker",
+        default="700,80",
+        help="the process beside between_waker: wake-ups per second, microseconds of CPU each",
     )
     parser.add_argument(
         "--tf-python",
@@ -336,6 +374,9 @@ def main() -> None:
     if args.coordinated:
         coordinated_task(args)
         return
+    global WAKER
+    rate, busy_us = (float(v) for v in args.waker.split(","))
+    WAKER = (rate, busy_us)
     rounds, seconds = (1, 3.0) if args.quick else (args.rounds, args.seconds)
     names = ["empty", "between", "coordinated"]
     if args.tf_python:
@@ -348,7 +389,7 @@ def main() -> None:
         names += ["sync", "coordinated3"]
     if args.variants:
         wanted = args.variants.split(",")
-        every = [*names, "coordinated10", "fit10", "between_fit"]
+        every = [*names, "coordinated10", "fit10", "between_fit", "between_waker"]
         names = [n for n in dict.fromkeys(every) if n in wanted]
     with busy_processes(args.load):
         samples = rotated_rounds(
@@ -366,6 +407,11 @@ def main() -> None:
                 ratios[f"{name} / tf_{name}"] = median_round_ratio(samples, name, f"tf_{name}")
     if "coordinated10" in samples and "between" in samples:
         ratios["coordinated10 / between"] = median_round_ratio(samples, "coordinated10", "between")
+    if "between_waker" in samples and "between" in samples:
+        # What a process that wakes and spins as a coordinated job's chief does costs a
+        # between-graph job here: the part of coordinated10 / between that is not the path
+        # of a function through the chief, the worker and the ps.
+        ratios["between_waker / between"] = median_round_ratio(samples, "between_waker", "between")
     if "fit10" in samples and "between_fit" in samples:
         ratios["fit10 / between_fit"] = median_round_ratio(samples, "fit10", "between_fit")
     if args.stragglers:

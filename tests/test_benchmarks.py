@@ -71,12 +71,15 @@ def test_stragglers_benchmark_smoke_run_drops_the_stragglers_late_gradients(tmp_
 
 
 def test_coordinator_benchmark_smoke_run_reports_the_coordinated_rate(tmp_path):
-    # One coordinated job, 2 steps per function (the multi-step path), under one busy process.
+    # One coordinated job, 2 steps per function (the multi-step path), and a between-graph job
+    # beside a process that only wakes, under one busy process.
     out = tmp_path / "results.json"
-    argv = ["--variants", "coordinated", "--delay", "0", "--steps-per-function", "2"]
+    argv = ["--variants", "coordinated,between_waker", "--delay", "0", "--steps-per-function", "2"]
     output = _smoke_run(tmp_path, "coordinator.py", *argv, "--load", "1", "--json", str(out))
     results = json.loads(out.read_text())
     (rate,) = results["samples"]["coordinated"]
+    assert rate > 0, output
+    (rate,) = results["samples"]["between_waker"]
     assert rate > 0, output
     # The CPU the job's processes used per update (/proc: every CI machine is Linux), a
     # fraction of a second per update and more than none.
