@@ -329,6 +329,7 @@ def waking_process(rate: float, busy_us: float) -> Iterator[None]:
 
 
 def main() -> None:
+    global WAKER  # --waker, read before it is set
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--between", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--coordinated", action="store_true", help=argparse.SUPPRESS)
@@ -356,7 +357,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--waker",
-        default="700,80",
+        default=",".join(f"{v:g}" for v in WAKER),
         help="the process beside between_waker: wake-ups per second, microseconds of CPU each",
     )
     parser.add_argument(
@@ -374,7 +375,6 @@ def main() -> None:
     if args.coordinated:
         coordinated_task(args)
         return
-    global WAKER
     rate, busy_us = (float(v) for v in args.waker.split(","))
     WAKER = (rate, busy_us)
     rounds, seconds = (1, 3.0) if args.quick else (args.rounds, args.seconds)

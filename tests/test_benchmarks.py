@@ -72,7 +72,7 @@ def test_stragglers_benchmark_smoke_run_drops_the_stragglers_late_gradients(tmp_
 
 def test_coordinator_benchmark_smoke_run_reports_the_coordinated_rate(tmp_path):
     # One coordinated job, 2 steps per function (the multi-step path), and a between-graph job
-    # beside a process that only wakes, under one busy process.
+    # beside a process that wakes and spins as a chief does, under one busy process.
     out = tmp_path / "results.json"
     argv = ["--variants", "coordinated,between_waker", "--delay", "0", "--steps-per-function", "2"]
     output = _smoke_run(tmp_path, "coordinator.py", *argv, "--load", "1", "--json", str(out))
