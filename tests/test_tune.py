@@ -630,9 +630,9 @@ def _screen(text: str) -> list[str]:
 
 
 def _trial(number: int, state: str, accuracy=None):
-    from stratagem.tune.trials import Measurement, Metric, Trial, TrialState
+    from stratagem.tune.trials import Measurement, Trial, TrialMetric, TrialState
 
-    metrics = () if accuracy is None else (Metric("accuracy", accuracy),)
+    metrics = () if accuracy is None else (TrialMetric("accuracy", accuracy),)
     return Trial(str(number), {"x": 0.5}, TrialState[state], Measurement(0, metrics))
 
 

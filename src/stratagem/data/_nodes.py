@@ -191,7 +191,7 @@ class Repeat(Node):
 SHARD_HINT = -1  # shard(SHARD_HINT, SHARD_HINT): filled in by AutoShardPolicy.HINT
 
 
-class Shard(Node):
+class ShardNode(Node):
     def __init__(self, upstream: Node, num_shards: int, index: int) -> None:
         self.upstream, self.num_shards, self.index = upstream, num_shards, index
 
@@ -211,7 +211,7 @@ class Shard(Node):
         return f"shard({self.num_shards}, {self.index})"
 
     def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
-        return Shard(upstream, self.num_shards, self.index)
+        return ShardNode(upstream, self.num_shards, self.index)
 
     def open(self) -> Iterator[Chunk]:
         if self.is_hint:

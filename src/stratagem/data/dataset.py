@@ -25,7 +25,7 @@ from stratagem.data._nodes import (
     Batch,
     Node,
     Repeat,
-    Shard,
+    ShardNode,
     Skip,
     SourceNode,
     Take,
@@ -253,7 +253,7 @@ class Dataset:
         position = _integer("shard index", index)
         if shards == SHARD_HINT and position == SHARD_HINT:
             return self._made(
-                Shard(self._node, SHARD_HINT, SHARD_HINT), "shard", SHARD_HINT, SHARD_HINT
+                ShardNode(self._node, SHARD_HINT, SHARD_HINT), "shard", SHARD_HINT, SHARD_HINT
             )
         if shards < 1:
             raise InputError(f"shard num_shards must be >= 1; got {num_shards!r}")
@@ -261,7 +261,7 @@ class Dataset:
             raise InputError(
                 f"shard index must be in [0, {shards}) for num_shards={shards}; got {index!r}"
             )
-        return self._made(Shard(self._node, shards, position), "shard", shards, position)
+        return self._made(ShardNode(self._node, shards, position), "shard", shards, position)
 
     def take(self, count: int, name: str | None = None) -> Dataset:
         """The first ``count`` elements (all of them for -1)."""
@@ -501,7 +501,7 @@ class Dataset:
 
     def has_shard_hints(self) -> bool:
         """Whether the pipeline holds ``shard(SHARD_HINT, SHARD_HINT)`` placeholders."""
-        return any(isinstance(s, Shard) and s.is_hint for s in self._node.stages())
+        return any(isinstance(s, ShardNode) and s.is_hint for s in self._node.stages())
 
     def with_shard_hints(self, num_shards: int, index: int) -> Dataset:
         """For the distribute layer (``AutoShardPolicy.HINT``): a copy in which every
@@ -509,9 +509,9 @@ class Dataset:
         copied with their state reset, as ``reseeded`` copies them."""
         node: Node | None = None
         for position, stage in enumerate(self._node.stages()):
-            if isinstance(stage, Shard) and stage.is_hint:
+            if isinstance(stage, ShardNode) and stage.is_hint:
                 assert node is not None
-                node = Shard(node, num_shards, index)
+                node = ShardNode(node, num_shards, index)
             else:
                 node = stage.rebuilt(node, 0, position)
         assert node is not None
@@ -519,7 +519,7 @@ class Dataset:
 
 
 # TF's kPassThroughOps of compute_batch_size: stages that never change a batch's size.
-_KEEP_BATCH_SIZE = (Prefetch, WithOptions, Cache, Filter, Repeat, Shard, Shuffle, Skip, Take)
+_KEEP_BATCH_SIZE = (Prefetch, WithOptions, Cache, Filter, Repeat, ShardNode, Shuffle, Skip, Take)
 
 
 def appended(dataset: Dataset, stage: Callable[[Node], Node]) -> Dataset:

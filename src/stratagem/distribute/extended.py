@@ -52,7 +52,7 @@ from stratagem.comm import Communicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from stratagem.distribute.capabilities import DefersGradients, MergesReplicas, PipelinedSteps
 from stratagem.distribute.machinery import context, scope_hooks
-from stratagem.distribute.machinery.context import ReplicaContext, Strategy
+from stratagem.distribute.machinery.context import ReplicaContext, StrategyLike
 from stratagem.distribute.machinery.devices import ReplicaDevice, parse_device
 from stratagem.distribute.machinery.input import (
     DistributedDataset,
@@ -86,7 +86,7 @@ class StrategyExtended(ABC):
 
     def __init__(
         self,
-        container_strategy: Strategy,
+        container_strategy: StrategyLike,
         devices: Sequence[str | torch.device | ReplicaDevice],
         *,
         comm: Communicator,
@@ -129,7 +129,7 @@ class StrategyExtended(ABC):
     # ================================================================== process facts
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> StrategyLike:
         """The ``Strategy`` this extends (what ``ReplicaContext.strategy`` and scopes name)."""
         return self._container
 

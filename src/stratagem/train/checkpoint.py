@@ -20,7 +20,7 @@ from stratagem.errors import CheckpointError, CheckpointMatchError
 from stratagem.train import sharded
 from stratagem.train.restore import (
     LoadStatus,
-    Report,
+    RestoreReport,
     check_module,
     check_optimizer,
     check_tensor,
@@ -334,7 +334,7 @@ class Checkpoint:
             # Collective, resharding to the live layouts.
             return sharded.restore(self._tracked(), path, meta)
         apply: list[Callable[[], None]] = []
-        report = Report()
+        report = RestoreReport()
         self._plan(state, meta.get("trackables", {}), path, "", apply, report)
         for step in apply:
             step()
@@ -360,7 +360,7 @@ class Checkpoint:
         path: str,
         prefix: str,
         apply: list[Callable[[], None]],
-        report: Report,
+        report: RestoreReport,
     ) -> None:
         """Check ``state`` against the trackables and queue the in-place restores."""
         if not isinstance(state, Mapping):
@@ -415,7 +415,7 @@ class Checkpoint:
 
 
 def _match_primary(
-    live: object, saved: Any, info: Mapping[str, Any], name: str, report: Report
+    live: object, saved: Any, info: Mapping[str, Any], name: str, report: RestoreReport
 ) -> tuple[object, Any, Mapping[str, Any]]:
     """Pair a composite with a checkpoint of its primary child alone, and the other way round
     (``register_composite``): ``(live object, saved state, its description)`` to match."""

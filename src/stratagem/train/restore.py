@@ -25,7 +25,7 @@ def few(items: list[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
-class Report:
+class RestoreReport:
     """What a restore has matched so far; becomes the ``LoadStatus``."""
 
     def __init__(self) -> None:

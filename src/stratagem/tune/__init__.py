@@ -23,7 +23,11 @@ from stratagem.tune.parameter_specs import (
     ParameterSpecError,
 )
 from stratagem.tune.report import HyperTune, ReportError, report_hyperparameter_tuning_metric
-from stratagem.tune.trials import Measurement, Metric, Trial, TrialState
+from stratagem.tune.trials import Measurement, Trial, TrialMetric, TrialState
+
+# ``sg.tune.Metric``, its public name since it was added; the class is ``TrialMetric`` so that
+# it is not confused with ``sg.keras.metrics.Metric``.
+Metric = TrialMetric
 
 # The seed's spelling, ``from google.cloud.aiplatform import hyperparameter_tuning as hpt``,
 # ported as ``from stratagem.tune import hyperparameter_tuning as hpt``: the module holding the
@@ -49,6 +53,7 @@ __all__ = [
     "ParameterSpecError",
     "ReportError",
     "Trial",
+    "TrialMetric",
     "TrialState",
     "TrialTable",
     "TuningConfigError",

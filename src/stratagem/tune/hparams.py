@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from stratagem.tune.report import Report
+from stratagem.tune.report import MetricReport
 
 #: The hyperparameter that holds the trial's state, unless a parameter has that name.
 STATE_HPARAM = "trial_state"
@@ -30,7 +30,7 @@ def trial_run_name(number: int) -> str:
 def write_trial_hparams(
     log_dir: Path,
     params: Mapping[str, Any],
-    reports: Sequence[Report],
+    reports: Sequence[MetricReport],
     metric_id: str,
     final_value: float | None,
     state: str,

@@ -35,7 +35,7 @@ class ReportError(StratagemError, ValueError):
 
 
 @dataclass(frozen=True)
-class Report:
+class MetricReport:
     """One reported value: ``global_step`` None when the script gave none."""
 
     tag: str
@@ -126,7 +126,7 @@ class ReportReader:
         self.path = path
         self._offset = 0
 
-    def read_new(self) -> list[Report]:
+    def read_new(self) -> list[MetricReport]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self._offset)
@@ -139,13 +139,13 @@ class ReportReader:
         for raw in data[:end].splitlines():
             item = json.loads(raw)
             reports.append(
-                Report(item["tag"], float(item["value"]), item["global_step"], item["time"])
+                MetricReport(item["tag"], float(item["value"]), item["global_step"], item["time"])
             )
         return reports
 
 
 def final_measurement(
-    reports: Sequence[Report], metric_id: str, goal: str, measurement_selection: str
+    reports: Sequence[MetricReport], metric_id: str, goal: str, measurement_selection: str
 ) -> dict[str, Any] | None:
     """A trial's ``{"step_count", "metrics"}`` from its reports; None if it never reported
     ``metric_id``. The objective's value is the ``"best"`` for ``goal`` or the ``"last"``."""

@@ -25,7 +25,12 @@ from stratagem.jobs.state import JobState
 from stratagem.tune.errors import TuningError
 from stratagem.tune.hparams import trial_run_name, write_trial_hparams
 from stratagem.tune.parameter_specs import ParameterSpec, distributions, format_value
-from stratagem.tune.report import METRIC_FILE_VARIABLE, Report, ReportReader, final_measurement
+from stratagem.tune.report import (
+    METRIC_FILE_VARIABLE,
+    MetricReport,
+    ReportReader,
+    final_measurement,
+)
 from stratagem.tune.study import counted, requeue
 from stratagem.tune.trials import Trial, study_trial, trial_id
 
@@ -94,7 +99,7 @@ class RunningTrial:
     interrupts: launcher.Interrupts
     thread: threading.Thread | None = None
     result: JobResult | None = None
-    reports: list[Report] = field(default_factory=list)
+    reports: list[MetricReport] = field(default_factory=list)
     stopped: str | None = None  # why the median rule stopped it
     steps: set[int] = field(default_factory=set)  # steps already reported to Optuna
     devices: str | None = None  # its CUDA_VISIBLE_DEVICES, with devices_per_trial

@@ -35,7 +35,9 @@ class TrialState(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class Metric:
+class TrialMetric:
+    """One metric of a measurement (Vertex AI's ``Measurement.Metric``; ``sg.tune.Metric``)."""
+
     metric_id: str
     value: float
 
@@ -45,7 +47,7 @@ class Measurement:
     """The metrics of one step; an empty ``metrics`` for a trial that measured nothing."""
 
     step_count: int | None = None
-    metrics: tuple[Metric, ...] = ()
+    metrics: tuple[TrialMetric, ...] = ()
 
     def get(self, metric_id: str) -> float | None:
         return next((m.value for m in self.metrics if m.metric_id == metric_id), None)
@@ -84,12 +86,12 @@ def trial_from_optuna(frozen: FrozenTrial, metric_id: str, notes: Mapping[str, s
     attrs = frozen.user_attrs
     final = attrs.get("final_measurement")
     if final is not None:
-        metrics = tuple(Metric(k, float(v)) for k, v in sorted(final["metrics"].items()))
+        metrics = tuple(TrialMetric(k, float(v)) for k, v in sorted(final["metrics"].items()))
         final_measurement = Measurement(final["step_count"], metrics)
     else:
         final_measurement = Measurement()
     measurements = tuple(
-        Measurement(step, (Metric(metric_id, value),))
+        Measurement(step, (TrialMetric(metric_id, value),))
         for step, value in sorted(frozen.intermediate_values.items())
     )
     job_dir = attrs.get("job_dir")

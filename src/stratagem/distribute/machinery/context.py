@@ -15,7 +15,7 @@ from typing import Any, Protocol
 _local = threading.local()
 
 
-class Strategy(Protocol):
+class StrategyLike(Protocol):
     """What the machinery needs of a strategy: ``sg.distribute.Strategy`` (above the
     machinery, in ``distribute/strategy.py``) is one."""
 
@@ -29,10 +29,10 @@ class Strategy(Protocol):
 # The default strategy's maker: ``distribute/default_strategy.py`` provides it when imported
 # (importing any part of ``stratagem.distribute`` imports it), so this module needs no import
 # of the strategies built on it.
-_default_maker: Callable[[], Strategy] | None = None
+_default_maker: Callable[[], StrategyLike] | None = None
 
 
-def provide_default(maker: Callable[[], Strategy]) -> None:
+def provide_default(maker: Callable[[], StrategyLike]) -> None:
     """Name the maker of the default strategy (what code outside any scope sees)."""
     global _default_maker
     _default_maker = maker
@@ -42,7 +42,7 @@ def provide_default(maker: Callable[[], Strategy]) -> None:
 class ReplicaContext:
     """Where code inside ``strategy.run`` runs (``sg.distribute.get_replica_context()``)."""
 
-    strategy: Strategy
+    strategy: StrategyLike
     replica_id_in_sync_group: int  # global id: worker_index * local replicas + local id
     local_replica_id: int
     # Size of the global batch the replica's input came from, when the input says so: a last
@@ -64,14 +64,14 @@ class ReplicaContext:
         )
 
 
-def _scopes() -> list[Strategy]:
+def _scopes() -> list[StrategyLike]:
     stack = getattr(_local, "scopes", None)
     if stack is None:
         stack = _local.scopes = []
     return stack
 
 
-def default_strategy() -> Strategy:
+def default_strategy() -> StrategyLike:
     """The default strategy (one replica, nothing placed): TF's when no strategy is active."""
     if _default_maker is None:
         raise RuntimeError(
@@ -81,7 +81,7 @@ def default_strategy() -> Strategy:
     return _default_maker()
 
 
-def mixing_error(current: Strategy, strategy: Strategy) -> RuntimeError:
+def mixing_error(current: StrategyLike, strategy: StrategyLike) -> RuntimeError:
     """TF's error for using ``strategy`` where ``current`` is in scope (its wording first)."""
     return RuntimeError(
         f"Mixing different sg.distribute.Strategy objects: {current!r} is not {strategy!r} "
@@ -90,7 +90,7 @@ def mixing_error(current: Strategy, strategy: Strategy) -> RuntimeError:
     )
 
 
-def check_not_mixed(strategy: Strategy) -> None:
+def check_not_mixed(strategy: StrategyLike) -> None:
     """Raise TF's "Mixing different ... Strategy objects" unless ``strategy`` may be used here:
     no other strategy's scope is current in this thread (TF's
     ``_require_cross_replica_or_default_context_extended``)."""
@@ -99,7 +99,7 @@ def check_not_mixed(strategy: Strategy) -> None:
         raise mixing_error(current, strategy)
 
 
-def push_scope(strategy: Strategy) -> None:
+def push_scope(strategy: StrategyLike) -> None:
     """Enter ``strategy``'s scope. The same strategy may nest; another one inside it may not
     (TF's "Mixing different tf.distribute.Strategy objects"), except inside the default
     strategy's scope, which TF does not count as a strategy (``has_strategy()`` is False there).
@@ -115,7 +115,7 @@ def push_scope(strategy: Strategy) -> None:
     stack.append(strategy)
 
 
-def pop_scope(strategy: Strategy) -> bool:
+def pop_scope(strategy: StrategyLike) -> bool:
     """Leave a scope; True when that was the outermost scope of ``strategy`` in this thread."""
     stack = _scopes()
     assert stack and stack[-1] is strategy, "scopes must be exited in the order they were entered"
@@ -123,7 +123,7 @@ def pop_scope(strategy: Strategy) -> bool:
     return strategy not in stack
 
 
-def scope_strategy() -> Strategy | None:
+def scope_strategy() -> StrategyLike | None:
     """The strategy whose scope this thread is in, if any."""
     stack = _scopes()
     return stack[-1] if stack else None
@@ -139,7 +139,7 @@ def set_replica(ctx: ReplicaContext | None) -> ReplicaContext | None:
     return previous
 
 
-def get_strategy() -> Strategy:
+def get_strategy() -> StrategyLike:
     """The current strategy: the one whose scope or ``run`` we are in, else the default."""
     ctx = current_replica()
     if ctx is not None:
@@ -150,7 +150,7 @@ def get_strategy() -> Strategy:
     return default_strategy()
 
 
-def _strategy_scope() -> Strategy | None:
+def _strategy_scope() -> StrategyLike | None:
     """The scope's strategy unless it is the default one: TF's default strategy's scope keeps
     the default state (``has_strategy()`` False, the default replica context current)."""
     scoped = scope_strategy()

@@ -30,7 +30,7 @@ from torch.nn.modules.module import (
 )
 
 from stratagem.distribute.machinery import context
-from stratagem.distribute.machinery.context import Strategy
+from stratagem.distribute.machinery.context import StrategyLike
 from stratagem.distribute.machinery.devices import ReplicaDevice, parse_device
 from stratagem.errors import DeviceError
 
@@ -61,12 +61,12 @@ def module_device(module: torch.nn.Module) -> ReplicaDevice | None:
     return _module_devices.get(module)
 
 
-def _active_strategy() -> Strategy | None:
+def _active_strategy() -> StrategyLike | None:
     strategy = context.scope_strategy()
     return None if strategy is None or not context.has_strategy() else strategy
 
 
-def check_strategy(strategy: Strategy) -> None:
+def check_strategy(strategy: StrategyLike) -> None:
     """Raise if ``strategy``'s scope opens inside an ``sg.device`` it does not compute on.
 
     The default strategy places nothing (TF does not count it as a strategy): its scope keeps
@@ -76,7 +76,7 @@ def check_strategy(strategy: Strategy) -> None:
         _check_conflict(strategy, target, "outside")
 
 
-def _check_conflict(strategy: Strategy, target: ReplicaDevice, where: str) -> None:
+def _check_conflict(strategy: StrategyLike, target: ReplicaDevice, where: str) -> None:
     devices = strategy.extended.worker_devices
     if target.name not in devices:
         raise DeviceError(

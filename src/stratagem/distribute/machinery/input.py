@@ -61,7 +61,7 @@ from stratagem.errors import InputError
 AutoShardPolicy = sg_data.AutoShardPolicy
 
 
-class StrategyExtended(Protocol):
+class ExtendedLike(Protocol):
     """What distributed input reads of ``strategy.extended`` (``distribute/extended.py``'s
     class, above this module, is one)."""
 
@@ -233,7 +233,7 @@ def _to_device(structure: Any, device: torch.device) -> Any:
     )
 
 
-def shared_seed(extended: StrategyExtended) -> int:
+def shared_seed(extended: ExtendedLike) -> int:
     """A seed drawn on the chief and known to every worker (one broadcast)."""
     seed = torch.tensor([random.getrandbits(62)], dtype=torch.int64)
     extended.communicator.broadcast(seed, 0, what="the input shuffle seed")
@@ -243,7 +243,7 @@ def shared_seed(extended: StrategyExtended) -> int:
 class _Distributor:
     """Places each replica's batch on its device and agrees on the end of data."""
 
-    def __init__(self, extended: StrategyExtended, options: InputOptions | None) -> None:
+    def __init__(self, extended: ExtendedLike, options: InputOptions | None) -> None:
         self.devices = extended.replica_devices
         self.fetch = options.experimental_fetch_to_device if options else True
 
@@ -266,7 +266,7 @@ _END = object()  # what a source yields when it has no more batches
 class _AgreedIterator:
     """Hands out batches for as long as every worker has one (see the module docstring)."""
 
-    def __init__(self, extended: StrategyExtended, distributor: _Distributor) -> None:
+    def __init__(self, extended: ExtendedLike, distributor: _Distributor) -> None:
         self._extended = extended
         self._distributor = distributor
         self._comm = extended.communicator
@@ -357,7 +357,7 @@ class DistributedDataset:
 
     def __init__(
         self,
-        extended: StrategyExtended,
+        extended: ExtendedLike,
         dataset: Iterable[Any],
         options: InputOptions | None = None,
         *,
@@ -495,9 +495,7 @@ def joined(batches: list[Any]) -> Any:
     return pytree.tree_unflatten(leaves, spec)
 
 
-def _rebatched(
-    extended: StrategyExtended, source: Iterator[Any], full: int | None
-) -> Iterator[Any]:
+def _rebatched(extended: ExtendedLike, source: Iterator[Any], full: int | None) -> Iterator[Any]:
     """A worker's own stream of global batches as TF's rebatch hands out replica batches.
 
     With the full batch size known, ``rebatch(batch_sizes_for_worker(full, ...))``: the
@@ -550,7 +548,7 @@ class _SplittingIterator(_AgreedIterator):
 
     def __init__(
         self,
-        extended: StrategyExtended,
+        extended: ExtendedLike,
         source: Iterator[Any],
         distributor: _Distributor,
         split: bool,
@@ -588,7 +586,7 @@ class _OwnStreamIterator(_AgreedIterator):
 
     def __init__(
         self,
-        extended: StrategyExtended,
+        extended: ExtendedLike,
         parts: Iterator[Any],
         distributor: _Distributor,
         element_spec: Callable[[], Any],
@@ -633,7 +631,7 @@ class DistributedDatasetFromFunction:
 
     def __init__(
         self,
-        extended: StrategyExtended,
+        extended: ExtendedLike,
         dataset_fn: Callable[[InputContext], Iterable[Any]],
         ctx: InputContext,
         options: InputOptions | None = None,
@@ -676,7 +674,7 @@ class DistributedDatasetFromFunction:
 class _PerReplicaIterator(_AgreedIterator):
     def __init__(
         self,
-        extended: StrategyExtended,
+        extended: ExtendedLike,
         source: Iterator[Any],
         distributor: _Distributor,
         element_spec: Callable[[], Any],

@@ -37,7 +37,7 @@ from torch.nn.modules.module import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from stratagem.distribute.machinery import context, grad_scaler_merge
-from stratagem.distribute.machinery.context import Strategy
+from stratagem.distribute.machinery.context import StrategyLike
 
 # torch.optim's package namespace hides the submodule that defines the global hooks.
 _optimizer_module = sys.modules["torch.optim.optimizer"]
@@ -49,12 +49,12 @@ _owners: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor → Strategy
 _optimizer_owner: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def owner_of(tensor: torch.Tensor) -> Strategy | None:
+def owner_of(tensor: torch.Tensor) -> StrategyLike | None:
     """The strategy a parameter or buffer was created under, if any."""
     return _owners.get(tensor)
 
 
-def claim(tensor: torch.Tensor, strategy: Strategy) -> None:
+def claim(tensor: torch.Tensor, strategy: StrategyLike) -> None:
     previous = _owners.get(tensor)
     if previous is not None and previous is not strategy:
         raise RuntimeError(
@@ -99,7 +99,7 @@ def _creating_parameters(original: Any) -> Any:
     return staticmethod(new)
 
 
-def optimizer_owner(optimizer: torch.optim.Optimizer) -> Strategy | None:
+def optimizer_owner(optimizer: torch.optim.Optimizer) -> StrategyLike | None:
     """The strategy owning an optimizer's parameters; mixed ownership is an error."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     cached = _optimizer_owner.get(optimizer)
@@ -163,14 +163,14 @@ def tensors_of(obj: object) -> list[torch.Tensor]:
     return []
 
 
-def strategy_for(objects: Iterable[object]) -> Strategy:
+def strategy_for(objects: Iterable[object]) -> StrategyLike:
     """The strategy that distributes ``objects`` (modules, optimizers, tensors): the one that
     owns their parameters and buffers; where none does, the current one (``get_strategy()``).
 
     Checkpoints ask it which process writes and what state to bring home first. Objects of two
     strategies in one checkpoint are an error: no one process could write both.
     """
-    owners: dict[int, Strategy] = {}
+    owners: dict[int, StrategyLike] = {}
     for obj in objects:
         for t in tensors_of(obj):
             owner = _owners.get(t)
