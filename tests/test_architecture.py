@@ -1020,3 +1020,77 @@ def test_checker_reports_each_circle_and_each_stale_allowance():
         circle_problems(sources, {frozenset(c) for c in import_circles(module_graph(sources))})
         == []
     )
+
+
+# --- class names ---------------------------------------------------------------------------------
+
+# Class names that two modules may share, each with the reason. Keras itself defines these
+# losses and metrics under one name in both `keras.losses` and `keras.metrics`; and TF's one
+# `tf.keras.metrics.X(mesh=...)` is ported twice, as `sg.keras.metrics.X` and the DTensor metric
+# `sg.dtensor.metrics.X(mesh=...)` (the seed's spelling, docs/porting.md). Every other class
+# name is defined once, so a name in a traceback, a repr or a grep finds the one class.
+SHARED_CLASS_NAMES: dict[str, str] = {
+    "BinaryCrossentropy": "keras.losses and keras.metrics (Keras API)",
+    "CategoricalCrossentropy": "keras.losses and keras.metrics (Keras API)",
+    "KLDivergence": "keras.losses and keras.metrics (Keras API)",
+    "MeanAbsoluteError": "keras.losses and keras.metrics (Keras API)",
+    "MeanSquaredError": "keras.losses and keras.metrics (Keras API)",
+    "SparseCategoricalCrossentropy": "keras.losses and keras.metrics (Keras API)",
+    "Mean": "keras.metrics and dtensor.metrics (tf.keras.metrics.Mean, with mesh= on DTensor)",
+    "SparseCategoricalAccuracy": (
+        "keras.metrics and dtensor.metrics (tf.keras.metrics.SparseCategoricalAccuracy, with "
+        "mesh= on DTensor)"
+    ),
+}
+
+
+def class_definitions(sources: tuple[Source, ...]) -> dict[str, list[str]]:
+    """Each class name, and where each class of that name is defined ("path:line")."""
+    found: dict[str, list[str]] = {}
+    for source in sources:
+        for node in ast.walk(source.tree):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(f"{source.path}:{node.lineno}")
+    return found
+
+
+def duplicate_class_problems(sources: tuple[Source, ...], shared: dict[str, str]) -> list[str]:
+    """Names of more than one class, unless ``shared`` lists them; and stale ``shared`` entries."""
+    defined = class_definitions(sources)
+    problems = [
+        f"{name}: {', '.join(places)}"
+        for name, places in sorted(defined.items())
+        if len(places) > 1 and name not in shared
+    ]
+    problems += [
+        f"SHARED_CLASS_NAMES lists {name}, which {len(defined.get(name, []))} class(es) define, "
+        "not several: remove the entry"
+        for name in sorted(shared)
+        if len(defined.get(name, [])) < 2
+    ]
+    return problems
+
+
+def test_no_two_classes_share_a_name():
+    found = duplicate_class_problems(load_sources(), SHARED_CLASS_NAMES)
+    assert not found, _report(
+        "class names defined more than once (rename one, or list it in SHARED_CLASS_NAMES)", found
+    )
+
+
+def test_checker_reports_classes_that_share_a_name():
+    sources = _sources(
+        {
+            "data/x": "class Shard:\n    pass\n\n\nclass Fine:\n    class Inner:\n        pass\n",
+            "data/y": "def f():\n    class Inner:\n        pass\n",
+            "comm/z": "class Shard:\n    pass\nclass Listed:\n    pass\n",
+            "comm/w": "class Listed:\n    pass\n",
+        }
+    )
+    found = duplicate_class_problems(sources, {"Listed": "why", "Gone": "why"})
+    assert found == [
+        "Inner: src/stratagem/data/x.py:6, src/stratagem/data/y.py:2",
+        "Shard: src/stratagem/data/x.py:1, src/stratagem/comm/z.py:1",
+        "SHARED_CLASS_NAMES lists Gone, which 0 class(es) define, not several: remove the entry",
+    ], found
+    assert duplicate_class_problems(sources, {"Inner": "", "Listed": "", "Shard": ""}) == []
