@@ -337,5 +337,5 @@ def test_each_creation_waits_for_its_own_shards_and_a_second_model_adds_its_own(
     # A restarted chief creating the first model again does not overwrite its values.
     store.create(rule, 0, {(0, 0): torch.full((2,), 5.0)})
     assert store.read([(0, 0)])[0].tolist() == [0.0, 0.0]
-    with pytest.raises(ValueError, match="one strategy has one rule"):
+    with pytest.raises(ValueError, match="a job has one ParameterServerStrategy"):
         store.create(UpdateRule("async", 2, 2), 2, {(2, 0): torch.zeros(1)})

@@ -101,7 +101,8 @@ def encode_parts(obj: Any, *, what: str) -> tuple[bytes, list[torch.Tensor]]:
     if len(header) > MAX_HEADER_BYTES:
         raise ValueError(
             f"the plain data of {what} is {len(header)} bytes of JSON, more than the "
-            f"{MAX_HEADER_BYTES} an object exchange carries; send large data as tensors"
+            f"{MAX_HEADER_BYTES} a value sent between processes may hold; send large data as "
+            "tensors"
         )
     return _MAGIC + len(header).to_bytes(8, "little") + header, tensors
 
@@ -175,9 +176,9 @@ def _plain(obj: Any, tensors: list[torch.Tensor]) -> Any:
         return {_TAG: "tensor", "index": len(tensors) - 1}
     raise _NotPlain(
         lambda at: (
-            f"{at} is a {kind.__module__}.{kind.__qualname__}; an object exchange "
-            "carries only None, bool, int, float, str, lists, tuples, dicts with str keys and "
-            "dense tensors (nothing is pickled)"
+            f"{at} is a {kind.__module__}.{kind.__qualname__}; a value sent between "
+            "processes holds only None, bool, int, float, str, lists, tuples, dicts with str "
+            "keys and dense tensors (nothing is pickled)"
         )
     )
 
@@ -217,7 +218,7 @@ def _plain_key(k: Any) -> str:
     if not isinstance(k, str) or k == _TAG:
         raise _NotPlain(
             lambda at: (
-                f"{at} has the key {k!r}; an object exchange carries "
+                f"{at} has the key {k!r}; a value sent between processes holds "
                 f"dicts with str keys other than {_TAG!r} only"
             )
         )
@@ -229,14 +230,15 @@ def _checked_tensor(t: torch.Tensor) -> torch.Tensor:
     if type(plain) is not torch.Tensor or plain.layout is not torch.strided:
         raise _NotPlain(
             lambda at: (
-                f"{at} is a {type(t).__name__} with layout {t.layout}; an object "
-                "exchange carries dense tensors only"
+                f"{at} is a {type(t).__name__} with layout {t.layout}; a value sent "
+                "between processes holds dense tensors only"
             )
         )
     if plain.dtype not in _DTYPE_SET:
         raise _NotPlain(
             lambda at: (
-                f"{at} has dtype {plain.dtype}; an object exchange carries {', '.join(_DTYPES)}"
+                f"{at} has dtype {plain.dtype}; a value sent between processes holds "
+                f"tensors of {', '.join(_DTYPES)} only"
             )
         )
     return plain

@@ -64,7 +64,7 @@ class SealedStore(dist.Store):
     def _open(self, key: str, sealed_key: str, raw: bytes) -> bytes:
         raw = bytes(raw)
         if len(raw) < len(_MAGIC) + _NONCE + _TAG or not raw.startswith(_MAGIC):
-            raise self._forged(key, f"a record of {len(raw)} bytes in no sealed format")
+            raise self._forged(key, f"a record of {len(raw)} bytes in no format this job writes")
         nonce = raw[len(_MAGIC) : len(_MAGIC) + _NONCE]
         body, tag = raw[len(_MAGIC) + _NONCE : -_TAG], raw[-_TAG:]
         if not hmac.compare_digest(tag, self._tag(sealed_key, nonce, body)):

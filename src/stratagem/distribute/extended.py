@@ -98,8 +98,8 @@ class StrategyExtended(ABC):
         aggregation = ReduceOp.parse(gradient_aggregation)
         if aggregation not in (ReduceOp.SUM, ReduceOp.MEAN):
             raise ValueError(
-                f"gradient_aggregation must be ReduceOp.SUM (the seeds' convention, with the loss "
-                f"divided by the global batch) or ReduceOp.MEAN (PyTorch's), got {aggregation}"
+                f"gradient_aggregation must be ReduceOp.SUM (TensorFlow's convention, with the "
+                f"loss divided by the global batch) or ReduceOp.MEAN (PyTorch's), got {aggregation}"
             )
         devices = [d if isinstance(d, ReplicaDevice) else parse_device(d) for d in devices]
         if not devices:
@@ -369,8 +369,8 @@ class StrategyExtended(ABC):
         if len(calls) != 1:
             raise NotImplementedError(
                 f"{type(self._container).__name__} has {len(calls)} local replicas and no way to "
-                "run them: its extended must override run_replica_calls (or derive from "
-                "ThreadedReplicas)"
+                "run them: its StrategyExtended subclass must override run_replica_calls (or "
+                "derive from stratagem.distribute.threaded_replicas.ThreadedReplicas)"
             )
         return [calls[0]()]
 

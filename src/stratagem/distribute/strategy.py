@@ -37,8 +37,9 @@ class Strategy:
             raise TypeError(f"Strategy needs a StrategyExtended, got {type(extended).__name__}")
         if extended.strategy is not self:
             raise ValueError(
-                "the StrategyExtended given to Strategy.__init__ must have been made for this "
-                f"strategy (its container is {extended.strategy!r})"
+                "the StrategyExtended given to Strategy.__init__ was made for another strategy, "
+                f"{extended.strategy!r}; make it for this one: "
+                "super().__init__(MyExtended(self, ...))"
             )
         self._extended = extended
         # Every strategy's start-up ends here, its ``extended`` complete: say so once.

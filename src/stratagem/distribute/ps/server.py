@@ -27,7 +27,7 @@ import contextlib
 import importlib
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -111,8 +111,10 @@ class ShardStore:
                 self.rule = rule
             elif rule != self.rule:
                 raise ValueError(
-                    f"{self.name}: variables created with update rule {rule}, but this ps "
-                    f"already applies {self.rule}; one strategy has one rule"
+                    f"{self.name}: variables created by a ParameterServerStrategy with the options "
+                    f"{asdict(rule)}, but this ps already holds variables of one with "
+                    f"{asdict(self.rule)}; a job has one ParameterServerStrategy: create it "
+                    "once, with one set of options"
                 )
             for key, value in shards.items():
                 # A trainable variable's shard takes gradients; an integer one (a step counter,
