@@ -53,13 +53,14 @@ from stratagem.keras import (
     metrics,
     module_calls,
     optimizers,
+    saving,
 )
 from stratagem.keras.coordinated import WorkerBatches
 from stratagem.keras.data_adapter import DataPosition, FitData
 from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
 from stratagem.keras.mixed_precision import LossScaleOptimizer
 from stratagem.keras.mixed_precision import policy as dtype_policies
-from stratagem.keras.saving import example_for, save_model
+from stratagem.keras.saving import example_for
 from stratagem.keras.step_runner import BatchSteps, LocalSteps, StepRunner
 from stratagem.recompute import recompute_grad
 from stratagem.shipping.portable import Portable
@@ -168,6 +169,12 @@ class Model(Portable):
         """Whether the model has seen an input (called, fit, predicted, or ``build``): what
         ``save`` needs to export the module's program."""
         return self._example_input is not None
+
+    @property
+    def example_input(self) -> torch.Tensor | None:
+        """The input ``save`` traces the module's program on: two rows of the first input the
+        model saw, or zeros of ``build``'s shape; None before either."""
+        return self._example_input
 
     def build(self, input_shape: Sequence[int | None]) -> None:
         """Keras's ``build(input_shape)``: give the model the shape of its input (the batch
@@ -734,7 +741,7 @@ class Model(Portable):
                 "first by calling it on some data or by using `build()`. "
                 f"(model {self.name!r}: it never saw an input, so its program cannot be traced)"
             )
-        return save_model(self, filepath, example_input=self._example_input, options=options)
+        return saving.save(self, filepath, options=options)
 
     # ------------------------------------------------------------------ summary
 
