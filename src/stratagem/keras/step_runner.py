@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from stratagem.distribute import ReduceOp, capabilities
+from stratagem.distribute import ReduceOp
 
 if TYPE_CHECKING:
     from stratagem.distribute import Strategy
@@ -65,10 +65,9 @@ def agreed_batch_logs(strategy: Strategy, mine: bool) -> bool:
     """Whether any worker's callbacks need the per-step logs: computing them is a collective
     per step under a multi-worker strategy, so every worker must compute them or none, and
     workers' callbacks may differ (the chief's progress bar on a terminal, a ``verbose`` of
-    0 on the others). One tiny all-reduce per fit or evaluate, on every worker alike."""
+    0 on the others). One tiny all-reduce per fit or evaluate, on every worker alike. (A
+    coordinating chief runs ``CoordinatedSteps``, whose batch hooks get no logs.)"""
     extended = strategy.extended
-    if isinstance(extended, capabilities.ChiefCoordination) and extended.coordinating:
-        return mine  # the chief alone runs fit: its workers run scheduled functions
     communicator = getattr(extended, "communicator", None)
     if communicator is None or getattr(communicator, "world_size", 1) <= 1:
         return mine
