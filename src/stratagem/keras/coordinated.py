@@ -22,8 +22,9 @@ runs its own copy of them on the model rebuilt from the chief's state (``stratag
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +38,9 @@ from stratagem.distribute.coordinator import (
     PerWorkerDistributedDatasetsFromFunction,
 )
 from stratagem.keras.data_adapter import _as_tensor
+
+if TYPE_CHECKING:
+    from stratagem.keras.callbacks import CallbackList
 
 
 class DatasetCreator:
@@ -118,6 +122,74 @@ def per_worker_dataset(strategy: Any, x: Any) -> Any:
     return None
 
 
+@dataclass(frozen=True)
+class WorkerBatches:
+    """``fit``'s data on the chief of a coordinated cluster: the per-worker iterator each
+    scheduled function reads its batches from, and ``steps`` (``steps_per_epoch``) batches an
+    epoch. It has no position a backup could save."""
+
+    iterator: Iterator[Any]
+    steps: int
+
+
+class CoordinatedSteps:
+    """The step runner (``step_runner.StepRunner``) of the chief of a coordinated cluster:
+    each execution of ``steps_per_execution`` batches is a function scheduled on a free worker,
+    which reads its own dataset; an epoch's end joins them, where the metrics are complete
+    (their totals come back with each function). Batch hooks run once per function, without
+    logs: as TF's, they would wait for the workers; the epoch's logs come at its end."""
+
+    def __init__(
+        self, model: Any, coordinator: ClusterCoordinator, data: WorkerBatches | None = None
+    ) -> None:
+        self._model = model
+        self._coordinator = coordinator
+        self._data = data
+
+    @property
+    def steps(self) -> int | None:
+        return None if self._data is None else self._data.steps
+
+    @property
+    def fit_data(self) -> None:
+        return None  # the workers' datasets repeat, with no position kept here
+
+    def batch_logs(self, wanted: bool) -> bool:
+        return False
+
+    def train(self, step: int, limit: int, one_pass: bool, cbs: CallbackList) -> tuple[int, bool]:
+        assert self._data is not None, "CoordinatedSteps.train needs the fit's data"
+        cbs.on_train_batch_begin(step)
+        self._coordinator.schedule(train_steps, args=(self._model, self._data.iterator, limit))
+        for _ in range(limit):
+            self._model.optimizer.count_step()  # iterations: batches scheduled
+        return limit, False  # a worker's dataset repeats: it never ends
+
+    def end_epoch(self) -> None:
+        self._coordinator.join()
+
+    def test(self, batches: Iterable[Any], cbs: CallbackList | None, batch_logs: bool) -> int:
+        # Each batch goes with its function: every one is evaluated once, on a free worker.
+        group: list[Any] = []
+        count, size = 0, self._model.steps_per_execution
+        for batch in batches:
+            if not group and cbs is not None:
+                cbs.on_test_batch_begin(count)
+            group.append(batch)
+            count += 1
+            if len(group) == size:
+                self._coordinator.schedule(test_batches, args=(self._model, group))
+                group = []
+                if cbs is not None:
+                    cbs.on_test_batch_end(count - 1, {})
+        if group:
+            self._coordinator.schedule(test_batches, args=(self._model, group))
+            if cbs is not None:
+                cbs.on_test_batch_end(count - 1, {})
+        self._coordinator.join()
+        return count
+
+
 @shipping.entry_point  # a worker calls it: the coordinator sends it
 def train_steps(model: Any, iterator: Iterator[Any], steps: int) -> None:
     """Scheduled by ``fit``: ``steps`` batches of the worker's iterator, each a train step on
@@ -135,8 +207,9 @@ def test_batches(model: Any, batches: list[Any]) -> None:
         strategy.run(model.test_step, args=(batch,))
 
 
-def check_fit(steps_per_epoch: int | None, x: Any) -> None:
-    """What coordinated ``fit`` needs: TF's own requirements, said as TF says them."""
+def check_fit(steps_per_epoch: int | None, x: Any, accumulation_steps: int | None) -> None:
+    """What coordinated ``fit`` needs: TF's own requirements, said as TF says them, and no
+    gradient accumulation (``accumulation_steps``, the optimizer's)."""
     if steps_per_epoch is None:
         raise ValueError(
             "`steps_per_epoch` must be specified with ParameterServerStrategy: each worker's "
@@ -156,10 +229,17 @@ def check_fit(steps_per_epoch: int | None, x: Any) -> None:
             "sg.keras.utils.experimental.DatasetCreator(dataset_fn) (each worker makes its own "
             f"dataset) or arrays (sent to every worker); got {type(x).__name__}"
         )
+    if accumulation_steps:
+        raise ValueError(
+            "gradient_accumulation_steps is not supported under a ClusterCoordinator: each "
+            "worker applies its own gradients on the ps, asynchronously"
+        )
 
 
 __all__ = [
+    "CoordinatedSteps",
     "DatasetCreator",
+    "WorkerBatches",
     "check_fit",
     "coordinator_for",
     "creator_dataset_fn",

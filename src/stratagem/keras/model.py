@@ -26,7 +26,6 @@ share its state; the pieces that stand alone live beside it (``data_adapter``,
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import warnings
@@ -47,18 +46,29 @@ from stratagem.distribute import (
     owner_of,
 )
 from stratagem.keras import callbacks as callbacks_module
-from stratagem.keras import coordinated, losses, metrics, module_calls, optimizers
-from stratagem.keras.data_adapter import DataPosition, FitData, global_batches, is_array_data
+from stratagem.keras import (
+    coordinated,
+    epoch_iterator,
+    losses,
+    metrics,
+    module_calls,
+    optimizers,
+    saving,
+)
+from stratagem.keras.coordinated import WorkerBatches
+from stratagem.keras.data_adapter import DataPosition, FitData
 from stratagem.keras.data_adapter import unpack_x_y_sample_weight as unpack
 from stratagem.keras.mixed_precision import LossScaleOptimizer
 from stratagem.keras.mixed_precision import policy as dtype_policies
-from stratagem.keras.saving import example_for, save_model
+from stratagem.keras.saving import example_for
+from stratagem.keras.step_runner import BatchSteps, LocalSteps, StepRunner
 from stratagem.recompute import recompute_grad
 from stratagem.shipping.portable import Portable
 from stratagem.train import Checkpoint, latest_checkpoint
 from stratagem.train.storage import is_checkpoint
 
 if TYPE_CHECKING:
+    from stratagem.distribute.coordinator import ClusterCoordinator
     from stratagem.keras.pipeline_steps import KerasPipeline
 
 Logs = dict[str, float]
@@ -159,6 +169,12 @@ class Model(Portable):
         """Whether the model has seen an input (called, fit, predicted, or ``build``): what
         ``save`` needs to export the module's program."""
         return self._example_input is not None
+
+    @property
+    def example_input(self) -> torch.Tensor | None:
+        """The input ``save`` traces the module's program on: two rows of the first input the
+        model saw, or zeros of ``build``'s shape; None before either."""
+        return self._example_input
 
     def build(self, input_shape: Sequence[int | None]) -> None:
         """Keras's ``build(input_shape)``: give the model the shape of its input (the batch
@@ -415,21 +431,6 @@ class Model(Portable):
             # Two rows: torch.export specialises a dimension of size 1.
             self._example_input = x[:1].detach().cpu().repeat(2, *([1] * (x.dim() - 1)))
 
-    def _agreed_batch_logs(self, mine: bool) -> bool:
-        """Whether any worker's callbacks need the per-step logs: computing them is a collective
-        per step under a multi-worker strategy, so every worker must compute them or none, and
-        workers' callbacks may differ (the chief's progress bar on a terminal, a ``verbose`` of
-        0 on the others). One tiny all-reduce per fit or evaluate, on every worker alike."""
-        extended = self.distribute_strategy.extended
-        if isinstance(extended, capabilities.ChiefCoordination) and extended.coordinating:
-            return mine  # the chief alone runs fit: its workers run scheduled functions
-        communicator = getattr(extended, "communicator", None)
-        if communicator is None or getattr(communicator, "world_size", 1) <= 1:
-            return mine
-        flag = torch.tensor([1.0 if mine else 0.0])
-        communicator.all_reduce(flag, ReduceOp.SUM, what="whether any worker needs step logs")
-        return bool(flag.item() > 0)
-
     def _pipelined(self, batch: Any) -> KerasPipeline | None:
         """On a pipeline, this model's stages and their steps (cut on first use); else None:
         the strategy runs the steps."""
@@ -494,28 +495,32 @@ class Model(Portable):
         initial_epoch: int = 0,
         steps_per_epoch: int | None = None,
     ) -> callbacks_module.History:
-        """Train for ``epochs`` epochs (from ``initial_epoch``); returns the ``History``."""
+        """Train for ``epochs`` epochs (from ``initial_epoch``); returns the ``History``.
+
+        The one loop, whichever runner runs its steps (``step_runner``): here over the
+        strategy, or on the workers of a ``ClusterCoordinator`` (``coordinated``)."""
         self._require_compiled("fit")
+        assert self.optimizer is not None
         _check_count("epochs", epochs, minimum=0)
         _check_count("initial_epoch", initial_epoch, minimum=0)
         if steps_per_epoch is not None:
             _check_count("steps_per_epoch", steps_per_epoch, minimum=1)
         strategy = self.distribute_strategy
         coordinator = coordinated.coordinator_for(strategy)
-        if coordinator is not None:
-            return self._fit_coordinated(
-                coordinator, x, y, batch_size, epochs, verbose, callbacks, validation_data,
-                shuffle, initial_epoch, steps_per_epoch,
-            )  # fmt: skip
-        _check_validation_shape(x, validation_data)
-        data = FitData(x, y, batch_size, shuffle=shuffle, strategy=strategy)
-        steps = steps_per_epoch or data.steps
+        data = epoch_iterator.training_data(
+            x, y, batch_size, shuffle=shuffle, steps_per_epoch=steps_per_epoch,
+            validation_data=validation_data, strategy=strategy, coordinator=coordinator,
+            accumulation_steps=self.optimizer.gradient_accumulation_steps,
+        )  # fmt: skip
+        runner = self._step_runner(coordinator, data)
         self.history = callbacks_module.History()
-        cbs = self._callbacks(callbacks, verbose, epochs=epochs, steps=steps)
+        cbs = self._callbacks(
+            callbacks, verbose, epochs=epochs, steps=steps_per_epoch or runner.steps
+        )
         self.stop_training = False
         _set_training(self.module, True)
-        batch_logs = self._agreed_batch_logs(any(cb.needs_batch_logs for cb in cbs.callbacks))
-        self._fit_data, self._initial_epoch, self._initial_step = data, initial_epoch, 0
+        batch_logs = runner.batch_logs(any(cb.needs_batch_logs for cb in cbs.callbacks))
+        self._fit_data, self._initial_epoch, self._initial_step = runner.fit_data, initial_epoch, 0
         cbs.on_train_begin()  # BackupAndRestore may move the start on (see resume_fit)
         logs: Logs = {}
         for epoch in range(self._initial_epoch, epochs):
@@ -528,22 +533,35 @@ class Model(Portable):
                 limit = self.steps_per_execution
                 if steps_per_epoch is not None:
                     limit = min(limit, steps_per_epoch - step)
-                done, ended = self._train_execution(data, cbs, step, limit, steps_per_epoch is None)
+                done, ended = runner.train(step, limit, steps_per_epoch is None, cbs)
                 if done:
                     step += done
                     cbs.on_train_batch_end(step - 1, self._logs() if batch_logs else {})
                 if ended:
                     break
+            runner.end_epoch()  # the metrics are complete once the epoch's steps are
             if step == 0 and not self.stop_training:
                 raise ValueError(
                     f"fit found no batch to train on in epoch {epoch + 1}: the data is empty"
                 )
-            logs = self._end_epoch(cbs, epoch, validation_data, batch_size)
+            logs = self._end_epoch(cbs, epoch, validation_data, batch_size, runner)
             if self.stop_training:
                 break
         self._fit_data = None
         cbs.on_train_end(logs)
         return self.history
+
+    def _step_runner(
+        self, coordinator: ClusterCoordinator | None, data: FitData | WorkerBatches | None = None
+    ) -> StepRunner:
+        """Where the steps run: on the workers of ``coordinator`` (the chief of a coordinated
+        cluster), else here; on ``data``, fit's training data (None for evaluate)."""
+        if coordinator is not None:
+            assert data is None or isinstance(data, WorkerBatches)
+            return coordinated.CoordinatedSteps(self, coordinator, data)
+        assert data is None or isinstance(data, FitData)
+        steps = BatchSteps(train=self._train_batch, test=self._test_batch, logs=self._logs)
+        return LocalSteps(self.distribute_strategy, steps, data)
 
     def _end_epoch(
         self,
@@ -551,96 +569,18 @@ class Model(Portable):
         epoch: int,
         validation_data: Any,
         batch_size: int | None,
+        runner: StepRunner,
     ) -> Logs:
         """The epoch's logs (the validation's too), after ``on_epoch_end`` has seen them."""
         logs = self._logs()
         if validation_data is not None:
-            # batch_size applies to validation arrays; a validation dataset comes batched.
-            val_batch = batch_size if _is_array(_split_xy(validation_data)[0]) else None
+            val_data = epoch_iterator.validation_data(validation_data, batch_size)
             # With fit's callbacks, as Keras's fit evaluates: their on_test_* hooks run too.
-            val = self._evaluate_logs(validation_data, val_batch, cbs=cbs)
+            val = self._evaluate_logs(val_data, runner, cbs=cbs)
             logs.update({f"val_{k}": v for k, v in val.items()})
             _set_training(self.module, True)
         cbs.on_epoch_end(epoch, logs)
         return logs
-
-    def _fit_coordinated(
-        self, coordinator: Any, x: Any, y: Any, batch_size: int | None, epochs: int,
-        verbose: int | str, callbacks: Iterable[Any] | None, validation_data: Any,
-        shuffle: bool, initial_epoch: int, steps_per_epoch: int | None,
-    ) -> callbacks_module.History:  # fmt: skip
-        """``fit`` on the chief of a coordinated cluster (TF2's): each execution of
-        ``steps_per_execution`` batches is a function scheduled on a free worker, which reads
-        its own dataset; the chief joins at each epoch's end, where the metrics are complete
-        (their totals come back with each function), and runs the callbacks."""
-        coordinated.check_fit(steps_per_epoch, x)
-        assert self.optimizer is not None and steps_per_epoch is not None
-        if self.optimizer.gradient_accumulation_steps:
-            raise ValueError(
-                "gradient_accumulation_steps is not supported under a ClusterCoordinator: each "
-                "worker applies its own gradients on the ps, asynchronously"
-            )
-        strategy = self.distribute_strategy
-        dataset = coordinated.per_worker_dataset(strategy, x)
-        is_dataset = isinstance(x, coordinated.DatasetCreator) or dataset is not None
-        if is_dataset and (y is not None or batch_size is not None):
-            raise ValueError(
-                f"fit({type(x).__name__}): y and batch_size must be None; the dataset "
-                "carries the targets and is batched"
-            )
-        if dataset is not None:
-            iterator = iter(coordinator.create_per_worker_dataset(dataset))
-        else:
-            if isinstance(x, coordinated.DatasetCreator):
-                dataset_fn = coordinated.creator_dataset_fn(strategy, x)
-            else:
-                size = batch_size or 32
-                dataset_fn = coordinated.worker_dataset_fn(strategy, x, y, size, shuffle)
-            iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-        self.history = callbacks_module.History()
-        cbs = self._callbacks(callbacks, verbose, epochs=epochs, steps=steps_per_epoch)
-        self.stop_training = False
-        _set_training(self.module, True)
-        cbs.on_train_begin()
-        logs: Logs = {}
-        for epoch in range(initial_epoch, epochs):
-            self._reset_metrics()
-            cbs.on_epoch_begin(epoch)
-            step = 0
-            while step < steps_per_epoch and not self.stop_training:
-                k = min(self.steps_per_execution, steps_per_epoch - step)
-                cbs.on_train_batch_begin(step)
-                coordinator.schedule(coordinated.train_steps, args=(self, iterator, k))
-                for _ in range(k):
-                    self.optimizer.count_step()  # iterations: batches scheduled
-                step += k
-                # As TF's: batch logs would wait for the workers; the epoch's come at its end.
-                cbs.on_train_batch_end(step - 1, {})
-            coordinator.join()
-            logs = self._end_epoch(cbs, epoch, validation_data, batch_size)
-            if self.stop_training:
-                break
-        cbs.on_train_end(logs)
-        return self.history
-
-    def _train_execution(
-        self, data: FitData, cbs: callbacks_module.CallbackList, step: int, limit: int,
-        one_pass: bool,
-    ) -> tuple[int, bool]:  # fmt: skip
-        """Up to ``limit`` batches from ``step`` on, after ``on_train_batch_begin(step)``: the
-        number run, and whether the data ended (the pass, when ``one_pass``)."""
-        done = 0
-        while done < limit:
-            batch = data.next_batch()
-            if batch is None:  # the pass is over
-                if one_pass or data.empty_pass:
-                    return done, True
-                continue  # steps_per_epoch goes on into the next pass over the data
-            if done == 0:
-                cbs.on_train_batch_begin(step)
-            self._train_batch(batch)
-            done += 1
-        return done, False
 
     def fit_progress(self, epoch: int, step: int) -> dict[str, torch.Tensor]:
         """Where the fit under way is, as tensors a checkpoint holds: ``epoch`` with ``step``
@@ -718,65 +658,32 @@ class Model(Portable):
             chosen.append(callbacks_module.ProgbarLogger(verbosity))  # Keras's evaluate bar
         params = {"epochs": 1, "steps": steps, "verbose": verbosity}
         cbs = callbacks_module.CallbackList(chosen, self, params)
-        data = (x, y) if y is not None else x
-        logs = self._evaluate_logs(data, batch_size, steps=steps, cbs=cbs, params=params)
+        data = epoch_iterator.evaluation_data(x, y, batch_size, steps)
+        runner = self._step_runner(coordinated.coordinator_for(self.distribute_strategy))
+        logs = self._evaluate_logs(data, runner, cbs=cbs, params=params)
         if return_dict:
             return logs
         values = [logs[name] for name in self.metrics_names]
         return values[0] if len(values) == 1 else values
 
     def _evaluate_logs(
-        self, data: Any, batch_size: int | None, *,
-        steps: int | None = None, cbs: callbacks_module.CallbackList | None = None,
-        params: dict[str, Any] | None = None,
+        self, data: epoch_iterator.EvaluationData, runner: StepRunner, *,
+        cbs: callbacks_module.CallbackList | None = None, params: dict[str, Any] | None = None,
     ) -> Logs:  # fmt: skip
         """``params``: evaluate's own callbacks' parameters, which learn the number of batches
         here (the progress bar's target); fit's validation passes none."""
-        x, y = _split_xy(data)
-        batches, count = global_batches(x, y, batch_size, what="evaluate")
-        if steps is not None:
-            batches = _FirstBatches(batches, steps)
-        if params is not None and count is not None:
-            params["steps"] = count if steps is None else min(steps, count)
-        strategy = self.distribute_strategy
+        if params is not None and data.count is not None:
+            params["steps"] = data.count
         _set_training(self.module, False)
         self._reset_metrics()
         # Running metrics for on_test_batch_end only where a callback reads them (each is a
         # collective under MultiWorkerMirroredStrategy).
-        batch_logs = cbs is not None and self._agreed_batch_logs(
+        batch_logs = cbs is not None and runner.batch_logs(
             any(cb.needs_test_batch_logs for cb in cbs.callbacks)
         )
         if cbs is not None:
             cbs.on_test_begin()
-        count = 0
-        coordinator = coordinated.coordinator_for(strategy)
-        if coordinator is not None:
-            # Each batch goes with its function: every one is evaluated once, on a free worker.
-            # As fit's: batch hooks once per function, without logs (they would wait for it).
-            group: list[Any] = []
-            for batch in batches:
-                if not group and cbs is not None:
-                    cbs.on_test_batch_begin(count)
-                group.append(batch)
-                count += 1
-                if len(group) == self.steps_per_execution:
-                    coordinator.schedule(coordinated.test_batches, args=(self, group))
-                    group = []
-                    if cbs is not None:
-                        cbs.on_test_batch_end(count - 1, {})
-            if group:
-                coordinator.schedule(coordinated.test_batches, args=(self, group))
-                if cbs is not None:
-                    cbs.on_test_batch_end(count - 1, {})
-            coordinator.join()
-        else:
-            for batch in strategy.experimental_distribute_dataset(batches):
-                if cbs is not None:
-                    cbs.on_test_batch_begin(count)
-                self._test_batch(batch)
-                if cbs is not None:
-                    cbs.on_test_batch_end(count, self._logs() if batch_logs else {})
-                count += 1
+        count = runner.test(data.batches, cbs, batch_logs)
         if count == 0:
             raise ValueError("evaluate found no batch: the data is empty")
         logs = self._logs()
@@ -786,7 +693,7 @@ class Model(Portable):
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0) -> np.ndarray:
         """The module's outputs for every example, in order, as a numpy array."""
-        batches, _ = global_batches(x, None, batch_size, what="predict")
+        batches = epoch_iterator.prediction_data(x, batch_size)
         strategy = self.distribute_strategy
         _set_training(self.module, False)
         outputs = []
@@ -834,7 +741,7 @@ class Model(Portable):
                 "first by calling it on some data or by using `build()`. "
                 f"(model {self.name!r}: it never saw an input, so its program cannot be traced)"
             )
-        return save_model(self, filepath, example_input=self._example_input, options=options)
+        return saving.save(self, filepath, options=options)
 
     # ------------------------------------------------------------------ summary
 
@@ -879,17 +786,6 @@ def _strategy_of(module: torch.nn.Module, name: str) -> Strategy:
     return owner
 
 
-def _check_validation_shape(x: Any, validation_data: Any) -> None:
-    if validation_data is None or not _is_one_array(x):
-        return  # a dict of arrays is checked key by key when its batches are made
-    x_val, _ = _split_xy(validation_data)
-    if _is_one_array(x_val) and tuple(x_val.shape[1:]) != tuple(x.shape[1:]):
-        raise ValueError(
-            f"validation_data examples have shape {list(x_val.shape[1:])}, the training "
-            f"examples {list(x.shape[1:])}"
-        )
-
-
 def _device_type(args: Any, module: torch.nn.Module) -> str:
     """The device type autocast applies to: the first input tensor's, else the module's."""
     for value in (*args, *module.parameters()):
@@ -905,22 +801,6 @@ def _set_training(module: torch.nn.Module, training: bool) -> None:
         pass  # a module rebuilt from a torch.export program keeps the mode it was exported in
 
 
-def _split_xy(data: Any) -> tuple[Any, Any]:
-    """``validation_data=(x_val, y_val)`` of arrays, or a dataset of batches."""
-    if isinstance(data, tuple) and len(data) in (2, 3) and _is_array(data[0]):
-        return data[0], data[1]
-    return data, None
-
-
-def _is_array(value: Any) -> bool:
-    """Arrays, tensors, or a dict of them (named inputs): examples fit batches itself."""
-    return is_array_data(value)
-
-
-def _is_one_array(value: Any) -> bool:
-    return isinstance(value, torch.Tensor | np.ndarray)
-
-
 def _check_output_name(output: Any) -> module_calls.OutputName | None:
     if (
         output is None
@@ -932,17 +812,6 @@ def _check_output_name(output: Any) -> module_calls.OutputName | None:
         "model.compile(output=...) names the output the loss, metrics and predict read: a key "
         f"or attribute (str, such as 'start_logits') or a position (int); got {output!r}"
     )
-
-
-class _FirstBatches:
-    """The first ``steps`` batches of ``batches`` (evaluate's ``steps``), re-iterable as the
-    data is: each ``iter()`` starts a new pass."""
-
-    def __init__(self, batches: Iterable[Any], steps: int) -> None:
-        self.batches, self.steps = batches, steps
-
-    def __iter__(self) -> Iterator[Any]:
-        return itertools.islice(iter(self.batches), self.steps)
 
 
 def _verbosity(verbose: int | str) -> int:

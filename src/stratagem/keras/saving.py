@@ -75,8 +75,8 @@ TIED_METADATA = "stratagem.tied"
 
 
 class SavedModel(Protocol):
-    """What ``save_model`` reads of a Keras model: an ``sg.keras.Model`` is one. Saving sits
-    below the model whose ``save`` calls it (``load_model``, which makes a ``Model``, is in
+    """What ``save`` reads of a Keras model: an ``sg.keras.Model`` is one. Saving sits below
+    the model whose ``save`` calls it (``load_model``, which makes a ``Model``, is in
     ``models.py``), so it names only these members."""
 
     module: torch.nn.Module
@@ -86,6 +86,9 @@ class SavedModel(Protocol):
     history: History | None
     dtype_policy: Policy
     distribute_strategy: Strategy
+
+    @property
+    def example_input(self) -> torch.Tensor | None: ...
 
 
 def _compile_config(model: SavedModel) -> dict[str, Any] | None:
@@ -162,47 +165,40 @@ def example_for(module: torch.nn.Module, input_shape: Any) -> torch.Tensor:
     return example.cpu()
 
 
-def save_model(
-    model: SavedModel,
+def save(
+    obj: SavedModel | torch.nn.Module,
     path: str,
     *,
     example_input: torch.Tensor | None = None,
     options: SaveOptions | None = None,
 ) -> str:
-    """Write ``model`` to the directory ``path`` (the chief writes; every worker calls it and
-    waits for the write); return the path. ``example_input`` (an input the model has seen) lets
-    ``torch.export`` trace the module."""
-    optimizer = model.optimizer.torch_optimizer if model.optimizer is not None else None
-    history = model.history.history if model.history is not None else {}
+    """Write ``obj`` to the directory ``path`` and return the path: the one way in for
+    ``model.save`` and ``sg.saved_model.save``. A Keras model is written with its compile,
+    dtype policy and training sections (``saved_by`` "model.save"), its program traced on
+    ``example_input`` or else on the input it has seen (``example_input``); a plain
+    ``torch.nn.Module`` with its weights, and its program when ``example_input`` is given
+    (``saved_by`` "saved_model.save"). The chief writes (the strategy that distributes the
+    module, or the one in scope, for a plain module); every worker calls it and waits."""
+    if isinstance(obj, torch.nn.Module):
+        extended = strategy_for([obj]).extended
+        return _save(obj, path, example_input, options, extended, [], {}, "saved_model.save")
+    optimizer = obj.optimizer.torch_optimizer if obj.optimizer is not None else None
+    history = obj.history.history if obj.history is not None else {}
     keras = {
-        "compile": _compile_config(model),
-        "dtype_policy": model.dtype_policy.name,  # Keras saves each layer's policy
+        "compile": _compile_config(obj),
+        "dtype_policy": obj.dtype_policy.name,  # Keras saves each layer's policy
         "training": {"epochs_run": len(next(iter(history.values()), [])), "history": history},
     }
     return _save(
-        model.module,
+        obj.module,
         path,
-        example_input,
+        obj.example_input if example_input is None else example_input,
         options,
-        model.distribute_strategy.extended,
+        obj.distribute_strategy.extended,
         [optimizer] if optimizer is not None else [],
         keras,
         "model.save",
     )
-
-
-def save_module(
-    module: torch.nn.Module,
-    path: str,
-    *,
-    example_input: torch.Tensor | None = None,
-    options: SaveOptions | None = None,
-) -> str:
-    """Write a plain ``torch.nn.Module`` in the same format (``sg.saved_model.save``): its
-    weights, and its program when ``example_input`` is given. The strategy that distributes
-    the module (or the one in scope) decides who writes."""
-    extended = strategy_for([module]).extended
-    return _save(module, path, example_input, options, extended, [], {}, "saved_model.save")
 
 
 def _save(

@@ -7,9 +7,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from stratagem.keras import saving
 from stratagem.keras.io_options import LoadOptions, SaveOptions
 from stratagem.keras.model import Model
-from stratagem.keras.saving import read_saved, save_model, save_module
+from stratagem.keras.saving import read_saved
 from stratagem.saved_model.loaded import DEFAULT_SERVING_SIGNATURE_DEF_KEY, SERVING, LoadedModel
 
 __all__ = ["load", "save"]
@@ -33,23 +34,17 @@ def save(
     process calls it and the chief writes (as ``model.save``).
     """
     example = _example_of(signatures)
-    path = os.fspath(export_dir)
-    if isinstance(obj, Model):
-        if example is None and obj.built:
-            obj.save(path, options=options)  # traced on the input the model has seen
-        else:
-            # A model never called saves its weights without signatures, as TF's does
-            # (model.save refuses it: Keras's own rule for its format).
-            save_model(obj, path, example_input=example, options=options)
-    elif isinstance(obj, torch.nn.Module):
-        save_module(obj, path, example_input=example, options=options)
-    elif isinstance(obj, LoadedModel) and obj.module is not None:
-        save_module(obj.module, path, example_input=example, options=options)
-    else:
+    if isinstance(obj, LoadedModel) and obj.module is not None:
+        obj = obj.module
+    if not isinstance(obj, Model | torch.nn.Module):
         raise TypeError(
             f"sg.saved_model.save saves an sg.keras.Model, a torch.nn.Module or a loaded saved "
             f"model, got {type(obj).__module__}.{type(obj).__qualname__}"
         )
+    # A Keras model is traced on ``signatures``, else on the input it has seen; one never
+    # called saves its weights without signatures, as TF's does (model.save refuses it:
+    # Keras's own rule for its format).
+    saving.save(obj, os.fspath(export_dir), example_input=example, options=options)
 
 
 def _example_of(signatures: object) -> torch.Tensor | None:

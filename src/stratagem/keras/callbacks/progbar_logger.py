@@ -52,7 +52,7 @@ class ProgbarLogger(Callback):
         # Batch logs are a collective per step under multi-worker strategies: only a bar drawn
         # in place shows them. Only the chief draws, and its output may be a terminal where the
         # others' is a pipe (`stratagem run` in a terminal): the model agrees on every worker's
-        # answer once per fit or evaluate (``Model._agreed_batch_logs``).
+        # answer once per fit or evaluate (``step_runner.agreed_batch_logs``).
         return self.verbose == 1 and self._tty() and is_chief(self.model)
 
     @property
