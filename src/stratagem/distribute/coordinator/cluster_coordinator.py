@@ -10,9 +10,9 @@ TF2's parameter-server training: the chief (the coordinator) runs the training l
    (``stratagem.shipping``: what cannot be sent is a ``TypeError`` here, in the caller),
    queues it and returns a ``RemoteValue`` at once. A function's table (what it captures) is
    described on every call, unless it is the same function with the same arguments as the last
-   call and nothing the last describe read has changed since (``_Described``: a loop's
+   call and nothing the last describe read has changed since (``KeptDescriptions``: a loop's
    function, described once); a worker keeps the last table of plain data it was sent, and a
-   run whose table is the same (``_fingerprint``: types included) sends only its number; one
+   run whose table is the same (``fingerprint``: types included) sends only its number; one
    that differs from it in a few entries (a counter a loop advances) sends those entries
    alone.
 3. Per-worker resources (``create_per_worker_dataset``, ``iter`` of one) are a log every
@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import copy
-import operator
 import os
 import sys
 import threading
@@ -93,7 +91,7 @@ class _Closure:
         self.name = name
         self.call = call  # the "run" request's arguments: [id, table, ref, args, kwargs]
         # The table's number when a worker may keep it (plain data alone, no tensor), the same
-        # for every function whose table is the same (``_table_id``); else None.
+        # for every function whose table is the same (``shipping.TableNumbers``); else None.
         self.table_id: int | None = None
         self.entries: dict[str, bytes] | None = None  # each table entry's fingerprint
         self.accumulators = accumulators  # the metrics it sent: their totals come back
@@ -102,87 +100,6 @@ class _Closure:
         self.must_see = 0
         # Set when an earlier function failed while this one ran: its outcome is not taken.
         self.cancelled: CancelledError | None = None
-
-
-class _Described:
-    """A schedule's description (its table, the function's reference, its arguments' entries,
-    its accumulators and fingerprint), kept for the next ``schedule`` of the same function and
-    arguments (by identity) while a snapshot of everything the describe read is unchanged
-    (``shipping.Reads``): describing again would make the same.
-
-    The values of volatile attributes (``Portable._sg_volatile``: fit's step counter) are not
-    watched but read again at each call and put in the table (``refreshed``). Recording the
-    reads and taking the snapshot cost about half a describe more. A description that cannot be
-    kept (a tensor by value in it) or whose reads changed at two calls in a row (a loop that
-    changes what its function captures at every call) is not watched for the next
-    ``_UNWATCHED`` calls of its function (``ClusterCoordinator._unwatched``); then it is tried
-    again."""
-
-    def __init__(
-        self,
-        fn: Any,
-        args: tuple,
-        kwargs: dict[str, Any],
-        name: str,
-        describer: shipping.Describer,
-        call: tuple[Any, list[Any], dict[str, Any]],
-        fingerprint: dict[str, bytes] | None,
-        snapshot: shipping.Snapshot | None,
-        volatile: list[tuple[str, Any, str]],
-    ) -> None:
-        self.fn = fn
-        self.args = tuple(args)  # copies: a caller may change the list or dict it passed
-        self.kwargs = dict(kwargs)
-        self.name = name
-        self.table = describer.functions
-        self.accumulators = describer.accumulators
-        self.ref, self.call_args, self.call_kwargs = call
-        self.fingerprint = fingerprint  # None: a tensor in the table
-        self.snapshot = snapshot  # None: not to be kept
-        self.volatile = volatile  # (table key, object, attribute): read again at each call
-        self.changed = 0  # calls in a row, with the same arguments, that found it changed
-
-    def refreshed(self) -> _Described | None:
-        """This description with the values its volatile attributes have now (a step
-        counter's); None where one is no longer a number, a string or None."""
-        patches: dict[str, dict[str, Any]] = {}
-        for key, obj, attribute in self.volatile:
-            now = vars(obj).get(attribute, _ABSENT)
-            if type(now) not in shipping.VOLATILE_TYPES:
-                return None
-            entry = patches.get(key) or self.table[key]
-            was = entry["state"].get(attribute)
-            if was is None:
-                continue  # local to each process: not described
-            if was.get("k") != "value":
-                return None  # it held something else when described
-            if was["v"] is now:
-                continue
-            state = {**entry["state"], attribute: {"k": "value", "v": now}}
-            patches[key] = {**entry, "state": state}
-        if not patches:
-            return self
-        fresh = copy.copy(self)
-        fresh.table = {**self.table, **patches}
-        fresh.fingerprint = {
-            **(self.fingerprint or {}),
-            **(_fingerprint(patches) or {}),  # (plain: a kept table's entries, a number)
-        }
-        return fresh
-
-    def same_call(self, fn: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
-        return (
-            fn is self.fn
-            and len(args) == len(self.args)
-            and all(map(operator.is_, args, self.args))
-            and kwargs.keys() == self.kwargs.keys()
-            and all(kwargs[k] is v for k, v in self.kwargs.items())
-        )
-
-
-_UNWATCHED = 64  # see _Described
-_ABSENT = object()
-_KEPT_FUNCTIONS = 8  # descriptions kept: the last of each of the last functions scheduled
 
 
 # What ``ClusterCoordinator._special`` describes, besides its strategy and itself.
@@ -195,19 +112,6 @@ _SPECIAL_TYPES = (
     PerWorkerDataset,
     RemoteValue,
 )
-
-
-def _fingerprint(table: dict[str, Any]) -> dict[str, bytes] | None:
-    """Per entry of a table, its ``shipping.plain_bytes``; None for a table a worker may not
-    keep from call to call (a tensor in it: a captured one, a buffer's value, a dataset's
-    data, which a call may change)."""
-    fingerprint: dict[str, bytes] = {}
-    for key, entry in table.items():
-        data = shipping.plain_bytes(entry)
-        if data is None:
-            return None
-        fingerprint[key] = data
-    return fingerprint
 
 
 def _raised_on_worker(error: Any, headline: Callable[[str, str], str]) -> FunctionError:
@@ -281,22 +185,15 @@ class ClusterCoordinator:
         self._closing = False
         self._buffer_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.completed = 0  # functions whose value was set (each counted once)
-        self.tables_sent_by_number = 0  # runs whose worker had their table (``_fingerprint``)
+        self.tables_sent_by_number = 0  # runs whose worker had their table
         self.tables_sent_as_changes = 0  # runs sent as the entries that changed since its last
         # Runs ended (each may have pushed), and how many had when the chief last pulled.
         self._finished = 0
         self._fresh = 0
         self._pull_lock = threading.Lock()
         self._calls = 0  # runs sent to the workers: each is numbered (its worker's pulls)
-        # The last table's fingerprints and its number.
-        self._last_table: tuple[dict[str, bytes], int] | None = None
-        self._kept: dict[int, _Described] = {}  # id(function) -> its last description
-        self._unwatched: dict[int, int] = {}  # id(function) -> calls still to describe afresh
-        self._kept_lock = threading.Lock()  # schedule may be called from several threads
-        self.descriptions_kept = 0  # schedules that used the last one's description
-        # A check for tests: describe every function again where the last description is kept,
-        # and raise if the two differ.
-        self._check_kept = os.environ.get("STRATAGEM_CHECK_KEPT_DESCRIPTIONS") == "1"
+        self._tables = shipping.TableNumbers()
+        self._descriptions = shipping.KeptDescriptions(self._describer)
         program = shipping.program_file()
         root = shipping.program_root()
         hello: list[Any] = [None, None]
@@ -333,7 +230,7 @@ class ClusterCoordinator:
         self._raise_if_error()
         # Variables created in a scope still open are made on the ps before a function uses them.
         self.strategy.extended.adopt_pending()
-        described = self._description(fn, args, kwargs or {})
+        described = self._descriptions.describe(fn, args, kwargs or {})
         name, fingerprint = described.name, described.fingerprint
         with self._lock:
             if self._closing:
@@ -353,7 +250,7 @@ class ClusterCoordinator:
                 self._refresh_when_idle,
             )
             closure.must_see = self._writes_ended()
-            closure.table_id = self._table_id(fingerprint)
+            closure.table_id = self._tables.number(fingerprint, self._new_id)
             closure.entries = fingerprint
             if self._error is not None:
                 # A function failed while this one was being described (after the check
@@ -442,88 +339,10 @@ class ClusterCoordinator:
             self._lock.notify_all()
             return PerWorkerIterator(self._next_id)
 
-    def _description(
-        self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]
-    ) -> _Described:
-        """``fn(*args, **kwargs)`` described: the last description of ``fn`` where it is the
-        same call and nothing it read has changed, else a new one (kept, and watched, as
-        ``_Described`` says)."""
-        key = id(fn)  # (a kept description holds its function: the id stays its own)
-        with self._kept_lock:
-            skip = self._unwatched.pop(key, 0)
-            if skip > 1:
-                self._unwatched[key] = skip - 1
-            if skip:
-                return self._describe(fn, args, kwargs, watch=False)
-            kept = self._kept.pop(key, None)
-            changed = 0
-            if kept is not None and kept.snapshot is not None and kept.same_call(fn, args, kwargs):
-                current = kept.refreshed() if kept.snapshot.unchanged() else None
-                if current is not None:
-                    self._kept[key] = current  # the most recent again
-                    self.descriptions_kept += 1
-                    if self._check_kept:
-                        self._check_kept_description(current)
-                    return current
-                changed = kept.changed + 1
-            described = self._describe(fn, args, kwargs, watch=changed < 2)
-            if described.snapshot is None:
-                if len(self._unwatched) >= 4 * _KEPT_FUNCTIONS:
-                    self._unwatched.clear()  # (ids of functions long gone, perhaps)
-                self._unwatched[key] = _UNWATCHED
-                return described
-            described.changed = changed
-            if len(self._kept) >= _KEPT_FUNCTIONS:
-                del self._kept[next(iter(self._kept))]  # the function scheduled longest ago
-            self._kept[key] = described
-            return described
-
-    def _describe(
-        self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], *, watch: bool
-    ) -> _Described:
-        """Describe ``fn(*args, **kwargs)``; with ``watch``, with a snapshot of what was read
-        where the description may be kept (no tensor by value in it, every read recorded)."""
-        name = shipping.source_line(fn)
-        reads = shipping.Reads() if watch else None
-        describer = self._describer(reads)
-        ref = describer.function(fn, what=name)
-        call_args = [
-            describer.value(a, owner=name, name=f"argument {i}") for i, a in enumerate(args)
-        ]
-        call_kwargs = {
-            k: describer.value(v, owner=name, name=f"argument {k!r}") for k, v in kwargs.items()
-        }
-        call = (ref, call_args, call_kwargs)
-        fingerprint = _fingerprint(describer.functions)
-        snapshot = None
-        if reads is not None and fingerprint is not None and shipping.plain_bytes(call) is not None:
-            snapshot = reads.snapshot()
-        volatile = reads.volatile if reads is not None else []
-        return _Described(fn, args, kwargs, name, describer, call, fingerprint, snapshot, volatile)
-
-    def _check_kept_description(self, kept: _Described) -> None:
-        """``STRATAGEM_CHECK_KEPT_DESCRIPTIONS=1``: the kept description is what a new one
-        would be, or an ``AssertionError`` names the first difference."""
-        fresh = self._describe(kept.fn, kept.args, kept.kwargs, watch=False)
-        then, now = kept.fingerprint or {}, fresh.fingerprint or {}
-        differences = [
-            f"table entry {k}: kept {kept.table.get(k)!r}, new {fresh.table.get(k)!r}"
-            for k in sorted({*then, *now})
-            if then.get(k) != now.get(k)
-        ]
-        calls = [(kept.ref, kept.call_args, kept.call_kwargs), (fresh.ref, fresh.call_args,
-                 fresh.call_kwargs)]  # fmt: skip
-        if shipping.plain_bytes(calls[0]) != shipping.plain_bytes(calls[1]):
-            differences.append(f"the function and arguments: kept {calls[0]!r}, new {calls[1]!r}")
-        if kept.accumulators.keys() != fresh.accumulators.keys() or any(
-            fresh.accumulators[k] is not v for k, v in kept.accumulators.items()
-        ):
-            differences.append("the accumulators")
-        if differences:
-            raise AssertionError(
-                f"schedule({kept.name}) kept the last description, but a new one differs: "
-                + "; ".join(differences)
-            )
+    @property
+    def descriptions_kept(self) -> int:
+        """Schedules that used the last one's description (``shipping.KeptDescriptions``)."""
+        return self._descriptions.used
 
     def _describer(self, reads: shipping.Reads | None = None) -> shipping.Describer:
         """A describer whose specials (``_special``) may describe what they hold with it."""
@@ -604,16 +423,9 @@ class ClusterCoordinator:
         (each may have pushed) and the chief's own requests that changed the ps."""
         return self._finished + self._seam.writes
 
-    def _table_id(self, fingerprint: dict[str, bytes] | None) -> int | None:
-        """The number of a function's table (the lock is held): the last one's when the two
-        are the same, a new one else; None for a table a worker may not keep."""
-        if fingerprint is None:
-            return None
-        last = self._last_table
-        if last is not None and (last[0] is fingerprint or last[0] == fingerprint):
-            return last[1]
+    def _new_id(self) -> int:
+        """A fresh number for a closure, a per-worker resource or a table (the lock is held)."""
         self._next_id += 1
-        self._last_table = (fingerprint, self._next_id)
         return self._next_id
 
     def _call_numbers(
@@ -731,9 +543,8 @@ class ClusterCoordinator:
     def _dispatch(self, rank: int, connection: Connection) -> None:
         replayed = 0  # the per-worker resources this worker has made
         sent: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
-        # The table this worker keeps (the last one it was sent): its number, its entries'
-        # fingerprints.
-        kept: list[Any] = [None, None]
+        # The table this worker keeps (the last one it was sent).
+        kept = shipping.SentTables()
         while True:
             with self._lock:
                 self._lock.wait_for(
@@ -794,25 +605,16 @@ class ClusterCoordinator:
         connection: Connection,
         closure: _Closure,
         calls: list[int],
-        kept: list[Any],
+        kept: shipping.SentTables,
     ) -> bool:
         call = [*closure.call, calls, closure.table_id]
-        entries, kept_id, kept_entries = closure.entries, kept[0], kept[1]
-        if closure.table_id is not None and kept_id == closure.table_id:
-            call[1] = None  # the worker has this table: its number says which
+        sending = kept.to_send(closure.call[1], closure.table_id, closure.entries)
+        call[1] = sending.table
+        if sending.how == "number":
             self.tables_sent_by_number += 1
-        elif (
-            entries is not None
-            and kept_entries is not None
-            and entries.keys() == kept_entries.keys()
-        ):
-            # The same entries as the table the worker keeps, some changed (a step counter of
-            # fit's): those alone, and the number of the table they change.
-            table = closure.call[1]
-            call[1] = {k: table[k] for k, f in entries.items() if kept_entries[k] != f}
-            call.append(kept_id)
+        elif sending.how == "changes":
+            call.append(sending.changes_to)
             self.tables_sent_as_changes += 1
-        kept[:] = [closure.table_id, entries]
         try:
             outcome = self._ask(rank, connection, "run", call, f"the function {closure.name}")
         except (PeerLostError, CollectiveTimeoutError) as e:
