@@ -42,9 +42,6 @@ TF2's parameter-server training: the chief (the coordinator) runs the training l
 from __future__ import annotations
 
 import atexit
-import collections
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -56,51 +53,22 @@ from torch.utils.weak import WeakIdKeyDictionary
 from stratagem import data as sg_data
 from stratagem import shipping
 from stratagem.cluster import is_coordinated
-from stratagem.cluster.tasks import restart_workers_of
-from stratagem.comm.messages import Connection
-from stratagem.comm.process_group import Timeouts
+from stratagem.distribute.coordinator.dispatch import Dispatch
+from stratagem.distribute.coordinator.transport import WorkerLinks
 from stratagem.distribute.coordinator.values import (
     CancelledError,
-    FunctionError,
     PerWorkerDataset,
     PerWorkerIterator,
     RemoteValue,
 )
+from stratagem.distribute.coordinator.work_queue import Closure, WorkQueue
+from stratagem.distribute.coordinator.worker_loss import WorkerLoss
 from stratagem.distribute.machinery import scope_hooks
 from stratagem.distribute.machinery.input import (
     PerWorkerDistributedDataset,
     PerWorkerDistributedDatasetsFromFunction,
 )
-from stratagem.errors import CollectiveTimeoutError, PeerLostError
-
-# How often the coordinator looks for a lost worker's next incarnation (a store read and a
-# liveness probe, both on this machine's chief: cheap).
-_REJOIN_POLL_S = 0.25
-
-
-class _Closure:
-    def __init__(
-        self,
-        cid: int,
-        name: str,
-        call: list[Any],
-        accumulators: dict[str, Any],
-        on_fetch: Callable[[], None],
-    ) -> None:
-        self.cid = cid
-        self.name = name
-        self.call = call  # the "run" request's arguments: [id, table, ref, args, kwargs]
-        # The table's number when a worker may keep it (plain data alone, no tensor), the same
-        # for every function whose table is the same (``shipping.TableNumbers``); else None.
-        self.table_id: int | None = None
-        self.entries: dict[str, bytes] | None = None  # each table entry's fingerprint
-        self.accumulators = accumulators  # the metrics it sent: their totals come back
-        self.value = RemoteValue(name, on_fetch)
-        # The writes it must see (``ClusterCoordinator._writes_ended``) when it was scheduled.
-        self.must_see = 0
-        # Set when an earlier function failed while this one ran: its outcome is not taken.
-        self.cancelled: CancelledError | None = None
-
+from stratagem.errors import PeerLostError
 
 # What ``ClusterCoordinator._special`` describes, besides its strategy and itself.
 _SPECIAL_TYPES = (
@@ -112,15 +80,6 @@ _SPECIAL_TYPES = (
     PerWorkerDataset,
     RemoteValue,
 )
-
-
-def _raised_on_worker(error: Any, headline: Callable[[str, str], str]) -> FunctionError:
-    """A worker's error reply (``[type name, message, traceback text]``) as a
-    ``FunctionError``: ``headline(type name, message)``, then the worker's traceback."""
-    type_name, message, text = error
-    return FunctionError(
-        f"{headline(type_name, message)}\nThe worker's traceback:\n{text}", type_name
-    )
 
 
 def check_coordinator_cluster(resolver: Any) -> None:
@@ -171,55 +130,54 @@ class ClusterCoordinator:
         self.strategy = strategy
         self._seam = strategy.extended.coordinator_seam
         world = self._seam.world
-        self._world = world
-        self._lock = threading.Condition()
-        self._queue: collections.deque[_Closure] = collections.deque()
-        self._inflight = 0
-        self._running: dict[int, tuple[_Closure, int]] = {}  # closure id -> (it, worker rank)
-        self._control: dict[int, Connection] = {}  # per worker rank: where cancels are said
-        self._control_lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._resources: list[tuple[str, list[Any], str]] = []  # the per-worker log
-        self._replayed: dict[int, int] = {}  # per worker rank: how much of the log it made
-        self._next_id = 0
-        self._closing = False
+        self._links = WorkerLinks(world, self._seam.compression)
+        self._work = WorkQueue(
+            world.describe, lambda: self._seam.writes, self._links.tell_to_cancel
+        )
+        self._dispatch = Dispatch(
+            self._work, self._links, world.describe, lambda rank, e: self._loss.lost(rank, e)
+        )
+        self._loss = WorkerLoss(self._work, self._links, world, self._dispatch.start)
         self._buffer_keys: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self.completed = 0  # functions whose value was set (each counted once)
-        self.tables_sent_by_number = 0  # runs whose worker had their table
-        self.tables_sent_as_changes = 0  # runs sent as the entries that changed since its last
-        # Runs ended (each may have pushed), and how many had when the chief last pulled.
-        self._finished = 0
+        # How many runs had ended when the chief last pulled.
         self._fresh = 0
         self._pull_lock = threading.Lock()
-        self._calls = 0  # runs sent to the workers: each is numbered (its worker's pulls)
         self._tables = shipping.TableNumbers()
         self._descriptions = shipping.KeptDescriptions(self._describer)
-        program = shipping.program_file()
-        root = shipping.program_root()
-        hello: list[Any] = [None, None]
-        if program is not None:
-            hello = [program.relative_to(root).as_posix(), shipping.file_hash(program)]
-        hello.append(self._seam.compression)
-        self._hello = hello  # said again to a worker that rejoins
-        self._incarnations = dict(world.incarnations)  # of the workers connected to
-        # The launcher restarts lost workers (--restart-workers): losing all is not the end.
-        self._expect_rejoin = restart_workers_of(os.environ) > 0
-        self._all_lost_at: float | None = None
-        self._workers: list[tuple[int, Connection]] = []
+        workers = self._work.workers
         try:
             for rank in world.ranks("worker"):
-                connection = self._connect(rank)
-                self._workers.append((rank, connection))
-                self._ask(rank, connection, "hello", hello, "the coordinator's hello")
+                connection = self._links.connect(rank)
+                workers.append((rank, connection))
+                self._links.hello(rank, connection)
         except BaseException:
-            for _, connection in self._workers:
+            for _, connection in workers:
                 connection.close()
             raise
-        self._threads: list[threading.Thread] = []
-        for rank, connection in self._workers:
-            self._start_dispatch(rank, connection)
+        for rank, connection in workers:
+            self._dispatch.start(rank, connection)
         atexit.register(self.shutdown)
         strategy.cluster_coordinator = self
+
+    @property
+    def completed(self) -> int:
+        """Functions whose value was set (each counted once)."""
+        return self._dispatch.completed
+
+    @property
+    def tables_sent_by_number(self) -> int:
+        """Runs whose worker had their table (``shipping.SentTables``)."""
+        return self._dispatch.tables_sent_by_number
+
+    @property
+    def tables_sent_as_changes(self) -> int:
+        """Runs sent as the entries that changed since their worker's last table."""
+        return self._dispatch.tables_sent_as_changes
+
+    @property
+    def descriptions_kept(self) -> int:
+        """Schedules that used the last one's description (``shipping.KeptDescriptions``)."""
+        return self._descriptions.used
 
     # ----------------------------------------------------------------------- scheduling
 
@@ -227,20 +185,21 @@ class ClusterCoordinator:
         self, fn: Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> RemoteValue:
         """Queue ``fn(*args, **kwargs)`` for a free worker; its ``RemoteValue``, at once."""
-        self._raise_if_error()
+        self._work.raise_if_error()
         # Variables created in a scope still open are made on the ps before a function uses them.
         self.strategy.extended.adopt_pending()
         described = self._descriptions.describe(fn, args, kwargs or {})
         name, fingerprint = described.name, described.fingerprint
-        with self._lock:
-            if self._closing:
+        work = self._work
+        with work.lock:
+            if work.closing:
                 raise RuntimeError(f"schedule({name}) after the coordinator shut down")
-            self._next_id += 1
-            closure = _Closure(
-                self._next_id,
+            cid = work.new_id()
+            closure = Closure(
+                cid,
                 name,
                 [
-                    self._next_id,
+                    cid,
                     described.table,
                     described.ref,
                     described.call_args,
@@ -249,17 +208,17 @@ class ClusterCoordinator:
                 described.accumulators,
                 self._refresh_when_idle,
             )
-            closure.must_see = self._writes_ended()
-            closure.table_id = self._tables.number(fingerprint, self._new_id)
+            closure.must_see = work.writes_ended()
+            closure.table_id = self._tables.number(fingerprint, work.new_id)
             closure.entries = fingerprint
-            if self._error is not None:
+            if work.error is not None:
                 # A function failed while this one was being described (after the check
                 # above): it is cancelled as the ones queued then were. Queued behind a pending
                 # error, no worker would take it and nothing would cancel it: fetch() would hang.
-                closure.value.settle(error=self._cancelled(closure, self._error))
+                closure.value.settle(error=work.cancelled(closure, work.error))
             else:
-                self._queue.append(closure)
-            self._lock.notify_all()
+                work.queue.append(closure)
+            work.lock.notify_all()
         # Let a dispatch thread that waits for the GIL have it now (a syscall that releases
         # it): a loop scheduling many functions at once (fit schedules an epoch) otherwise
         # holds it for the switch interval, 5 ms, while a worker waits for its next function.
@@ -269,17 +228,18 @@ class ClusterCoordinator:
     def join(self) -> None:
         """Wait until every scheduled function has finished; raise the first error one raised
         (then it is cleared, and the functions still queued were cancelled)."""
-        with self._lock:
-            self._lock.wait_for(lambda: self._error is not None or self._idle())
-            self._lock.wait_for(lambda: self._inflight == 0)
-        self._raise_if_error()
+        work = self._work
+        with work.lock:
+            work.lock.wait_for(lambda: work.error is not None or work.idle())
+            work.lock.wait_for(lambda: work.inflight == 0)
+        work.raise_if_error()
         self.refresh()  # the chief's model after join() is the trained one
 
     def done(self) -> bool:
         """Whether every scheduled function has finished (raises the first error, as ``join``)."""
-        self._raise_if_error()
-        with self._lock:
-            idle = self._idle()
+        self._work.raise_if_error()
+        with self._work.lock:
+            idle = self._work.idle()
         if idle:
             self.refresh()
         return idle
@@ -321,28 +281,22 @@ class ClusterCoordinator:
         # One draw for this dataset: each worker's unseeded shuffles derive theirs from it and
         # its index, so they differ between workers (as TF's) and repeat after manual_seed.
         seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
-        with self._lock:
-            self._next_id += 1
-            dataset_id = self._next_id
+        with self._work.lock:
+            dataset_id = self._work.new_id()
             args = [dataset_id, describer.functions, ref, call, seed]
             what = f"dataset_fn {name}" if call else f"the dataset {name}"
-            self._resources.append(("make_dataset", args, what))
-            self._lock.notify_all()
+            self._work.resources.append(("make_dataset", args, what))
+            self._work.lock.notify_all()
         return PerWorkerDataset(self, dataset_id)
 
     def make_iterator(self, dataset: PerWorkerDataset) -> PerWorkerIterator:
         """``iter(per_worker_dataset)``: each worker makes its own iterator of its dataset."""
-        with self._lock:
-            self._next_id += 1
+        with self._work.lock:
+            iterator_id = self._work.new_id()
             what = f"iter() of the dataset {dataset.dataset_id}"
-            self._resources.append(("make_iterator", [self._next_id, dataset.dataset_id], what))
-            self._lock.notify_all()
-            return PerWorkerIterator(self._next_id)
-
-    @property
-    def descriptions_kept(self) -> int:
-        """Schedules that used the last one's description (``shipping.KeptDescriptions``)."""
-        return self._descriptions.used
+            self._work.resources.append(("make_iterator", [iterator_id, dataset.dataset_id], what))
+            self._work.lock.notify_all()
+            return PerWorkerIterator(iterator_id)
 
     def _describer(self, reads: shipping.Reads | None = None) -> shipping.Describer:
         """A describer whose specials (``_special``) may describe what they hold with it."""
@@ -412,46 +366,7 @@ class ClusterCoordinator:
             )
         return None
 
-    # ------------------------------------------------------------ the dispatch threads
-
-    def _idle(self) -> bool:
-        made = all(self._replayed.get(r, 0) == len(self._resources) for r, _ in self._workers)
-        return not self._queue and self._inflight == 0 and made
-
-    def _writes_ended(self) -> int:
-        """How many writes to the ps have ended (the lock is held): the runs of functions
-        (each may have pushed) and the chief's own requests that changed the ps."""
-        return self._finished + self._seam.writes
-
-    def _new_id(self) -> int:
-        """A fresh number for a closure, a per-worker resource or a table (the lock is held)."""
-        self._next_id += 1
-        return self._next_id
-
-    def _call_numbers(
-        self, closure: _Closure, sent: collections.deque[tuple[int, int]]
-    ) -> list[int]:
-        """Number a run of ``closure`` on a worker (the lock is held): ``[call, since]``.
-
-        ``sent`` holds that worker's recent runs (on this connection) as ``(call, writes
-        ended when it was sent)``. A copy the worker wrote from the ps during call n holds
-        every write that had ended when n was sent; so ``since``, the first such call after
-        which the writes ``closure`` must see (those ended when it was scheduled) had all
-        ended, tells the worker which copies it need not pull again. Functions scheduled ahead
-        of the one running (a loop that keeps several in flight) pull nothing as a rule; one
-        scheduled after ``join`` pulls what was pushed since."""
-        self._calls += 1
-        call = self._calls
-        sent.append((call, self._writes_ended()))
-        since = next(n for n, ended in sent if ended >= closure.must_see)
-        return [call, since]
-
-    def _run_ended(self, closure: _Closure) -> None:
-        """A function's run on a worker ended, however (the lock is held): what it pushed is
-        on the ps, so the chief's copies of the variables are behind until the next pull."""
-        self._inflight -= 1
-        self._finished += 1
-        self._running.pop(closure.cid, None)
+    # ------------------------------------------------------------------ the chief's reads
 
     def refresh(self) -> None:
         """Bring the chief's copies of the ps's variables up to date when a function ended
@@ -462,8 +377,8 @@ class ClusterCoordinator:
         (``ps.chief_reads``): the chief never computes on or saves parameters older than the
         functions that ended before the read. Cheap (a comparison) when nothing ended.
         """
-        with self._lock:
-            finished = self._finished
+        with self._work.lock:
+            finished = self._work.finished
         if finished == self._fresh:
             return
         with self._pull_lock:  # one pull at a time; a read that waited finds it done
@@ -475,363 +390,38 @@ class ClusterCoordinator:
         """``fetch``'s: refresh once every scheduled function has ended (the value fetched
         last is the program's next read of the model); while others run, reads refresh
         themselves (the hooks), and a fetch costs no pull."""
-        with self._lock:
-            idle = not self._queue and self._inflight == 0
+        with self._work.lock:
+            idle = not self._work.queue and self._work.inflight == 0
         if idle:
             self.refresh()
-
-    def _raise_if_error(self) -> None:
-        with self._lock:
-            error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    @staticmethod
-    def _cancelled(closure: _Closure, error: BaseException) -> CancelledError:
-        return CancelledError(
-            f"{closure.name} was cancelled: an earlier function failed ({error}). Schedule it again"
-        )
-
-    def _fail(self, error: BaseException) -> None:
-        """Keep the first error; cancel what is still queued, and what still runs (the lock
-        is held)."""
-        if self._error is None:
-            self._error = error
-        while self._queue:
-            closure = self._queue.popleft()
-            closure.value.settle(error=self._cancelled(closure, error))
-        stop: dict[int, list[int]] = {}  # worker rank -> the closures it is to stop
-        for cid, (closure, rank) in self._running.items():
-            if closure.cancelled is None:
-                closure.cancelled = CancelledError(
-                    f"{closure.name} was cancelled while it ran on {self._world.describe(rank)}: "
-                    f"an earlier function failed ({error}). Schedule it again"
-                )
-                stop.setdefault(rank, []).append(cid)
-        for rank, cids in stop.items():
-            threading.Thread(
-                target=self._tell_to_cancel,
-                args=(rank, cids),
-                name=f"stratagem-cancel-{rank}",
-                daemon=True,
-            ).start()
-        self._lock.notify_all()
-
-    def _tell_to_cancel(self, rank: int, cids: list[int]) -> None:
-        """Tell worker ``rank`` to stop these functions (TF's cancellation of in-flight
-        functions), on a connection of its own: the dispatch thread's waits for the run's
-        reply. A worker that is gone, or cannot be reached, has nothing left to stop."""
-        try:
-            with self._control_lock:  # one connection per worker, one cancellation at a time
-                connection = self._control.get(rank)
-                if connection is None or connection.closed:
-                    connection = self._control[rank] = self._connect(rank)
-                self._ask(rank, connection, "cancel", [cids], "a cancellation")
-        except Exception as e:  # the functions' values are cancelled all the same
-            print(
-                f"could not tell {self._world.describe(rank)} to stop the cancelled functions "
-                f"{cids} ({type(e).__name__}: {e}); their outcome is not taken",
-                file=sys.stderr,
-            )
-
-    def _start_dispatch(self, rank: int, connection: Connection) -> None:
-        """Start worker ``rank``'s dispatch thread (at the start, and when it rejoins)."""
-        thread = threading.Thread(target=self._dispatch, args=(rank, connection), daemon=True)
-        self._threads.append(thread)
-        thread.start()
-
-    def _dispatch(self, rank: int, connection: Connection) -> None:
-        replayed = 0  # the per-worker resources this worker has made
-        sent: collections.deque[tuple[int, int]] = collections.deque(maxlen=64)
-        # The table this worker keeps (the last one it was sent).
-        kept = shipping.SentTables()
-        while True:
-            with self._lock:
-                self._lock.wait_for(
-                    lambda replayed=replayed: (
-                        self._closing
-                        or replayed < len(self._resources)
-                        or (self._queue and self._error is None)
-                    )
-                )
-                if replayed < len(self._resources):
-                    method, args, what = self._resources[replayed]
-                    closure = None
-                elif self._queue and self._error is None:
-                    closure = self._queue.popleft()
-                    self._inflight += 1
-                    self._running[closure.cid] = (closure, rank)
-                    calls = self._call_numbers(closure, sent)
-                else:
-                    return  # closing, nothing left for this worker
-            if closure is None:
-                if not self._make_resource(rank, connection, method, args, what):
-                    return
-                replayed += 1
-                with self._lock:
-                    self._replayed[rank] = replayed
-                    self._lock.notify_all()
-                continue
-            if not self._run(rank, connection, closure, calls, kept):
-                return
-
-    def _make_resource(
-        self, rank: int, connection: Connection, method: str, args: list[Any], what: str
-    ) -> bool:
-        try:
-            outcome = self._ask(rank, connection, method, args, what)
-        except PeerLostError as e:
-            self._lost(rank, e)
-            return False
-        except Exception as e:  # stuck (timed out), or it answered outside the protocol
-            connection.close()
-            with self._lock:
-                self._fail(RuntimeError(f"{what} on {self._world.describe(rank)} failed: {e}"))
-            self._lost(rank, e)
-            return False
-        if "error" in outcome:
-            with self._lock:
-                self._fail(
-                    _raised_on_worker(
-                        outcome["error"],
-                        lambda t, m: f"{what} failed on {self._world.describe(rank)}: {t}: {m}",
-                    )
-                )
-        return True
-
-    def _run(
-        self,
-        rank: int,
-        connection: Connection,
-        closure: _Closure,
-        calls: list[int],
-        kept: shipping.SentTables,
-    ) -> bool:
-        call = [*closure.call, calls, closure.table_id]
-        sending = kept.to_send(closure.call[1], closure.table_id, closure.entries)
-        call[1] = sending.table
-        if sending.how == "number":
-            self.tables_sent_by_number += 1
-        elif sending.how == "changes":
-            call.append(sending.changes_to)
-            self.tables_sent_as_changes += 1
-        try:
-            outcome = self._ask(rank, connection, "run", call, f"the function {closure.name}")
-        except (PeerLostError, CollectiveTimeoutError) as e:
-            # Ended, or stopped answering (stopped or stuck: no note for the operation
-            # timeout): as TF's, another worker runs the function (unless it was cancelled).
-            # A stuck worker that comes back may still push what it computed, as in TF; its
-            # value is not taken (the connection is closed), and the function's value is set
-            # once.
-            connection.close()
-            with self._lock:
-                self._run_ended(closure)
-                if closure.cancelled is not None:
-                    closure.value.settle(error=closure.cancelled)
-                else:
-                    self._queue.appendleft(closure)
-                self._lock.notify_all()
-            self._lost(rank, e)
-            return False
-        except Exception as e:  # it answered outside the protocol
-            connection.close()
-            error = RuntimeError(f"{closure.name} on {self._world.describe(rank)} failed: {e}")
-            with self._lock:
-                self._run_ended(closure)
-                closure.value.settle(error=error)
-                self._fail(error)
-            self._lost(rank, e)
-            return False
-        with self._lock:
-            self._run_ended(closure)
-            if closure.cancelled is not None:
-                # Cancelled while it ran (an earlier function failed): whatever it ended with,
-                # its value is the cancellation, and its error (the cancellation itself, as a
-                # rule) is not a new one for join to raise; its metric totals are not taken.
-                closure.value.settle(error=closure.cancelled)
-            elif "error" in outcome:
-                error = _raised_on_worker(
-                    outcome["error"],
-                    lambda t, m: f"{closure.name} raised {t} on {self._world.describe(rank)}: {m}",
-                )
-                closure.value.settle(error=error)
-                self._fail(error)
-            else:
-                totals = outcome.get("totals", {})
-
-                def merge() -> None:
-                    # Once per function (a rerun's totals never count twice), and before the
-                    # value is seen: a metric read after fetch() includes this function.
-                    shipping.add_totals(closure.accumulators, totals)
-                    self.completed += 1
-
-                closure.value.settle(outcome["value"], merge=merge)
-            # An ended run changes only what join waits for (an error, nothing in flight):
-            # waking it (and every waiting dispatch thread) at each of a fit epoch's functions
-            # had the chief's main thread take the GIL from the dispatch thread about to send
-            # the next function (reply to next send: 360 us in fit, 75-135 in a custom loop).
-            if self._error is not None or self._inflight == 0:
-                self._lock.notify_all()
-        return True
-
-    def _lost(self, rank: int, error: BaseException) -> None:
-        with self._control_lock:  # a rejoined incarnation gets a connection of its own
-            control = self._control.pop(rank, None)
-        if control is not None:
-            control.close()
-        with self._lock:
-            self._workers = [(r, c) for r, c in self._workers if r != rank]
-            if not self._workers and not self._closing:
-                if self._expect_rejoin:
-                    self._all_lost_at = time.monotonic()
-                else:
-                    self._fail(RuntimeError(f"every worker was lost; the last: {error}"))
-            self._lock.notify_all()
-            if self._closing:
-                return
-            waiting = self._all_lost_at is not None and not self._workers
-        who = self._world.describe(rank)
-        if waiting:
-            patience = Timeouts.from_env().rendezvous
-            print(
-                f"{error}; every worker is lost: waiting up to {patience:g} s for a restarted one "
-                "to rejoin (--restart-workers; STRATAGEM_RENDEZVOUS_TIMEOUT)",
-                file=sys.stderr,
-            )
-        elif self._expect_rejoin:
-            print(f"{error}; the other workers take its work until {who} rejoins", file=sys.stderr)
-        else:  # a worker restarted by hand (STRATAGEM_TASK_INCARNATION) may still rejoin
-            print(f"{error}; the other workers take its work", file=sys.stderr)
-        threading.Thread(
-            target=self._await_rejoin,
-            args=(rank,),
-            name=f"stratagem-rejoin-{rank}",
-            daemon=True,
-        ).start()
-
-    def _await_rejoin(self, rank: int) -> None:
-        """Wait for a newer incarnation of lost worker ``rank`` (restarted by the launcher);
-        connect to it, and give it a dispatch thread that replays the per-worker resources
-        from the start of the log before its first function. Ends at shutdown."""
-        world = self._world
-        known = self._incarnations.get(rank, 1)
-        while True:
-            with self._lock:
-                if self._lock.wait_for(lambda: self._closing, timeout=_REJOIN_POLL_S):
-                    return
-                self._give_up_when_none_rejoins()
-            # ``state`` looks the rank up again once its known process has ended.
-            if world.state(rank) != "alive" or world.incarnations[rank] <= known:
-                continue
-            incarnation = world.incarnations[rank]
-            try:
-                connection = self._connect(rank)
-            except PeerLostError:
-                known = incarnation  # it ended again before we met: wait for the next one
-                continue
-            try:
-                self._ask(rank, connection, "hello", self._hello, "the coordinator's hello")
-            except PeerLostError:
-                connection.close()
-                known = incarnation
-                continue
-            except Exception as e:  # another program, or it answered outside the protocol
-                connection.close()
-                with self._lock:
-                    self._fail(
-                        RuntimeError(
-                            f"{world.describe(rank)} rejoined (incarnation {incarnation}) but "
-                            f"cannot serve this coordinator: {e}"
-                        )
-                    )
-                return
-            with self._lock:
-                if self._closing:
-                    connection.close()
-                    return
-                self._incarnations[rank] = incarnation
-                self._replayed[rank] = 0
-                self._all_lost_at = None
-                self._workers.append((rank, connection))
-                self._start_dispatch(rank, connection)
-                resources = len(self._resources)
-                self._lock.notify_all()
-            print(
-                f"{world.describe(rank)} restarted (incarnation {incarnation}); rejoined the "
-                f"coordinator (it remakes {resources} per-worker resources, then takes work)",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-
-    def _give_up_when_none_rejoins(self) -> None:
-        """Every worker lost, none back within the rendezvous timeout: fail what is queued, as
-        without restarts (the lock is held)."""
-        patience = Timeouts.from_env().rendezvous
-        lost_at = self._all_lost_at
-        if lost_at is None or self._workers or time.monotonic() - lost_at <= patience:
-            return
-        self._all_lost_at = None
-        self._fail(
-            RuntimeError(
-                f"every worker was lost and none rejoined within {patience:g} s "
-                "(STRATAGEM_RENDEZVOUS_TIMEOUT): the launcher's --restart-workers ran out, or "
-                "the restarted workers could not start"
-            )
-        )
-
-    def _connect(self, rank: int) -> Connection:
-        """A connection to worker ``rank`` (proving the job's secret)."""
-        world = self._world
-        return Connection(
-            world.address(rank),
-            me=world.name,
-            peer=world.describe(rank),
-            secret=world.secret,
-            timeout=Timeouts.from_env().operation,
-        )
-
-    def _ask(
-        self, rank: int, connection: Connection, method: str, args: list[Any], what: str
-    ) -> Any:
-        world = self._world
-        return connection.call(
-            method,
-            args,
-            what=what,
-            silent=world.silent,
-            peer_ended=lambda: world.has_ended(rank),
-        )
 
     # -------------------------------------------------------------------------- the end
 
     def shutdown(self) -> None:
         """At exit (or when called): cancel what is queued, let what runs finish, and tell each
         worker it may stop serving."""
-        with self._lock:
-            if self._closing:
+        work = self._work
+        with work.lock:
+            if work.closing:
                 return
-            self._closing = True
-            pending = list(self._queue)
-            self._queue.clear()
+            work.closing = True
+            pending = list(work.queue)
+            work.queue.clear()
             for closure in pending:
                 closure.value.settle(
                     error=CancelledError(f"{closure.name}: the coordinator shut down")
                 )
-            self._lock.notify_all()
-        for thread in self._threads:
+            work.lock.notify_all()
+        for thread in self._dispatch.threads:
             thread.join()
-        for rank, connection in self._workers:
+        for rank, connection in work.workers:
             try:
-                self._ask(rank, connection, "goodbye", [], "the coordinator's goodbye")
+                self._links.ask(rank, connection, "goodbye", [], "the coordinator's goodbye")
             except PeerLostError:
                 pass
             finally:
                 connection.close()
-        with self._control_lock:
-            control, self._control = list(self._control.values()), {}
-        for connection in control:
-            connection.close()
+        self._links.close_control()
 
 
 def _recipe(dataset: sg_data.Dataset, describer: shipping.Describer) -> list[Any]:
