@@ -736,17 +736,15 @@ def test_a_worker_applies_changes_only_to_the_table_it_keeps():
     """A run may bring the entries that changed since the table the worker keeps (a loop's
     counter): the worker's table is its kept one with those in place; changes to a table it
     does not keep, or that are not a table's entries, are refused."""
-    from types import SimpleNamespace
+    from stratagem.shipping import KeptTable
 
-    from stratagem.distribute.coordinator.worker import WorkerServer
-
-    worker = SimpleNamespace(me="worker 0", _kept_table=None)
+    worker = KeptTable("worker 0")
     first = {"f0": {"k": "function"}, "o1": {"step": 1}}
-    assert WorkerServer._table(worker, first, 7) == first
-    changed = WorkerServer._table(worker, {"o1": {"step": 2}}, 8, 7)
+    assert worker.receive(first, 7).table == first
+    changed = worker.receive({"o1": {"step": 2}}, 8, 7).table
     assert changed == {"f0": {"k": "function"}, "o1": {"step": 2}}
-    assert worker._kept_table == (8, changed)
+    assert worker.receive(None, 8).table is changed  # kept as table 8
     for table, changes_to in (({"o1": {}}, 7), ({"o1": {}}, "8"), ([1], 8)):
         with pytest.raises(ValueError, match=r"sent changes to table .* it keeps table 8"):
-            WorkerServer._table(worker, table, 9, changes_to)
-    assert worker._kept_table == (8, changed)
+            worker.receive(table, 9, changes_to)
+    assert worker.receive(None, 8).table is changed

@@ -530,7 +530,7 @@ def stale_check():
     catches a description kept where a new one differs: here its snapshot is made blind."""
     global STALE
     coordinator.schedule(read_stale).fetch()
-    coordinator._kept[id(read_stale)].snapshot = _Blind()
+    coordinator._descriptions.kept_of(read_stale).snapshot = _Blind()
     STALE = 1
     return raised(AssertionError, lambda: coordinator.schedule(read_stale))
 

@@ -13,6 +13,14 @@ only ``portable``.
 
 from stratagem.shipping.describe import Describer, Special
 from stratagem.shipping.entry_points import entry_point, nested_entry_points
+from stratagem.shipping.kept_descriptions import Description, KeptDescriptions, fingerprint
+from stratagem.shipping.kept_tables import (
+    KeptTable,
+    Received,
+    Sending,
+    SentTables,
+    TableNumbers,
+)
 from stratagem.shipping.portable import VOLATILE_TYPES, Portable, add_totals, totals_of
 from stratagem.shipping.program import (
     code_hash,
@@ -28,18 +36,26 @@ from stratagem.shipping.unchanged import Reads, Snapshot, plain_bytes, watch
 __all__ = [
     "VOLATILE_TYPES",
     "Describer",
+    "Description",
+    "KeptDescriptions",
+    "KeptTable",
     "Portable",
     "Reads",
     "Rebuilder",
+    "Received",
     "ResolveSpecial",
+    "Sending",
+    "SentTables",
     "Snapshot",
     "Special",
+    "TableNumbers",
     "add_totals",
     "code_hash",
     "compute_code_hash",
     "dtype_named",
     "entry_point",
     "file_hash",
+    "fingerprint",
     "nested_entry_points",
     "plain_bytes",
     "program_file",

@@ -128,7 +128,7 @@ class Reads:
     ``Portable`` (``volatile``: a step counter), whose values the keeper reads again itself.
 
     What it does not see, and why that is safe: a tensor's values (a table with a tensor by
-    value is never kept: ``ClusterCoordinator``'s fingerprint); a ``Portable`` class that
+    value is never kept: ``kept_descriptions.fingerprint``); a ``Portable`` class that
     computes its own state (``untrusted``: never kept); the program's files (a running
     program's code is loaded; a worker checks each file's hash against its own); which module
     attribute names a library's function or class (libraries do not rebind their own names).

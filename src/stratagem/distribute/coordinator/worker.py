@@ -141,7 +141,7 @@ class WorkerServer:
         self._cancel_lock = threading.Lock()
         self._goodbye = threading.Event()
         self.functions_run = 0
-        self._kept_table: tuple[int, Any] | None = None  # (its number, the table)
+        self._kept_table = shipping.KeptTable(self.me)  # the last numbered table sent
         self._kept_call: _KeptCall | None = None  # the last call's objects, while unchanged
         self.server, self.world = serve_and_join(
             resolver,
@@ -210,7 +210,7 @@ class WorkerServer:
         check_same_program(program, sha, me=self.me, root=self.root)
         self._seam.use_compression(compression)
         self._seam.forget_calls()  # a chief (a new one, maybe) numbers its calls from 1
-        self._kept_table = None  # and its tables
+        self._kept_table = shipping.KeptTable(self.me)  # and its tables
         self._kept_call = None
         return {"worker_index": self.worker_index}
 
@@ -343,9 +343,7 @@ class WorkerServer:
         table_id: Any,
         changes_to: Any = None,
     ) -> Here:
-        by_number = table is None and changes_to is None
-        sent_changes = table if changes_to is not None else None
-        table = self._table(table, table_id, changes_to)
+        table, by_number, sent_changes = self._kept_table.receive(table, table_id, changes_to)
         call, since = _call_numbers(calls)
 
         def body() -> dict[str, Any]:
@@ -415,32 +413,6 @@ class WorkerServer:
             return {"value": value, "totals": shipping.totals_of(rebuilder.accumulators)}
 
         return self._here(body, f"the scheduled function {closure_id}")
-
-    def _table(self, table: Any, table_id: Any, changes_to: Any = None) -> Any:
-        """A run's table: the one sent, kept when it has a number (plain data alone: the
-        rebuild only reads it); the one kept when the chief sent only its number (the next
-        function of a loop, whose table is the last one's); or, with ``changes_to`` (the kept
-        table's number), the kept one with the entries sent in place of its own (a loop's
-        counter changed). In the order the chief's runs arrive (the connection's thread)."""
-        if table_id is not None and type(table_id) is not int:
-            raise ValueError(f"a table's number is an int or None; got {table_id!r}")
-        kept_id, kept = self._kept_table or (None, None)
-        if changes_to is not None:
-            if type(changes_to) is not int or kept_id != changes_to or not isinstance(table, dict):
-                raise ValueError(
-                    f"the chief sent changes to table {changes_to!r} for {self.me}; it keeps "
-                    f"table {kept_id}"
-                )
-            table = {**kept, **table}
-        if table is None:
-            if table_id is None or kept_id != table_id:
-                raise ValueError(
-                    f"the chief sent the number of table {table_id} for {self.me} to use "
-                    f"again; it keeps table {kept_id}"
-                )
-            return kept
-        self._kept_table = None if table_id is None else (table_id, table)
-        return table
 
     # --------------------------------------------------------------------------- serving
 
