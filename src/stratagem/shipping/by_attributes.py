@@ -69,7 +69,10 @@ def _refusal(cls: type, root: Path) -> str | None:
     if not is_named(cls):
         return "its class is not reachable by its module and qualname"
     if str(cls.__module__).split(".")[0] == "stratagem":
-        return "it is stratagem's, which travel only if they derive from Portable"
+        return (
+            "it is one of stratagem's own classes, and of those only Keras models, dtype policies, "
+            "losses, metrics and optimizers can be sent to a worker"
+        )
     try:
         in_program = Path(inspect.getfile(cls)).resolve().is_relative_to(root)
     except (TypeError, OSError):

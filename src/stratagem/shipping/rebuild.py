@@ -130,7 +130,10 @@ class Rebuilder:
 
     def value(self, entry: Any) -> Any:
         if not isinstance(entry, dict) or "k" not in entry:
-            raise ValueError(f"a capture entry is a dict with 'k'; got {entry!r}")
+            raise ValueError(
+                "the chief's description of a value the scheduled function uses is malformed "
+                f"(expected a dict with its kind under 'k'); got {entry!r}"
+            )
         kind = entry["k"]
         if kind == "value":
             return entry["v"]
@@ -144,7 +147,10 @@ class Rebuilder:
             return self._module(str(entry["name"]))
         if kind == "named":
             if any(part.startswith("__") for part in str(entry["qualname"]).split(".")):
-                raise ValueError(f"a named reference reaches no dunder: {entry['qualname']!r}")
+                raise ValueError(
+                    f"the chief named {entry['qualname']!r} for the scheduled function; a worker "
+                    "looks up no __dunder__ attribute by name (it could reach any object)"
+                )
             self._module(str(entry["module"]))
             found = reachable(str(entry["module"]), str(entry["qualname"]))
             if found is None:
@@ -174,7 +180,10 @@ class Rebuilder:
             return self.cls(str(entry["ref"]))
         if kind == "sequence":
             return sequence_of(self.value(entry["class"]), [self.value(v) for v in entry["items"]])
-        raise ValueError(f"unknown capture kind {kind!r}")
+        raise ValueError(
+            f"the chief described a value the scheduled function uses as {kind!r}, a kind this "
+            "worker does not know: do the chief and this worker run the same stratagem?"
+        )
 
     def entry_point(self, entry: Any, what: str) -> Callable[..., Any]:
         """The function ``entry`` names, for this worker to call (``what``: "the scheduled
