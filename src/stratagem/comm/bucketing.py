@@ -7,10 +7,11 @@ into the ``.grad`` tensors. Gradients are SUMMED across processes (``average=Tru
 mean). Accumulating several backward passes before a step stays exact: only what was not yet
 reduced is sent; with ``deferring = True`` (``accumulate_gradients``) passes only accumulate and
 the next one sends everything at once; an optimizer step (``flush()``) reduces what a deferred
-pass left. A parameter no process used keeps its ``grad`` (None stays None). ``compression``
-("bf16", "fp16") sends 16 bits and adds in float32 (``comm.compression``). Parameters are held
-weakly: a dropped model's slots leave the buckets once every process has let it go. The bucket
-sizes are the caller's (``MultiWorkerMirroredStrategy`` chooses them).
+pass left. A parameter no process used keeps its ``grad`` (None stays None): each bucket carries
+two flags per parameter, "used here" and "still held here". ``compression`` ("bf16", "fp16")
+sends 16 bits and adds in float32 (``comm.compression``; under fp16 the flags travel apart, in
+float32). Parameters are held weakly: a dropped model's slots leave the buckets once every
+process has let it go. Bucket sizes are the caller's (``MultiWorkerMirroredStrategy``'s).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@
    takes it, or at the first step inside the scope. An optimizer made before is re-pointed.
 3. ``run(fn, args)``: each replica's part of the batch becomes one DTensor split along ``batch``
    (``torch.chunk``'s cut); DTensor decides every collective. Results come back per replica, as
-   under every other strategy, so ``reduce``, metrics and the loss convention work unchanged;
-   they communicate among the replicas only.
+   under every other strategy, so ``reduce``, metrics and the loss convention work unchanged
+   (``reduce``, ``gather`` and metrics communicate among the replicas only).
 4. A step runs under ``dtensor.mesh_step``: tensors made inside ``forward`` are replicated, and
    an operator DTensor cannot shard is a named ``ShardingRuleError``.
 """
