@@ -5,9 +5,9 @@ them by ``options().experimental_distribute.auto_shard_policy``. DATA (and AUTO,
 ``sg.data`` source reads files): every worker iterates the same batches, each cut into
 ``num_replicas_in_sync`` parts of ``ceil(n / replicas)``, the last smaller or empty, worker
 ``w``'s replica ``j`` taking part ``j * num_workers + w``; unseeded shuffles get the chief's
-seed, so each example is seen once per epoch. OFF, HINT, and FILE on one worker: each worker
-reads its own stream, re-cut into shares of the full batch where it is known
-(``batch_sizes_for_worker``), its replicas taking consecutive batches. With
+seed, so each example is seen once per epoch. OFF, HINT, and FILE on one worker (on several it
+raises: no source reads files): each worker reads its own stream, re-cut into shares of the full
+batch where it is known (``batch_sizes_for_worker``), its replicas taking consecutive ones. With
 ``distribute_datasets_from_function(fn)`` each worker's ``fn(InputContext)`` gives per-replica
 batches. An element is the batch's structure with ``PerReplica`` leaves. With several workers
 every batch is agreed on (an all-reduce started one batch ahead), so an uneven end never leaves
