@@ -1094,3 +1094,62 @@ def test_checker_reports_classes_that_share_a_name():
         "SHARED_CLASS_NAMES lists Gone, which 0 class(es) define, not several: remove the entry",
     ], found
     assert duplicate_class_problems(sources, {"Inner": "", "Listed": "", "Shard": ""}) == []
+
+
+# --- module docstrings ---------------------------------------------------------------------------
+
+# A module's docstring says what the module does and its contract; the reasoning behind it goes
+# to docs/architecture.md, figures to docs/benchmarks.md, history to the commit log.
+MAX_MODULE_DOCSTRING_LINES = 15
+
+
+def long_module_docstrings(
+    sources: tuple[Source, ...], limit: int = MAX_MODULE_DOCSTRING_LINES
+) -> list[str]:
+    """Each module whose docstring runs past ``limit`` lines, counted from the line of its
+    opening quotes to the line of its closing ones."""
+    found = []
+    for source in sources:
+        first = source.tree.body[0] if source.tree.body else None
+        if not (
+            isinstance(first, ast.Expr)
+            and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)
+        ):
+            continue
+        lines = (first.end_lineno or first.lineno) - first.lineno + 1
+        if lines > limit:
+            found.append(f"{source.path}:{first.lineno}: {lines} lines")
+    return found
+
+
+def test_module_docstrings_are_short():
+    found = long_module_docstrings(load_sources())
+    assert not found, _report(
+        f"module docstrings longer than {MAX_MODULE_DOCSTRING_LINES} lines (say what the module "
+        "does and its contract; reasoning goes to docs/architecture.md)",
+        found,
+    )
+
+
+def test_checker_reports_a_long_module_docstring():
+    def docstring(lines: int) -> str:  # a docstring of exactly ``lines`` lines, quotes included
+        return '"""' + "\n".join(f"line {i}" for i in range(lines - 1)) + '\n"""\n'
+
+    function = "def f():\n    " + docstring(30).replace("\n", "\n    ") + "\n"
+    sources = _sources(
+        {
+            "comm/long": docstring(16),
+            "comm/limit": docstring(15),
+            "comm/later": "# a comment first\n\n" + docstring(17) + "x = 1\n",
+            "comm/none": "x = 1\n",
+            "comm/empty": "",
+            "comm/function": function,
+        }
+    )
+    found = long_module_docstrings(sources)
+    assert found == [
+        "src/stratagem/comm/long.py:1: 16 lines",
+        "src/stratagem/comm/later.py:3: 17 lines",
+    ], found
+    assert long_module_docstrings(sources, limit=16) == ["src/stratagem/comm/later.py:3: 17 lines"]

@@ -1,18 +1,14 @@
 """``sg.recompute_grad``: TensorFlow's activation checkpointing, on ``torch.utils.checkpoint``.
 
-``tf.recompute_grad(f)`` returns a function that computes ``f`` without keeping its
-intermediate activations, and computes ``f`` again during backward to get them: memory for
-compute. Here it is ``torch.utils.checkpoint.checkpoint(f, ..., use_reentrant=False)``, the
-form PyTorch recommends: it works with ``torch.compile``, with inputs that need no gradient,
-and inside every strategy, since the recomputation runs in the thread and with the torch
-modes of the backward that needs it (a Mirrored replica's view of its copies) and gradients
-still reach each parameter through its own ``AccumulateGrad`` (the hooks that bucket and
-all-reduce gradients fire as without it). Random operations (dropout) are replayed with the
-same random state, as TF's are.
-
-Given an ``nn.Module``, the module's own ``forward`` is checkpointed in place, so its
-parameters and ``state_dict`` keys stay as they were; Keras 3's ``keras.remat`` is the same
-function (``sg.keras.remat``).
+``tf.recompute_grad(f)`` returns a function that computes ``f`` without keeping its intermediate
+activations and computes it again during backward: memory for compute. Here it is
+``torch.utils.checkpoint.checkpoint(f, ..., use_reentrant=False)``: it works with
+``torch.compile``, with inputs that need no gradient, and inside every strategy (the
+recomputation runs in the thread and torch modes of the backward that needs it, and gradients
+still reach each parameter through its own ``AccumulateGrad``, so the bucketed all-reduce hooks
+fire as without it). Random operations are replayed with the same random state, as TF's are.
+Given an ``nn.Module``, its own ``forward`` is checkpointed in place, so its parameters and
+``state_dict`` keys stay as they were; ``sg.keras.remat`` is the same function.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """The job's secret: what proves that a process belongs to the job.
 
-Every process of a job holds the same secret, and everything that lets a process in checks it:
-the rendezvous store's records are sealed with it (``comm.sealed_store``) and a connection to a
-parameter server answers a challenge with it. A process without it cannot join, claim a task,
-read the job's records or send anything a task acts on.
+Every process of a job holds the same secret: the rendezvous store's records are sealed with it
+(``comm.sealed_store``) and every connection to a task answers a challenge with it, so a process
+without it cannot join, claim a task or send anything a task acts on. First found wins:
 
-Where the secret comes from, first found wins:
-
-1. ``STRATAGEM_JOB_SECRET``: the secret itself (at least 16 characters). ``stratagem run`` makes
-   a fresh random one for each job and gives it to every task it starts.
-2. ``STRATAGEM_JOB_SECRET_FILE``: a file holding it (readable by its owner only, as an SSH key).
-3. A job whose tasks are all on this machine (loopback or this machine's own addresses): this
-   user's own secret file, ``$XDG_CACHE_HOME/stratagem/job-secret`` (else ``~/.cache/...``),
-   made on first use with mode 0600. The processes of one user on one machine share it without
-   any setting; other users' processes cannot read it.
+1. ``STRATAGEM_JOB_SECRET``: the secret itself (at least 16 characters); ``stratagem run`` makes
+   a fresh random one for each job and gives it to every task it starts;
+2. ``STRATAGEM_JOB_SECRET_FILE``: a file holding it (readable by its owner only);
+3. a job whose tasks are all on this machine: this user's own file,
+   ``$XDG_CACHE_HOME/stratagem/job-secret`` (else ``~/.cache/...``), made with mode 0600.
 
 A job on several machines without 1 or 2 is refused, unless ``STRATAGEM_INSECURE=1`` says to
 run without one (then anyone who can reach the job's ports can join it).

@@ -1,22 +1,16 @@
 """Cluster resolvers: where this process sits in a job (TensorFlow's ``ClusterResolver`` API).
 
-A resolver answers TensorFlow's questions (``cluster_spec()``, ``task_type``, ``task_id``,
-``master()``) plus the ones a PyTorch process group needs. These **stratagem extensions** are
-implemented by every concrete resolver:
+A resolver answers TF's questions (``cluster_spec()``, ``task_type``, ``task_id``, ``master()``)
+and those a process group needs, which every concrete resolver implements: ``source`` (where the
+description came from: ``"TF_CONFIG"``, ``"STRATAGEM_CONFIG"``, ``"torchrun"``, ``"SLURM"``,
+``"explicit"`` or ``"local"``), ``rank`` and ``world_size`` among the collective members (chief
+first, then workers; ``rank`` is None for ps and evaluator), ``local_rank`` (among the members
+on this host), ``rendezvous_address`` (None alone), ``agent_store`` (True when torchrun's agent
+already hosts the store, so rank 0 connects as a client), ``attempt`` (0 on the first run),
+``is_chief``, ``peer_name(rank)`` and ``describe()``.
 
-* ``source`` -- where the description came from: ``"TF_CONFIG"``, ``"STRATAGEM_CONFIG"``,
-  ``"torchrun"``, ``"SLURM"``, ``"explicit"`` or ``"local"``;
-* ``rank`` / ``world_size`` -- position among, and number of, the collective members (chief
-  first, then workers; see ``roles.collective_members``); ``rank`` is None for ps/evaluator;
-* ``local_rank`` -- index among the collective members on the same host;
-* ``rendezvous_address`` -- ``(host, port)`` where the rendezvous store listens, None alone;
-* ``agent_store`` -- True when an outside agent (torchrun) already hosts that store, so rank 0
-  connects to it as a client instead of listening;
-* ``attempt`` -- restart attempt, 0 on the first run;
-* ``is_chief``, ``peer_name(rank)`` and ``describe()`` for decisions and error messages.
-
-This module holds the base class and the two resolvers TensorFlow has for JSON/explicit
-clusters; ``torchrun.py`` and ``slurm.py`` read those launchers' variables.
+This module holds the base class and TensorFlow's two resolvers for JSON and explicit clusters;
+``torchrun.py`` and ``slurm.py`` read those launchers' variables.
 """
 
 from __future__ import annotations

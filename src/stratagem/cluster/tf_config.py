@@ -1,29 +1,16 @@
 """Parsing and validation of ``TF_CONFIG`` (and ``STRATAGEM_CONFIG``, the same format).
 
-``TF_CONFIG`` is JSON like::
-
-    {"cluster": {"worker": ["localhost:12345", "localhost:23456"]},
-     "task": {"type": "worker", "index": 0}}
-
-TensorFlow checks little of it and fails late (a hang, a gRPC error). Here every mistake is a
-``ClusterConfigError`` that names the variable, quotes the offending value and says what was
-expected, before any process tries to connect.
-
-Decisions where TensorFlow is silent or lax:
-
-* an empty string, whitespace, or ``{}`` means "no cluster" (a single local process);
-* a ``task`` without a ``cluster`` is an error: it names a task of nothing;
-* ``task.index`` may be an int or a string of decimal digits (``"1"``): launchers that
-  template TF_CONFIG through a shell often quote it; ``true``, ``1.0`` and ``"-1"`` are errors;
-* addresses are compared exactly for duplicates: ``localhost:1`` and ``127.0.0.1:1`` are
-  different strings and are not reported (a leading ``grpc://`` is ignored);
-* ``rpc_layer`` ``""`` means none; unknown top-level keys are ignored, as TensorFlow does.
-
-Accepted as TensorFlow accepts them: any job name (``"worker1"``, ``"123456"``; which jobs a
-strategy can use is the strategy's check, ``roles.check_task_types``), an integer ``task.type``
-(read as its string, as TF's ``str(task["type"])``), an ``evaluator`` task that the cluster does
-not list (TF's ``multi_worker_util`` allows it: the evaluator runs beside the cluster), and the
-``rpc_layer`` and ``session_master`` keys.
+``TF_CONFIG`` is JSON like ``{"cluster": {"worker": ["localhost:12345", "localhost:23456"]},
+"task": {"type": "worker", "index": 0}}``. Every mistake is a ``ClusterConfigError`` that names
+the variable, quotes the offending value and says what was expected, before any process
+connects. Where TensorFlow is silent or lax: an empty string, whitespace or ``{}`` means no
+cluster (one local process); a ``task`` without a ``cluster`` is an error; ``task.index`` is an
+int or a string of decimal digits (not ``true``, ``1.0`` or ``"-1"``); duplicate addresses are
+compared as strings (``localhost:1`` is not ``127.0.0.1:1``; a leading ``grpc://`` is ignored).
+Accepted as TensorFlow accepts them: any job name (which jobs a strategy can use is
+``roles.check_task_types``), an integer ``task.type`` (read as its string), an ``evaluator``
+task the cluster does not list, ``rpc_layer`` (``""`` for none) and ``session_master``; unknown
+top-level keys are ignored.
 """
 
 from __future__ import annotations

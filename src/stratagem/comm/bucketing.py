@@ -1,58 +1,17 @@
 """Gradient all-reduce across processes, bucketed and overlapped with the backward pass.
 
-As DDP does: parameters are grouped into buckets in reverse creation order (roughly the order
-backward produces their gradients); when every gradient of a bucket has been accumulated, the
-bucket's flat buffer starts an asynchronous all-reduce while backward goes on; at the end of the
-backward pass (an autograd engine callback) the results are waited for and written back.
-
-Two differences from DDP, both for the seeds' semantics:
-- Gradients are SUMMED across replicas (the loss is already divided by the global batch, see
-  ``sg.nn.compute_average_loss``); ``average=True`` gives PyTorch's per-replica-mean convention.
-- Accumulating several backward passes before a step stays exact. A gradient accumulated on top
-  of an already reduced one must not be reduced again (a sum would count it world_size times), so
-  when ``.grad`` already holds a value, the incoming part alone is sent and then added back.
-
-Each bucket carries two extra elements per parameter. The first is 1 where this process
-produced a gradient: after the sum it counts the processes that did, so a parameter no process
-used keeps ``grad`` as it was (None stays None, as in single-process training) instead of
-becoming a zero gradient. The second is 1 where this process still holds the parameter: after
-the sum, 0 says every process has let it go (below).
-
-Deferring (``deferring = True``, ``StrategyExtended.accumulate_gradients``): backward passes then
-only accumulate locally, as DDP's ``no_sync()``. The next backward that is not deferred sends,
-for each parameter, everything not yet reduced at once (the whole ``.grad`` where all of it is
-local, else the deferred parts plus this pass's), bucket by bucket while it runs; so k
-accumulated micro-batches cost one reduction, and the sum stays exact. An optimizer step
-(``flush()``) reduces what a deferred pass left, should no other backward come first.
-
-``compression`` ("bf16", "fp16") sends each float32 bucket in 16 bits and adds in float32
-(``comm.compression``); None keeps the float32 all-reduce, bit for bit as before. Only whether a
-flag sum is 0 matters, which bf16 keeps; fp16 chunks are scaled by their largest value, which a
-flag of 1 would set over tiny gradients, so under fp16 the flags travel apart, in float32.
-
-Models come and go (tuning loops, evaluation models): the reducer holds its parameters weakly, so
-a dropped model is freed. Its slots stay in the buckets until every process agrees it is gone,
-which they check where they all call ``add_parameters`` together (see there), and at every
-reduction through the second flag (every process reads the same sums, so all drop the same
-slots after the same step); until then this process sends zeros for it, flag 0, as for a
-parameter it did not use. A parameter let go right after its adoption (Hugging Face ties
-``lm_head`` to ``wte`` after making both) so costs zeros in one step, not in every step.
-
-Packs (``MultiWorkerMirroredStrategy`` chooses the sizes): TF's default
-(``CommunicationOptions(bytes_per_pack=0)``) sends all gradients in one pack after backward. Here 0
-chooses between that and DDP's overlapped buckets by where the job runs. Buckets overlap the
-all-reduce with backward, which pays where the transfer waits on something other than the cores
-backward computes on: a network between hosts, NCCL on a GPU. Where every process is on one host
-and their intra-op threads together fill its cores, gloo's transfer and sum are the same cores'
-work, and each bucket is one more exchange between processes that must each wait for a core: there
-one pack is faster. Against DDP (its two buckets) on 2 processes of one thread on 2 cores: GPT-2
-(small config) in one pack 1.02×, in 4 MiB buckets 0.99×, 1 MiB 0.96×, 256 KiB 0.84×; the seed CNN
-0.97× against 0.95× (docs/benchmarks.md).
-
-The sums are copied back into the ``.grad`` tensors autograd made, as DDP does by default. Leaving
-``.grad`` as a view of the bucket (DDP's ``gradient_as_bucket_view``) saves that copy but frees
-autograd's tensor mid-step, and on CPU that turned glibc's reuse of the 11 MB block into fresh
-page faults every step: measured slower (42 vs 33 ms per step for the seed CNN).
+As DDP does, ``GradientReducer`` groups parameters into buckets in reverse creation order; a
+bucket whose gradients are all accumulated starts an asynchronous all-reduce while backward goes
+on, and at the end of backward (an autograd engine callback) the sums are waited for and copied
+into the ``.grad`` tensors. Gradients are SUMMED across processes (``average=True``: PyTorch's
+mean). Accumulating several backward passes before a step stays exact: only what was not yet
+reduced is sent; with ``deferring = True`` (``accumulate_gradients``) passes only accumulate and
+the next one sends everything at once; an optimizer step (``flush()``) reduces what a deferred
+pass left. A parameter no process used keeps its ``grad`` (None stays None): each bucket carries
+two flags per parameter, "used here" and "still held here". ``compression`` ("bf16", "fp16")
+sends 16 bits and adds in float32 (``comm.compression``; under fp16 the flags travel apart, in
+float32). Parameters are held weakly: a dropped model's slots leave the buckets once every
+process has let it go. Bucket sizes are the caller's (``MultiWorkerMirroredStrategy``'s).
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
 """A float32 sum over processes that sends 16-bit values: bf16 or fp16 on the wire, float32 in
 every addition.
 
-Casting a bucket to bf16 and all-reducing it would halve the bytes too, but gloo (and NCCL)
-then add in bf16: each hop of the ring rounds again, and the error grows with the number of
-processes. Here the sum is a reduce-scatter done by hand, then an all-gather:
-
-1. each process rounds its float32 tensor to 16 bits once and cuts it into ``world_size``
-   chunks; an all-to-all hands every process all copies of its own chunk (started
-   asynchronously, so that it overlaps the backward pass like an ordinary bucket's);
-2. ``wait()``: each process adds the copies of its chunk in float32 and rounds the sum to 16
-   bits once. (For gradients this half runs when backward has ended: every process must issue
-   collectives in the same order, and starting the all-gather as soon as the all-to-all is
-   done would depend on timing.)
-3. an all-gather of the summed chunks gives every process the whole sum, which is cast back
-   to float32 into the tensor.
-
-Every chunk is summed by one process, in rank order, so every process ends with the same bits.
-Bytes sent per process, over n processes: (n-1)/n of the 16-bit tensor by the all-to-all and
-as much again by the all-gather, half of a float32 all-reduce's 2(n-1)/n (``Traffic``).
-
-fp16 reaches only 65504 and loses values below 6e-8, where gradients often are. So each chunk
-travels scaled by a power of two, chosen from its own largest magnitude, with the exponent sent
-alongside as one more fp16 value (an integer, exact in fp16): nothing overflows, small values
-keep fp16's 11 bits relative to their chunk's largest. Powers of two scale exactly. A chunk
-holding inf or NaN travels unscaled, so they reach the sum as they would in float32 (a loss
-scaler sees the overflow). bf16 has float32's range and needs no scaling.
+The sum is a reduce-scatter done by hand, then an all-gather: each process rounds its tensor to
+16 bits once, and an all-to-all (started asynchronously, so it overlaps backward as a bucket's
+all-reduce does) hands every process all copies of its own chunk; ``wait()`` adds them in
+float32, in rank order, and rounds the sum once; an all-gather gives every process the whole
+sum, cast back to float32 into the tensor. Every process ends with the same bits, having sent
+half the bytes of a float32 all-reduce (``Traffic``). Under fp16 each chunk travels scaled by a
+power of two chosen from its largest magnitude (the exponent sent alongside), so nothing
+overflows and small values keep 11 bits; a chunk holding inf or NaN travels unscaled, so a loss
+scaler sees the overflow. bf16 has float32's range and needs no scaling.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """How a process of a job reports the error that ends it: one readable block.
 
-A lost peer used to end its survivor with 40 lines of traceback through torch's dispatcher and
-gloo's chatter before the one line that mattered. For stratagem's own errors (``StratagemError``:
-a lost or stuck peer, a rendezvous that failed, a forged record) the process now prints:
+For stratagem's own errors (``StratagemError``: a lost or stuck peer, a rendezvous that failed, a
+forged record) the process prints one block instead of a traceback through torch and gloo:
 
     stratagem: PeerLostError on worker 0 (localhost:2222)
       worker 1 (localhost:2223) was lost during all_reduce of gradients (operation #12) ...

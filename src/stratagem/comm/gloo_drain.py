@@ -1,27 +1,13 @@
 """Let gloo's worker threads finish their last work before the interpreter shuts down.
 
-Why: a ``ProcessGroupGloo`` runs its collectives on threads of its own (``pt_gloo_runloop``).
-After a collective completes (the Python side's ``wait`` returns), its thread still holds the
-work for a moment and then drops it, with the work's tensors. A tensor whose Python object
-died while the work still held it is kept alive by torch for its Python object's sake, so
-dropping it takes the GIL. If the main thread has reached interpreter shutdown by then,
-CPython 3.11 ends a foreign thread that asks for the GIL with ``pthread_exit``, which unwinds
-through gloo's C++ and aborts the whole process: "terminate called without an active
-exception", SIGABRT, after a job that did everything right.
-
-The threads live as long as the group, and a group lives as long as Python holds it: a
-``DeviceMesh`` keeps its groups (``_pg_registry``), as does any ``new_group`` handle, so
-neither ``destroy_process_group`` nor the backend's ``shutdown()``/``abort()`` ends them
-(checked with torch 2.13: the threads stay). Two processes doing 50 functional all-reduces on
-a held group, as DTensor issues them, and exiting: 5 aborts in 80 exits, none in 80 exits that
-waited first (``benchmarks/exit_aborts.py --rounds 40``, alternating, on a 2-core machine).
-
-What this does, at a clean exit of a job's process (``ProcessGroupCommunicator.shutdown``):
-wait, with the GIL released, until every gloo worker thread of this process sleeps, seen so
-in a few consecutive looks a millisecond apart. A thread that drops its last work needs the
-GIL, which this wait leaves free, and then returns to its sleep; a thread blocked inside a
-collective whose peer is gone sleeps too, so a failed job is not held up. Bounded (2 s): at
-worst the exit goes on as before.
+A gloo worker thread drops a completed work, and its tensors (which takes the GIL), a moment
+after the Python side's ``wait`` returned; if the main thread has reached interpreter shutdown
+by then, the process aborts with SIGABRT ("terminate called without an active exception") after
+a job that did everything right. ``wait_for_gloo_threads``, called at a clean exit
+(``ProcessGroupCommunicator.shutdown``), waits with the GIL released until every gloo worker
+thread of this process has been seen asleep in a few consecutive looks a millisecond apart. A
+thread blocked in a collective whose peer is gone sleeps too, so a failed job is not held up;
+the wait is bounded (2 s), after which the exit goes on regardless.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Requests and replies between the tasks of a job, over TCP, carrying plain data only.
 
-A parameter-server task serves its operations to the workers through a ``MessageServer``; each
-worker keeps one ``Connection`` to each ps. Nothing a peer sends is unpickled or imported:
-every message is one frame of ``plain_data`` (JSON and raw tensor bytes in a fixed schema), and
-a request can only name a method of the server's fixed table. The file is kept whole: the
-wire format, its two ends and the shared-memory path are one protocol, read top to bottom.
-
-Opening a connection, before any request is read:
-
-    server: b"SGM1" | 1 byte: 1 when the job has a secret, else 0 | 32 random bytes (challenge)
-    client: 2 bytes: the length of its task name | the name (UTF-8) | with a secret, 32 bytes:
-            ``job_secret.proof(secret, challenge, name)``
-    server: b"\\x01" (accepted), or b"\\x00" | 2 bytes: length | why (UTF-8), and it hangs up
-
-Then the client sends requests ``{"id": n, "method": name, "args": [...]}``, one at a time, and
-the server answers ``{"id": n, "result": value}`` or ``{"id": n, "error": [type, message]}``.
-While a reply waits on other tasks (a sync push waits for the other workers' gradients; a
-goodbye for the slowest worker to finish), the server says so every few seconds
-(``{"id": n, "waiting": [why, [task names]]}``): the client checks that those tasks still
-answer their liveness probe, and only a wait on tasks that stopped answering ends, after the
-operation timeout, with a ``CollectiveTimeoutError`` naming them.
-
-A frame outside the schema or a method outside the table is refused with a ``PeerDataError``
-(sent back, and printed by the server), and that connection is closed; the server goes on
-serving the others. Tensors travel as their own memory: sent with one ``sendmsg`` of the
-frame's parts, received straight into the tensors that will hold them.
+A task serves a fixed table of methods through a ``MessageServer`` (a ps's ``methods``, a
+coordinator's worker); a client keeps one ``Connection`` to each server. Nothing a peer sends is
+unpickled or imported: a message is one ``plain_data`` frame, and a request can only name a
+method of the table. Opening: the server sends ``b"SGM1"``, whether the job has a secret, and a
+32-byte challenge; the client, its task name and ``job_secret.proof(secret, challenge, name)``;
+the server accepts (``b"\\x01"``) or sends why not (``b"\\x00"``, length, text) and hangs up.
+Then ``{"id", "method", "args"}`` requests, one at a time, get ``{"id", "result"}`` or
+``{"id", "error": [type, message]}``; while a reply waits on other tasks the server says so
+(``"waiting"``), and the client ends that wait with a ``CollectiveTimeoutError`` naming them only
+once they stop answering their liveness probe. A frame outside the schema or an unknown method
+is a ``PeerDataError`` that closes that connection alone. Tensors travel as their own memory
+(``shared_segment.py`` between processes of one machine).
 """
 
 from __future__ import annotations

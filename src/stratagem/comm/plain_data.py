@@ -1,8 +1,7 @@
 """What processes may send each other as "objects": plain data and tensors, never pickles.
 
-An object exchange (``Communicator.all_gather_object``) used to pickle its values, so a process
-that joined a job could make every other task run code of its choosing. Now a value travels as
-one frame of a fixed schema, and decoding it runs nothing a peer chose:
+A value (``Communicator.all_gather_object``, ``comm.messages``) travels as one frame of a fixed
+schema, and decoding it runs nothing a peer chose:
 
     b"SGO1" | header length (8 bytes, little-endian) | header (UTF-8 JSON) | tensor bytes
 

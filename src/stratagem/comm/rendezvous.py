@@ -7,7 +7,7 @@ two processes claiming one rank, or two different cluster descriptions are repor
 A task the launcher restarted alone (a coordinator cluster's worker, ``--restart-workers``)
 signs in again with a higher ``incarnation``: it takes its rank back only from an incarnation
 whose process has ended (its liveness port refuses), by an atomic swap of its record, in a
-store sealed with the job's secret. A second live claim of a rank is refused as before.
+store sealed with the job's secret. A second live claim of a rank is refused.
 """
 
 from __future__ import annotations

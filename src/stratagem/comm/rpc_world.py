@@ -1,25 +1,15 @@
 """The world of a parameter-server job: who its members are, the roll call, who is alive.
 
-Members are the chief, the workers, the ps tasks and an evaluator (TF's order: chief, workers by
-index, ps by index, evaluator; in a cluster with a chief, the evaluator is a sidecar and no
-member), named ``"worker:0"``, ``"ps:1"``... They meet at the first
-member's address, as the all-reduce strategies do: a roll call on our own TCPStore names any
-task that never arrives (a ps address that never answers). Workers then talk to each ps over
-``comm.messages`` (plain data, on the ps's own task address, authenticated with the job's
-secret); nothing here is ``torch.distributed.rpc``, which unpickles what a peer sends.
-
-Every member also runs a liveness server (``comm.liveness``), published at the roll call, so a
-task can tell a peer that is gone (its port refuses: the process ended) from one that is busy
-(it answers) and from one that is stopped or stuck (it does not answer). Ending the job rests
-on that: a worker tells each ps it is done and waits for the answer, which each ps gives once
-every worker is done or found gone; a wait on a peer that stopped answering ends after the
-operation timeout, naming it.
-
-In a cluster with a chief, a worker the launcher restarted alone rejoins (``--restart-workers``):
-it signs in again under its rank with a higher incarnation (``rendezvous.reclaim``). Every
-member's view follows: a worker seen as ended is looked up again in the rendezvous (hosted by
-the chief, rank 0), and when a newer incarnation signed in, its liveness address replaces the
-old one, so the rank is alive again (``refresh``).
+Members are the chief, the workers, the ps tasks and an evaluator, in TF's order (in a cluster
+with a chief the evaluator is a sidecar, no member), named ``"worker:0"``, ``"ps:1"``... They
+meet at the first member's address, with a roll call that names any task that never arrives;
+workers then talk to each ps over ``comm.messages`` (never ``torch.distributed.rpc``, which
+unpickles what a peer sends). Every member runs a liveness server (``comm.liveness``),
+published at the roll call, so a peer that is gone (its port refuses), busy (it answers) or
+stuck (silent) can be told apart: a worker's goodbye to each ps, and any wait on a peer, ends
+after the operation timeout naming a peer that stopped answering. A worker the launcher
+restarted alone (``--restart-workers``) signs in again with a higher incarnation, and
+``refresh`` makes its rank alive again in every member's view.
 """
 
 from __future__ import annotations

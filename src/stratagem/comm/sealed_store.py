@@ -1,23 +1,14 @@
 """The rendezvous store, sealed with the job's secret: unreadable and unforgeable to outsiders.
 
-torch's ``TCPStore`` has no credentials: anyone who reaches its port can list its keys, read
-every record (the tasks' addresses, gloo's connection details) and write any key (claim a
-task's rank first, or forge a peer's record). ``SealedStore`` wraps it so that, without the
-job's secret (``cluster.job_secret``):
-
-- key names are HMACs of the real names: an outsider cannot compute the key a task is about to
-  claim, so it cannot claim it first;
-- values are encrypted (SHAKE-256 keystream under a per-value random nonce) and authenticated
-  (HMAC-SHA256 over the key, nonce and ciphertext): an outsider reads nothing, and a value it
-  writes or moves from another key fails the check and is reported as
-  ``RendezvousError`` naming the key's owner and the store's address;
-- counters (``add``) are sealed values too, updated with ``compare_set``, so a forged increment
-  is caught the same way.
-
-What it cannot stop: an outsider who reaches the port may still overwrite or delete sealed
-keys, which makes the job fail with that named error (a denial of service, not an entry). Every
-process of the job, torch's own code included (gloo's connection set-up), goes through the
-wrapper, so the job's records never cross the wire in the clear.
+``SealedStore`` wraps torch's ``TCPStore`` (which has no credentials) so that, without the job's
+secret (``cluster.job_secret``): key names are HMACs of the real names, so an outsider cannot
+claim a key first; values are encrypted (SHAKE-256 keystream under a per-value random nonce) and
+authenticated (HMAC-SHA256 over key, nonce and ciphertext), so a value an outsider writes or
+moves from another key is a ``RendezvousError`` naming the key's owner and the store's address;
+counters (``add``) are sealed values updated with ``compare_set``. Every process of the job,
+torch's own code included (gloo's connection set-up), goes through the wrapper. An outsider who
+reaches the port can still overwrite or delete keys: the job then fails with that named error
+(a denial of service, not an entry).
 """
 
 from __future__ import annotations

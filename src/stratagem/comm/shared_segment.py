@@ -1,19 +1,14 @@
 """Tensor bytes through shared memory, between two processes of one machine.
 
-Over a TCP connection a tensor is copied into the kernel and out again, through loopback's
-small buffers; TensorPipe, which the parameter servers used before, hands same-machine tensors
-over with one copy. A ``comm.messages`` connection between processes of one machine therefore
-carries the bytes of large tensors in a file of ``/dev/shm`` that the sender writes and the
-receiver maps: each side owns the segment it sends through (mode 0600: this user's processes
-only). The frame itself (the schema, the tensors' dtypes and shapes) still travels on the
-socket, so nothing in the segment is more than raw bytes.
-
-A segment is announced as ``name length (1 byte) | name | size (8 bytes) | token (16 bytes)``;
-the receiver opens it by name (``sg-`` and 32 hex digits, nothing else), checks that it is a
-regular file of this user at least that large, and, at the connection's opening, that it holds
-the token (the two processes do share ``/dev/shm``), then unlinks the name: the mappings live
-on. A frame's tensors are written from the segment's start: a connection carries one request or
-one reply at a time, so the receiver has copied them out before the sender writes again.
+A ``comm.messages`` connection between processes of one machine carries the bytes of large
+tensors in a ``/dev/shm`` file that the sender writes and the receiver maps (each side owns the
+segment it sends through, mode 0600); the frame itself (schema, dtypes, shapes) still travels on
+the socket, so the segment holds raw bytes only. A segment is announced as ``name length (1
+byte) | name | size (8 bytes) | token (16 bytes)``; the receiver opens only a name ``sg-`` and 32
+hex digits, checks that it is a regular file of this user at least that large and, at the
+connection's opening, that it holds the token, then unlinks the name (the mappings live on). A
+frame's tensors are written from the segment's start: a connection carries one request or reply
+at a time, so the receiver has copied them out before the sender writes again.
 """
 
 from __future__ import annotations

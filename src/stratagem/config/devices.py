@@ -1,18 +1,13 @@
 """``sg.config`` devices: the physical devices, and splitting the CPU into logical devices.
 
-TensorFlow lets a program split one physical CPU into several logical devices
-(``set_logical_device_configuration``) so that ``MirroredStrategy()`` finds several replicas on
-one machine. Here a logical CPU device is a replica thread computing on the shared CPU (what
-``MirroredStrategy(["cpu:0", "cpu:1"])`` already is), so the configuration only decides how many
-``list_logical_devices("CPU")`` reports and a bare ``MirroredStrategy()`` uses.
-
-As in TF, the configuration is fixed once devices are initialized. TF initializes its runtime on
-the first operation or device listing; the honest equivalent here is the first moment stratagem
-decides on devices: ``list_logical_devices``, or a strategy created with explicit or default
-devices. Changing it after that raises ``RuntimeError``.
-
-GPUs are listed, but not split: TF's virtual GPUs partition one GPU's memory between devices,
-which torch cannot do per replica; configuring a GPU raises instead of doing nothing.
+As with TensorFlow's ``set_logical_device_configuration``, the CPU can be split into logical
+devices so that ``MirroredStrategy()`` finds several replicas on one machine. A logical CPU
+device is a replica thread computing on the shared CPU, so the configuration decides how many
+devices ``list_logical_devices("CPU")`` reports and a bare ``MirroredStrategy()`` uses. As in
+TF it is fixed once devices are initialized (``list_logical_devices``, or a strategy created
+with explicit or default devices): changing it after that raises ``RuntimeError``. GPUs are
+listed but not split (torch cannot partition one GPU's memory per replica, as TF's virtual GPUs
+do): configuring a GPU raises instead of doing nothing.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """What a strategy may opt into beyond the core contract (``StrategyExtended``).
 
-The core is what every strategy has: process facts, placement, a run of one function per
-replica, the optimizer-step hooks, reduce and gather, input, checkpoint hooks. A capability is
-something only some strategies do; a strategy opts in by deriving from it, and code that needs
-it asks ``isinstance(strategy.extended, Capability)``, never which strategy it is.
+A capability is something only some strategies do; a strategy opts in by deriving from it, and
+code that needs it asks ``isinstance(strategy.extended, Capability)``, never which strategy it is.
 
 - ``MergesReplicas`` (Mirrored, CentralStorage, through ``ThreadedReplicas``): local replicas
   that run at once and meet at ``merge_call``.

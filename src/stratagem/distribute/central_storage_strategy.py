@@ -1,15 +1,13 @@
 """CentralStorageStrategy: one process; parameters on one device, replicas compute on others.
 
-1. Scope: parameters and buffers created inside live on the ``parameter_device`` (the
-   primaries), and so does the optimizer state the update creates. Every compute device gets
-   a copy to compute on (``MirroredVariables(central=...)``); a copy on the parameter device's
-   own physical device shares its storage.
+1. Scope: parameters and buffers created inside, and the optimizer state the update creates,
+   live on the ``parameter_device`` (the primaries); every compute device gets a copy
+   (``MirroredVariables(central=...)``), sharing storage on the parameter device's own device.
 2. ``run(fn)``: fn runs once per compute device, concurrently, each replica seeing its copies
    (``ReplicaView``), replica 0 included.
-3. ``optimizer.step()`` inside fn is a merge call: the replicas meet, their gradients are
-   summed onto the parameter device (``ReductionToOneDevice`` to it) and the optimizer steps
-   once there, on the primaries; each replica's own step then finds no gradient on its copy;
-   the replicas meet again and the copies are refreshed from the primaries.
+3. ``optimizer.step()`` inside fn is a merge call: the replicas' gradients are summed onto the
+   parameter device (``ReductionToOneDevice``), the optimizer steps once there, on the
+   primaries, and the replicas meet again to refresh their copies.
 
 Defaults follow TensorFlow: the compute devices are every GPU (or the CPU), and the parameter
 device is the single compute device when there is one, else the CPU.

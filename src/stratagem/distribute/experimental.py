@@ -2,10 +2,8 @@
 ``tf.distribute.experimental.partitioners``), TF 2.4's ``coordinator`` namespace and the
 experimental strategies: names only, each defined in its own module.
 
-The names are imported on first use (PEP 562): the sharded, mesh and pipeline strategies pull in
-FSDP, DTensor and ``torch.distributed.pipelining`` (about 1.4 s of CPU per process), which a job
-of MultiWorkerMirroredStrategy or parameter servers never touches, and a job of N processes on
-one host would pay N times at every start and restart."""
+The names are imported on first use (PEP 562), so a job that does not use the sharded, mesh or
+pipeline strategies never imports FSDP, DTensor or ``torch.distributed.pipelining``."""
 
 from __future__ import annotations
 

@@ -1,38 +1,17 @@
 """``strategy.extended``: the contract between a strategy and everything that uses it.
 
-TensorFlow splits a strategy in two: ``tf.distribute.Strategy``, the API a training script
-calls, and ``strategy.extended`` (``StrategyExtended``), which implements it and which library
-code (Keras, checkpoints) talks to. stratagem does the same. ``Strategy`` only forwards; this
-class is the **core** every strategy has:
-
-- **required** (abstract): ``adopt`` (what scope does to new parameters and buffers) and
-  ``before_optimizer_step`` (how the replicas' gradients become one update);
-- **public methods that validate, then call hooks**: ``call_for_each_replica`` (``run``),
-  ``merge_call``, ``reduce``, ``gather``, ``accumulate_gradients``, the input methods; their
-  hooks (``_run_arguments``, ``_run_guard``, ``_enter_replica``, ``run_replica_calls``,
-  ``_replica_view``, ``_before_run``/``_leave_run``/``_after_run``, ``replica_values``,
-  ``split_sizes``) have defaults a strategy overrides where it differs;
-- **placement** (``capture_parameter``, ``capture_buffer``, ``capture_variable``,
-  ``_placement_device``, ``_place``, ``adopt_model``, ``distribute_module``, ``in_scope``):
-  what happens to what ``strategy.scope()`` captures (``machinery/scope_hooks.py`` calls the
-  capture hooks from PyTorch's global registration hooks) or is handed over explicitly;
-- **process facts** (``communicator``, ``num_replicas_in_sync``, ``replica_devices``,
-  ``worker_devices``, ``parameter_devices``, ``should_checkpoint``, ``should_save_summary``,
-  ``barrier``, ``describe``) and **checkpoint state** (``before_checkpoint_write``,
-  ``after_checkpoint_restore``).
-
-Public names are what other code calls (the Strategy face, the scope and optimizer hooks,
-checkpoints, the input pipeline, Keras) or a strategy overrides for them; hooks only the
-strategy itself calls are protected (``_run_arguments``, ``_before_run``, ``_place``...): TF's
-``_x`` convention, so the public face stays what library code may use.
-
-What only some strategies do is a capability they opt into (``capabilities.py``: merge calls
-between replica threads, deferred gradients, pipelined steps, chief coordination); library
-code asks for the capability, never for a strategy class. Every override carries
-``@override``. ``docs/architecture.md`` ("Writing a strategy") walks through writing one.
-Nothing outside ``distribute/`` reads a strategy's underscore members: this class and the
-capabilities are the whole contract. The file is kept whole (a little over 600 lines, most of
-them the contract's documentation) so that the contract reads in one place.
+As in TensorFlow, ``Strategy`` (the API a script calls) only forwards; ``StrategyExtended``
+implements it, and library code (Keras, checkpoints, input) talks to it. This class is the
+**core** every strategy has: two **required** members (``adopt``: what scope does to new
+parameters and buffers; ``before_optimizer_step``: how the replicas' gradients become one
+update); **public methods that validate, then call hooks** (``call_for_each_replica``,
+``merge_call``, ``reduce``, ``gather``, ``accumulate_gradients``, the input methods) whose hooks
+have defaults a strategy overrides where it differs; **placement** (the capture hooks that
+``machinery/scope_hooks.py`` calls, ``adopt_model``, ``distribute_module``); **process facts**
+and **checkpoint state**. Hooks only the strategy itself calls are protected (TF's ``_x``);
+every override carries ``@override``. What only some strategies do is a capability
+(``capabilities.py``). ``docs/architecture.md`` tables every member, and
+``docs/writing_a_strategy.md`` walks through writing a strategy.
 """
 
 from __future__ import annotations

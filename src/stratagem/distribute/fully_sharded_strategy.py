@@ -1,38 +1,17 @@
 """FullyShardedStrategy: sharded data parallelism (ZeRO-3 / ZeRO-2, HSDP) on PyTorch's FSDP2.
 
-1. The cluster and the process group come as for MultiWorkerMirroredStrategy (TF_CONFIG,
-   torchrun, SLURM, ``stratagem run``): one process per device, every process a data-parallel
-   replica. The parameters are sharded over a DeviceMesh of the whole job: 1-D (``shard``) by
-   default; a 2-D ``mesh`` with dimensions ``("replicate", "shard")`` gives HSDP (replicate
-   across hosts, shard within one).
-2. Scope: modules built inside are recorded; when the scope ends (or ``sg.keras.Model(module)``
-   takes the model, or a step comes inside the scope, as TF's tutorials train there) each model
-   is sharded with ``torch.distributed.fsdp.fully_shard``: first the chief's initial values are
-   broadcast (workers seeded differently start identical, as under MWMS), then every top-level
-   child that holds parameters (or each module ``wrap`` names) becomes one FSDP unit, then the
-   root. A parameter shared by two modules (tied embeddings) stays one parameter: the default
-   units keep each tied parameter in one unit (a child that holds only one of its names gives
-   way to its own children, and the root shards the tied parameter); an explicit ``wrap`` that
-   splits one is a ``SharedParameterError`` naming it and the two units.
-   Each unit's parameters are gathered in one collective before its forward and freed
-   after it (``reshard_after_forward=True``, ZeRO-3) or kept until backward ends (``False``,
-   ZeRO-2); FSDP2 prefetches the next unit's gather while this one computes.
-3. The parameters become DTensors sharded along dim 0, so their gradients, and the optimizer
-   state created from them (``torch.optim.Adam``'s ``exp_avg``...), are sharded too. An
-   optimizer created in the scope, over the parameters before sharding replaced them, is
-   pointed at the replacements at its first step.
-4. Gradients: FSDP2 reduce-scatters each unit's gradients during backward. They are summed
-   across replicas (the seeds' convention: ``sg.nn.compute_average_loss`` divides by the
-   global batch), or averaged with ``gradient_aggregation="MEAN"`` (PyTorch's).
-5. ``run``/``reduce``/``gather``/datasets/``Model.fit`` come from the Strategy base over the
-   communicator, as under MWMS. Checkpoints of the sharded weights go through
-   ``torch.distributed.checkpoint`` (``train/sharded.py``) and restore on any number of
-   processes; ``model.save`` writes a whole plain model.
-
-A job of one process has nothing to shard: the strategy then keeps the model as it is (the
-single-process null version), so one script runs alone and on a cluster. An evaluator task
-(TF's side-car evaluation) is such a process: it restores the workers' sharded checkpoints into
-its whole model. A ps task cannot use this strategy.
+1. Cluster and process group as for MultiWorkerMirroredStrategy: one process per device, each a
+   data-parallel replica; parameters sharded over a 1-D mesh of the job (``shard``), or a 2-D
+   ``mesh`` ``("replicate", "shard")`` for HSDP.
+2. Scope: each model built inside is sharded with ``fully_shard`` when the scope ends (or
+   ``sg.keras.Model(module)`` takes it, or a step comes inside the scope): the chief's initial
+   values broadcast first, then every top-level child holding parameters (or each module ``wrap``
+   names) becomes a unit, then the root. A tied parameter stays one parameter in one unit (an
+   explicit ``wrap`` that splits one is a ``SharedParameterError``).
+3. Parameters, gradients and optimizer state are DTensors sharded along dim 0; gradients are
+   reduce-scattered during backward, summed (or ``gradient_aggregation="MEAN"``). Checkpoints go
+   through DCP (``train/sharded.py``) and restore on any number of processes.
+4. A job of one process (an evaluator task too) keeps the model whole; a ps task is refused.
 """
 
 from __future__ import annotations

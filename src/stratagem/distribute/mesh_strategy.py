@@ -1,33 +1,17 @@
 """MeshStrategy: the Strategy interface over a DTensor mesh, for custom loops and ``Model.fit``.
 
 1. The mesh comes from ``sg.dtensor.create_mesh`` (one process per device). Its ``batch``
-   dimension (``batch_dim_name``) holds the data-parallel replicas: ``num_replicas_in_sync`` is
-   its size, a process's replica is its coordinate along it, and the processes that differ only
+   dimension (``batch_dim_name``) holds the data-parallel replicas; processes that differ only
    along other dimensions (``model``) are parts of one replica and see the same data.
-2. Scope: parameters created inside are laid out on the mesh by ``layout_map`` (regex paths →
-   layouts; unmatched parameters replicated; no map: all replicated, pure data parallelism).
-   Paths are known once the model is whole, so the layouts are applied when the scope ends,
-   when ``sg.keras.Model(module)`` hands the model over, or at the first step inside the
-   scope (TF's tutorials train there). An optimizer created over the parameters before they
-   were laid out is pointed at their replacements at its first step.
-3. ``run(fn, args)``: each replica's part of the global batch becomes one DTensor split along
-   ``batch`` (``torch.chunk``'s cut, so ``experimental_distribute_dataset`` cuts batches that
-   way); ``fn`` computes on global tensors and DTensor decides every collective, the gradient
-   all-reduce included. Results come back per replica, as every other strategy returns them:
-   each replica's part of a result split along ``batch``, its own partial sum of a reduction
-   over the batch (``per_example_loss.sum() / global_batch``: the seeds' loss share), and the
-   same value on every replica for a replicated one. So ``strategy.reduce``, metrics, and the
-   loss convention work unchanged.
-4. ``reduce``/``gather``/metrics communicate among the replicas only (one process per
-   coordinate along ``batch``): the processes of one replica hold the same values already.
-5. A step runs under ``dtensor.mesh_step``: tensors the model makes inside ``forward``
-   (position ids, masks, caches) are replicated, attention runs a kernel DTensor can shard,
-   and an operator it cannot shard is a named ``ShardingRuleError``. An error of the step that
-   is not a failed collective is reported as itself, never as a lost peer.
-
-Keras 3's ``keras.distribution.ModelParallel(layout_map=..., batch_dim_name="batch")`` with
-``set_distribution`` is the nearest seed-side equivalent; TF's DTensor tutorials wrote custom
-loops (``sg.dtensor`` ports those directly).
+2. Scope: parameters are laid out by ``layout_map`` (regex paths → layouts; unmatched, or no
+   map: replicated) when the model is whole: at the scope's end, when ``sg.keras.Model(module)``
+   takes it, or at the first step inside the scope. An optimizer made before is re-pointed.
+3. ``run(fn, args)``: each replica's part of the batch becomes one DTensor split along ``batch``
+   (``torch.chunk``'s cut); DTensor decides every collective. Results come back per replica, as
+   under every other strategy, so ``reduce``, metrics and the loss convention work unchanged
+   (``reduce``, ``gather`` and metrics communicate among the replicas only).
+4. A step runs under ``dtensor.mesh_step``: tensors made inside ``forward`` are replicated, and
+   an operator DTensor cannot shard is a named ``ShardingRuleError``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """MirroredStrategy: synchronous training on several devices of one process.
 
-1. Scope: parameters and buffers created inside, a module's or on their own (TF's
-   ``tf.Variable``), live on the first device (the primaries); every other device gets a copy
+1. Scope: parameters and buffers created inside (a module's, or on their own as TF's
+   ``tf.Variable``) live on the first device (the primaries); every other device gets a copy
    (``MirroredVariables``).
 2. ``run(fn)``: fn runs once per device, concurrently, replica 0 in the calling thread and the
-   others on replica threads that see their copies (``ReplicaView``). Each replica's part of the
-   batch is already on its device.
-3. ``optimizer.step()`` inside fn is TF's merge call: the replicas meet, one of them sums every
-   replica's gradients into the primaries (the cross-device op), replica 0 applies the update
-   while the others' step finds no gradient on their copies and does nothing, and the replicas
-   meet again to refresh the copies before going on. Outside ``run`` the same happens without
-   the meeting.
-4. After ``run``, gradients not yet summed (no step inside fn) are summed, so ``p.grad`` holds
-   the aggregate as after any backward on one device.
+   others on replica threads that see their copies (``ReplicaView``).
+3. ``optimizer.step()`` inside fn is TF's merge call: the replicas meet, every replica's
+   gradients are summed into the primaries (the cross-device op), the update is applied once,
+   and the copies are refreshed. After ``run``, gradients not yet summed are summed.
 
 Logical CPU devices (``["cpu:0", "cpu:1"]``) are replicas on the shared CPU, each on its own
 thread with its share of the intra-op threads; CUDA devices work the same way, with NCCL for

@@ -1,31 +1,17 @@
 """MultiWorkerMirroredStrategy: synchronous data parallelism, one process per worker.
 
 1. The cluster comes from TF_CONFIG (or STRATAGEM_CONFIG), torchrun's or SLURM's variables;
-   creating the strategy joins the others (a roll call naming any missing peer) and starts a
-   process group: gloo on CPU, NCCL on CUDA.
-2. Scope: parameters and buffers created inside live on this worker's device; at the scope's
-   exit the chief's initial values are broadcast to every worker, after checking that all
-   workers built the same tensors — so workers seeded differently still start identical.
-3. Backward: gradients are summed over the workers bucket by bucket while backward still runs
-   (``GradientReducer``), and written back when backward ends (by default, where the workers
-   fill the cores of one host, in one pack when backward ends, as TF sends them);
-   ``optimizer.step()`` then applies the same update on every worker. In
-   ``extended.accumulate_gradients()`` backward passes only accumulate; the next one outside
-   sends everything once. With
-   ``CommunicationOptions(compression="bf16")`` buckets travel in 16 bits, summed in float32.
-   The reducer holds parameters weakly: a dropped model is freed, and its buckets go once
-   every worker has let go of it (they agree at the next adoption, all together, or at the
-   next reduction, whose sums carry a flag per parameter for "still held").
-4. ``torch.compile``: AOTAutograd makes a compiled model's backward one autograd node, whose
-   gradients all appear at its end, so no bucket could start while backward computes. While
-   ``run`` runs, dynamo is told what DDP would tell it (the bucket size), and its DDPOptimizer
-   splits each graph it compiles there at bucket boundaries: one backward node per bucket,
-   and the all-reduce of each bucket starts while the earlier layers' backward still runs.
-   With one pack there is nothing to overlap, and the graph stays whole.
-5. ``run``/``reduce``/``gather``/datasets come from the Strategy base over the communicator.
-
-The chief and the workers take part; an evaluator task runs alone (a one-replica strategy);
-a ps task cannot use this strategy.
+   creating the strategy joins the others (a roll call) and starts a process group: gloo on
+   CPU, NCCL on CUDA.
+2. Scope: parameters and buffers live on this worker's device; at the scope's exit the chief's
+   initial values are broadcast after a check that every worker built the same tensors.
+3. Backward: gradients are summed over the workers by a ``GradientReducer``, bucket by bucket
+   while backward runs, or in one pack when backward ends where the workers fill one host's
+   cores (``CommunicationOptions``: ``bytes_per_pack``, ``compression``); inside
+   ``accumulate_gradients()`` passes only accumulate. Under ``torch.compile`` dynamo's
+   DDPOptimizer splits each graph at bucket boundaries while ``run`` runs.
+4. ``run``/``reduce``/``gather``/datasets come from the Strategy base over the communicator.
+   The chief and the workers take part; an evaluator runs alone; a ps task is refused.
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """ParameterServerStrategy: parameters held by ps tasks; workers pull them and push gradients.
 
-1. The cluster has ps tasks beside the chief and workers (``stratagem run -n W --ps K``). Every
-   task joins one world (``comm.rpc_world``: the roll call and liveness); workers talk to each
-   ps over ``comm.messages`` (plain data only, authenticated with the job's secret). On a ps
-   task, creating the strategy (or ``sg.distribute.Server(...).join()``) serves the shards
-   until every worker is done, then ends the process with exit code 0: the rest of the script
-   is for workers.
-2. Scope: each parameter created inside is cut into shards along its first dimension by the
-   ``variable_partitioner`` (whole without one), and the shards are placed on the ps tasks,
-   balanced by bytes (``partitioners.plan_shards``: every worker computes the same plan). The
-   chief's initial values create the shards; the other workers pull them, so all start equal.
-   Each worker keeps a local copy of every parameter to compute on; buffers stay local.
-3. ``optimizer.step()``: the worker pushes each ps the gradients of its shards (with the
-   optimizer's class and current hyperparameters) and gets back the shards' new values; the
-   update itself runs on the ps that owns the shard, with the optimizer state there
-   (``ps_server``). The local step then finds no gradient and does nothing. How pushes become
-   updates is the mode: ``async`` (each push applied at once; bounded staleness and a staleness
-   policy), ``sync`` (the mean of ``replicas_to_aggregate`` pushes per step), and sync with
-   ``backup_workers`` (n + b workers, the first n pushes of a step win, late ones are dropped).
-4. Each worker trains on its own batches at its own pace: ``num_replicas_in_sync`` is 1 per
-   worker, and ``strategy.reduce`` and metrics are this worker's.
-   ``experimental_distribute_dataset`` gives every worker all of the dataset (each its own pass
-   and shuffle, so that ``evaluate`` on any worker sees all of its data);
-   ``distribute_datasets_from_function`` gets an ``InputContext`` with the worker's index among
-   the W workers, to shard by it.
+1. Every task joins one world (``comm.rpc_world``); workers talk to each ps over
+   ``comm.messages``. On a ps task, creating the strategy serves its shards until every worker
+   is done, then ends the process with exit code 0: the rest of the script is for workers.
+2. Scope: each parameter is cut along dim 0 by the ``variable_partitioner`` and its shards are
+   placed on the ps tasks, balanced by bytes (``partitioners.plan_shards``); the chief's initial
+   values create them, the other workers pull them. Each worker computes on local copies.
+3. ``optimizer.step()`` pushes each ps its shards' gradients and gets back their new values;
+   the update runs on the ps (``ps/server.py``). Modes: ``async`` (bounded staleness, a
+   staleness policy), ``sync`` (the mean of ``replicas_to_aggregate`` pushes), and sync with
+   ``backup_workers``.
+4. Each worker trains at its own pace: ``num_replicas_in_sync`` is 1, and ``reduce`` and metrics
+   are the worker's own; ``experimental_distribute_dataset`` gives each worker all the data.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """PipelineStrategy: pipeline parallelism, one stage per process, optionally data-parallel too.
 
-1. The cluster is resolved and the process group started as for MultiWorkerMirroredStrategy
-   (``stratagem run -n N``, TF_CONFIG, torchrun, SLURM); the job must have
-   ``num_stages x num_replicas`` processes. Rank ``r`` runs stage ``r % num_stages`` of replica
+1. Cluster and process group as for MultiWorkerMirroredStrategy; the job has ``num_stages x
+   num_replicas`` processes, rank ``r`` running stage ``r % num_stages`` of replica
    ``r // num_stages`` (``stratagem.pipeline.stage_layout``).
-2. ``strategy.pipeline(model, loss_fn)`` cuts an ``nn.Sequential`` at ``split_points`` (layer
-   indices or names) or balanced by parameter count or measured time, or any other model that
-   ``torch.export`` can trace at ``split_points`` that are module paths (``["transformer.h.1"]``:
-   ``stratagem.pipeline.trace``), keeps this rank's stage, and returns a ``PipelineModel``
-   whose ``train_step(x, y, optimizer)`` runs the schedule:
-   ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"`` (torch.distributed.pipelining), or
-   ``"PipeDream"`` (asynchronous 1F1B with weight stashing, ``stratagem.pipeline.pipedream``).
-3. With ``num_replicas > 1`` each stage's gradients are averaged over its replicas.
-4. ``sg.keras.Model`` built in ``strategy.scope()`` (the whole model, on every process) trains
-   with ``fit``, ``evaluate`` and ``predict``: Keras's pipelined steps
-   (``stratagem.keras.pipeline_steps``) cut the model on first use with ``strategy.pipeline``
-   and run the schedule; every process gets the whole global batch. Keras registers the whole
-   model (``extended.register_whole_model``), so that a checkpoint of it (``ModelCheckpoint``,
-   ``BackupAndRestore``, ``sg.train.Checkpoint``, ``model.save``) first brings every stage's
-   layers and optimizer state to every process (``before_checkpoint_write``, a collective), so
-   the chief writes the whole model, and a restore gives each stage its part.
-5. A parameter that layers on several stages share (tied embeddings) stays one parameter: the
-   stages holding a copy all-reduce its gradient every step, in a group of their ranks per
-   replica (``stratagem.pipeline.shared``); PipeDream refuses it.
-
-A world of one process with one stage is the null version: the same calls, micro-batches run
-one after another in this process.
+2. ``strategy.pipeline(model, loss_fn)`` cuts an ``nn.Sequential`` at ``split_points`` (or
+   balanced), or traces any other model and cuts it at module paths (``pipeline.trace``), and
+   returns a ``PipelineModel`` whose ``train_step`` runs the schedule: ``"GPipe"``, ``"1F1B"``,
+   ``"Interleaved1F1B"`` (torch's) or ``"PipeDream"`` (``pipeline.pipedream``).
+3. With ``num_replicas > 1`` each stage's gradients are averaged over its replicas; a parameter
+   tied across stages stays one (``pipeline.shared``; PipeDream refuses it).
+4. ``sg.keras.Model`` trains through ``keras.pipeline_steps``; checkpoints of its registered
+   whole model gather every stage first (``before_checkpoint_write``, a collective).
+5. A world of one process and one stage is the null version: micro-batches run one by one.
 """
 
 from __future__ import annotations

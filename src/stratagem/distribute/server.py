@@ -2,18 +2,14 @@
 ``tf.distribute.Server(server_or_cluster_def, job_name=None, task_index=None, protocol=None,
 config=None, start=True)``).
 
-- On a ``ps`` task it serves the task's variable shards (``ps.task_server.PsTaskServer``)
-  until every worker is done.
-- On a ``worker`` task of a cluster with a ``chief`` it serves the chief's
-  ``ClusterCoordinator`` (``coordinator.worker.WorkerServer``): the scheduled functions run here.
-
-The cluster comes from a resolver, a cluster spec with ``job_name`` and ``task_index``, or (with
-neither) from the environment (TF_CONFIG, as the launcher sets it). ``protocol`` and ``config``
-are accepted and ignored: the transport is always ``comm.messages`` (TCP, plain data,
-authenticated with the job's secret). ``join()`` serves until the job is done and then ends
-the process with exit status 0 (``SystemExit(0)``: ``finally`` blocks and ``atexit`` handlers
-run): TF's never returns, so the code after it in a TF script, the chief's as a rule, is never
-run on a worker or ps task, and must not be here either.
+On a ``ps`` task it serves the task's variable shards (``ps.task_server.PsTaskServer``) until
+every worker is done; on a ``worker`` task of a cluster with a ``chief`` it serves the chief's
+``ClusterCoordinator`` (``coordinator.worker.WorkerServer``). The cluster comes from a resolver,
+a cluster spec with ``job_name`` and ``task_index``, or the environment (TF_CONFIG).
+``protocol`` and ``config`` are accepted and ignored: the transport is always ``comm.messages``.
+``join()`` serves until the job is done, then ends the process with ``SystemExit(0)``
+(``finally`` blocks and ``atexit`` handlers run): the code after it, as after TF's ``join()``
+that never returns, is not run on a worker or ps task.
 """
 
 from __future__ import annotations

@@ -3,19 +3,15 @@
 Port of TensorFlow's DTensor (``tf.experimental.dtensor``) onto ``torch.distributed.tensor``::
 
     mesh = sg.dtensor.create_mesh([("batch", 2), ("model", 2)])
-    layout = sg.dtensor.Layout.batch_sharded(mesh, "batch", rank=2)
-    x = sg.dtensor.copy_to_mesh(torch.zeros(16, 16), layout)    # a torch DTensor
-
     layout_map = sg.dtensor.LayoutMap(mesh)
     layout_map["feature.*weight"] = sg.dtensor.Layout(["model", sg.dtensor.UNSHARDED], mesh)
     with layout_map.scope():
         model = build_model()      # its weights are DTensors, each with .layout
 
-For a transformer, ``sg.dtensor.megatron_layout_map(mesh, model)`` writes the map of
-Megatron's tensor parallelism (attention and MLP projections split column- then row-wise).
-
-Then train with a plain ``torch.optim`` optimizer: DTensor decides every collective. One
-process per device: launch with ``stratagem run -n N``, TF_CONFIG, torchrun or SLURM.
+``copy_to_mesh`` lays out one tensor; ``megatron_layout_map(mesh, model)`` writes the map of
+Megatron's tensor parallelism for a transformer. Train with a plain ``torch.optim`` optimizer:
+DTensor decides every collective. One process per device: launch with ``stratagem run -n N``,
+TF_CONFIG, torchrun or SLURM.
 """
 
 from stratagem.dtensor import metrics

@@ -1,31 +1,16 @@
 """Ready layout maps for Megatron's tensor parallelism of transformer blocks.
 
-Megatron-LM splits each block's first projections column-wise (their outputs: the attention
-heads, the MLP's hidden units) and the projections after them row-wise (their inputs), so that a
-block needs one all-reduce forward and one backward. On a mesh that is four layouts:
-
-====================  ===============================  ===============================
-split                 ``nn.Linear`` weight (out, in)   ``Conv1D`` weight (in, out)
-====================  ===============================  ===============================
-column (colwise)      ``[axis, UNSHARDED]``, bias      ``[UNSHARDED, axis]``, bias
-                      ``[axis]``                       ``[axis]``
-row (rowwise)         ``[UNSHARDED, axis]``, bias      ``[axis, UNSHARDED]``, bias
-                      replicated                       replicated
-====================  ===============================  ===============================
-
-(Hugging Face's GPT-2 stores its projections as ``Conv1D``, whose weight is the transpose of
-a Linear's.) ``megatron_layout_map(mesh, model)`` finds the projections by their names (a
-*plan*: regex on module paths → ``"colwise"`` or ``"rowwise"``, torch's and Hugging Face's
-words), looks at each matched module to pick its orientation, and writes one ``LayoutMap`` key
-per pattern and weight, e.g. ``(?:\\.attn\\.c_attn)\\.weight$`` → ``[UNSHARDED, 'model']``. The
+Megatron-LM splits each block's first projections column-wise (attention heads, MLP hidden
+units) and the projections after them row-wise, so a block needs one all-reduce forward and one
+backward. ``megatron_layout_map(mesh, model)`` finds the projections by name (a *plan*: regex on
+module paths → ``"colwise"`` or ``"rowwise"``, torch's and Hugging Face's words), looks at each
+matched module for its orientation (``nn.Linear``'s weight is (out, in); Hugging Face's
+``Conv1D``, GPT-2's, is (in, out)), and writes one ``LayoutMap`` key per pattern and weight,
+e.g. ``(?:\\.attn\\.c_attn)\\.weight$`` → ``[UNSHARDED, 'model']``: column-wise shards a
+weight's output dimension and its bias, row-wise its input dimension (bias replicated). The
 result is an ordinary ``LayoutMap``: print it, edit it, apply it to any model of the family.
-
-Layouts are all it takes: DTensor's sharding propagation derives the activations' layouts and
-the all-reduce after each row-wise projection from the weights' (torch's ``ColwiseParallel`` and
-``RowwiseParallel`` hooks state the same activations explicitly). Weights no pattern matches
-(embeddings, norms, the head) are replicated. A fused q|k|v projection (GPT-2's ``c_attn``) is
-split by whole columns: its weight is sharded, and DTensor gathers its output once to cut it
-into q, k and v, since a Layout cannot say "every third of the columns, interleaved".
+Weights no pattern matches (embeddings, norms, the head) are replicated; DTensor derives the
+activations' layouts and the all-reduces from the weights'.
 """
 
 from __future__ import annotations

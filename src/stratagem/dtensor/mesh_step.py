@@ -1,27 +1,14 @@
 """What a step on a mesh runs under: plain tensors replicated, unshardable operators named.
 
-Real models make tensors inside ``forward``: Hugging Face's GPT-2 builds its position ids with
-``torch.arange``, Llama its rotary tables, BERT its extended attention mask. They are plain
-tensors, computed the same way from the same sizes on every process, and DTensor refuses to mix
-them with the DTensors of the step ("got mixed torch.Tensor and DTensor"). Inside
-``replicated_plain_tensors()`` DTensor treats every plain tensor as replicated on the mesh of
-the DTensors it meets (torch's ``implicit_replication``), which is what those tensors are.
-One of them needs more: a key/value cache starts as ``torch.tensor([])``, which ``torch.cat``
-skips (its legacy rule for 1-D empty tensors) but DTensor would try to split like the keys.
-
-``shardable_attention(device_type)`` picks the kernel of ``scaled_dot_product_attention`` (the
-default attention of Hugging Face's models) that DTensor can shard: on CPU, its fused kernel has
-no sharding rule, forward or backward, so a CPU mesh step computes attention with the math
-kernel, which is made of matmuls and a softmax (what ``attn_implementation="eager"`` computes).
-CUDA's fused kernels have sharding rules and are left to SDPA's own choice.
-
-``named_operator_errors()`` turns DTensor's refusal of an operator it has no sharding rule for
-into a ``ShardingRuleError`` that names the operator, the module it ran in when known, and what
-to do: most often a model's fused attention kernel, which its eager implementation avoids. So
-too its refusal to reshape across a dimension the mesh cuts unevenly: a mesh step cuts a global
-batch that does not divide by the replicas as ``torch.chunk`` does (11 over 2: 6 + 5), and a
-model that flattens the batch into another dimension (GPT-2's ``Conv1D``:
-``x.view(-1, width)``) cannot run on it; the error says to give batches that divide.
+``replicated_plain_tensors()``: DTensor treats every plain tensor made inside ``forward``
+(position ids, rotary tables, attention masks: the same on every process) as replicated on the
+mesh of the DTensors it meets (torch's ``implicit_replication``), and an empty key/value cache
+(``torch.tensor([])``) is left for ``torch.cat`` to skip. ``shardable_attention(device_type)``
+makes ``scaled_dot_product_attention`` use a kernel DTensor can shard (on CPU the math kernel;
+CUDA's fused kernels are left to SDPA). ``named_operator_errors()`` turns DTensor's refusal of an
+operator without a sharding rule into a ``ShardingRuleError`` naming the operator, the module it
+ran in when known, and what to do; so too its refusal to reshape a batch the mesh cuts unevenly
+(``torch.chunk``'s cut: 11 over 2 is 6 + 5), where the error says to give batches that divide.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """``Model.fit``/``evaluate`` on the chief of a TF2 parameter-server cluster (a coordinator).
 
-TF2 trains a ``ParameterServerStrategy`` model on the chief: ``fit`` makes (or takes) the
-strategy's ``ClusterCoordinator`` and schedules its train function on the workers, which read
-their own datasets; callbacks run on the chief. As there:
-
-- ``steps_per_epoch`` is required (a worker's dataset repeats: the chief cannot see its end);
-- the training data is an ``sg.data.Dataset`` (TF's recommended input: it is distributed
-  with ``strategy.experimental_distribute_dataset`` and every worker makes its own copy from
-  its recipe, shuffling it its own way), a distributed dataset made on the chief, a
-  ``DatasetCreator(dataset_fn)`` (each worker calls ``dataset_fn(input_context)``, sharding by
-  its ``input_pipeline_id``), or arrays, which travel to every worker once, each shuffling and
-  sharding its copy and repeating it;
-- one scheduled function runs ``steps_per_execution`` batches;
-- ``evaluate`` sends every batch of a finite dataset with its function, so each is visited
-  exactly once (a function lost with its worker runs again elsewhere; its metric totals count
-  once, when its value is set).
-
-The functions scheduled here (``train_steps``, ``test_batches``) are this module's: a worker
-runs its own copy of them on the model rebuilt from the chief's state (``stratagem.shipping``).
+As TF2: ``fit`` makes (or takes) the strategy's ``ClusterCoordinator`` and schedules its train
+function on the workers, which read their own datasets; callbacks run on the chief.
+``steps_per_epoch`` is required (a worker's dataset repeats). The data is an ``sg.data.Dataset``
+(each worker makes its own copy from its recipe), a distributed dataset made on the chief, a
+``DatasetCreator(dataset_fn)`` (each worker calls ``dataset_fn(input_context)``), or arrays,
+which travel to every worker once. One scheduled function runs ``steps_per_execution`` batches.
+``evaluate`` sends every batch of a finite dataset with its function, so each is visited
+exactly once (a function lost with its worker runs again; its totals count once). The
+scheduled functions (``train_steps``, ``test_batches``) are this module's: a worker runs its own
+copy of them on the model rebuilt from the chief's state (``stratagem.shipping``).
 """
 
 from __future__ import annotations

@@ -1,27 +1,15 @@
 """``sg.keras.Model``: Keras's compile / fit / evaluate / predict around an ``nn.Module``.
 
 The loops are written once, over the Strategy interface: global batches go through
-``strategy.experimental_distribute_dataset`` (split across replicas, auto-sharded across
-workers), each step is ``strategy.run(self.train_step, ...)`` (on a strategy with
-``PipelinedSteps``, Keras's own pipelined steps run the schedule instead, ``pipeline_steps.py``),
-and metrics are read in the cross-replica context, where
-``result()`` sums every replica's state. The default strategy makes
-the same code single-device training. ``train_step`` and ``test_step`` are the override points.
-
-The loss follows the seeds: each replica's loss is its per-example losses summed and divided by
-the *global* batch (``sg.nn.compute_average_loss``), and the strategy sums gradients, so the
-update equals one device training on the whole global batch.
-
-Any model trains, not only Keras-shaped ones (``module_calls.py``): a dict ``x`` reaches
-``forward`` as keyword arguments, a module that computes its own loss (an output with
-``.loss``: Hugging Face's) trains with no compiled loss, ``y`` then reaching ``forward`` as
-``labels=``, and the compiled loss, metrics and ``predict`` read the output's ``.logits`` (or
-the output named at ``compile(output=...)``).
-
-The file is kept whole (over 800 lines): it is one class, Keras's ``Model``, its methods in the
-order a user meets them (compile, the steps, fit, evaluate, predict, weights), and the loops
-share its state; the pieces that stand alone live beside it (``data_adapter``,
-``pipeline_steps``, ``coordinated``, ``saving``, ``callbacks/``).
+``strategy.experimental_distribute_dataset``, each step is ``strategy.run(self.train_step, ...)``
+(on a strategy with ``PipelinedSteps``, ``pipeline_steps.py`` runs the schedule instead), and
+metrics are read in the cross-replica context. The default strategy makes the same code
+single-device training; ``train_step`` and ``test_step`` are the override points. Each
+replica's loss is divided by the *global* batch (``sg.nn.compute_average_loss``) and the
+strategy sums gradients, so the update equals one device training on the whole batch. Any model
+trains, not only Keras-shaped ones (``module_calls.py``: Hugging Face's, with its own loss).
+The pieces that stand alone live beside it (``data_adapter``, ``pipeline_steps``,
+``coordinated``, ``saving``, ``callbacks/``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """How ``sg.keras.Model`` calls a module that is not Keras-shaped (Hugging Face's and friends'),
-and what it reads from the output, as Hugging Face's own Keras models do
-(``TFPreTrainedModel.train_step``):
+as Hugging Face's own Keras models do (``TFPreTrainedModel.train_step``):
 
-- a dict ``x`` reaches ``forward`` as keyword arguments (``input_ids=``, ``attention_mask=``)
-  when its keys are ``forward``'s parameters; otherwise it is passed whole, as one argument;
+- a dict ``x`` reaches ``forward`` as keyword arguments when its keys are ``forward``'s
+  parameters; otherwise it is passed whole, as one argument;
 - without a compiled loss, the model's own loss is the loss: ``y`` reaches ``forward`` as
-  ``labels=`` (a dict ``y`` as its keys: ``start_positions=``...), and the output's ``.loss``
-  is read (``own_loss``);
-- the compiled loss, the metrics and ``predict`` read one tensor of the output
-  (``prediction``): the output itself when it is a tensor, else the output named at
-  ``compile(output=...)``, else ``.logits``, else a dict's one entry besides ``loss``;
-- ``training=`` reaches ``forward`` only when ``forward`` takes it (``training_mode`` sets
-  torch's train/eval mode for one call, as Keras's ``model(x, training=True)`` does).
+  ``labels=`` (a dict ``y`` as its keys), and the output's ``.loss`` is read (``own_loss``);
+- the compiled loss, the metrics and ``predict`` read one tensor (``prediction``): the output
+  itself, else the output named at ``compile(output=...)``, else ``.logits``, else a dict's one
+  entry besides ``loss``;
+- ``training=`` reaches ``forward`` only when it takes it (``training_mode``).
 
 Anything that cannot work is a ``ModelOutputError`` (or a ``TypeError`` for inputs) that says
 what was received and what to pass.

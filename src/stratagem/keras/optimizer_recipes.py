@@ -239,7 +239,7 @@ class Adafactor(Optimizer):
 
 
 class Lion(Optimizer):
-    """Keras's ``Lion`` (learning_rate 0.001, beta_1 0.9, beta_2 0.99), which torch 2.13's
+    """Keras's ``Lion`` (learning_rate 0.001, beta_1 0.9, beta_2 0.99), which
     ``torch.optim`` does not have: constructing it (or ``compile(optimizer="lion")``) raises
     ``UnavailableOptimizerError`` saying what to pass instead. It is named here so that a
     Keras script fails with that reason, not with a missing attribute."""

@@ -1,23 +1,14 @@
-"""``sg.keras.Model``'s fit, evaluate and predict steps on a pipeline (a strategy with
-``PipelinedSteps``: ``PipelineStrategy``).
+"""``sg.keras.Model``'s fit, evaluate and predict steps on a strategy with ``PipelinedSteps``.
 
-Keras owns the pipelined step, as torchtitan's trainer does: on a pipeline, ``Model`` runs its
-steps through these instead of ``strategy.extended``'s, so that ``fit`` (its callbacks,
-History, progress bar, checkpoints) stays the one loop every strategy shares. The model is cut
-on first use with ``strategy.pipeline`` (every process gets there at the same step, with the
-same batch) and registered with the strategy, whose checkpoints then gather the stages. Every
-process gets the whole global batch; a training step
-
-1. cuts out this replica's part (as even as possible: a last, smaller batch may be uneven) and
-   pads it to a multiple of the micro-batches with copies of a real row;
-2. gives the schedule, as the targets, each row's *index* in that part: the loss looks up the
-   row's target (and sample weight) and counts real rows only, scaled so that the gradient is
-   that of the mean loss over the global batch, padding or not (``IndexedLoss``);
-3. runs the schedule; on the last stage the model's own ``compute_loss`` and metrics see the
-   outputs of the real rows, so the loss and metrics are those any other strategy logs. Every
-   process reads them through the metrics' all-reduce (the other stages add zeros), so every
-   process's callbacks see the same logs.
-
+On a pipeline, ``Model`` runs its steps through these, so ``fit`` (callbacks, History,
+checkpoints) stays the one loop every strategy shares. The model is cut on first use with
+``strategy.pipeline`` (every process at the same step) and registered with the strategy, whose
+checkpoints then gather the stages. Every process gets the whole global batch; a training step
+cuts out this replica's part, pads it to a multiple of the micro-batches with copies of a real
+row, gives the schedule each row's *index* as its target (``IndexedLoss`` looks up the target
+and sample weight and counts real rows only, so the gradient is the global batch's mean loss's),
+and runs the schedule; the last stage's ``compute_loss`` and metrics see the real rows, read by
+every process through the metrics' all-reduce, so every process's callbacks see the same logs.
 Evaluation and prediction run forward only, one whole part per replica, no micro-batches.
 """
 

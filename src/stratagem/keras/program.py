@@ -1,14 +1,12 @@
 """The ``torch.export`` program of a saved model, written and read without unpickling anything.
 
-``torch.export.load`` is not safe on untrusted files: its own documentation says it "uses pickle
-under the hood", and in torch 2.13 it unpickles a weight or constant stored as a tensor subclass
-(``torch.load(weights_only=False)``), a custom or opaque object (``pickle.loads``), and retries
-the example inputs with ``weights_only=False`` when ``weights_only=True`` refuses them; an
-archive may also carry AOTInductor shared libraries. So before handing an archive to it, we
-check what the archive holds: only the files of a plain program (the graph as JSON, weights and
-constants as raw bytes, example inputs that load with ``weights_only=True``), and nothing that
-would be unpickled. Anything else is refused, naming the file. A program stratagem wrote always
-passes: its weights are plain tensors.
+``torch.export.load`` is not safe on untrusted files: it unpickles a weight or constant stored
+as a tensor subclass, a custom or opaque object, and example inputs that ``weights_only=True``
+refuses; an archive may also carry AOTInductor shared libraries. So before handing an archive to
+it, we check what the archive holds: only the files of a plain program (the graph as JSON,
+weights and constants as raw bytes, example inputs that load with ``weights_only=True``), and
+nothing that would be unpickled. Anything else is refused, naming the file. A program stratagem
+wrote always passes: its weights are plain tensors.
 """
 
 from __future__ import annotations

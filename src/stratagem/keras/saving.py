@@ -1,31 +1,17 @@
 """``model.save(path)`` and ``sg.keras.models.load_model(path)``: a self-describing directory.
 
-    <path>/model.safetensors   the module's state_dict (loads in plain PyTorch: docs/porting.md);
-                               a tied tensor (two names, one parameter) once, under its first
-                               name, its other names in the metadata (``stratagem.tied``), and
-                               ``load_model`` ties them again
+    <path>/model.safetensors   the state_dict (plain PyTorch loads it); a tied tensor once, its
+                               other names in the metadata (``load_model`` ties them again)
     <path>/config.json         what the model is, how it was compiled and trained, where
     <path>/manifest.json       the size and SHA-256 of each other file, checked before loading
-    <path>/program.pt2         a ``torch.export`` program of the module (batch dimension dynamic),
-                               when the module exports; it lets ``load_model`` rebuild the module
-                               without its Python class
+    <path>/program.pt2         a ``torch.export`` program of the module, when it exports, so
+                               ``load_model`` rebuilds it without its Python class (eval mode;
+                               pass ``module=`` to get training behaviour back)
 
-The same directory is what ``sg.saved_model.save`` writes for any module (a plain
-``torch.nn.Module`` too, with no ``compile`` or ``training`` section) and what
-``sg.saved_model.load`` reads: one format serves both APIs, as in TensorFlow.
-
-``load_model`` outside any scope gives a single-device model; inside ``strategy.scope()`` the
-rebuilt module's parameters are created in the scope, so they are distributed again. The
-program is exported in eval mode: a loaded model predicts and evaluates as the original and can
-be trained further, but layers that act differently in training (dropout, batch norm) keep their
-eval behaviour; pass ``module=`` (a fresh instance of the original class) to get them back.
-
-Only the chief writes (the strategy's ``extended.should_checkpoint``); ``save`` returns on every
-worker once the write is complete. A save is visible whole or not at all: it is written under a
-hidden sibling name and swapped into place in one step, and a load reads every file from one and
-the same save (``sg.train``'s ``atomic_dir``), so a worker loading while the chief saves again
-gets the previous save or the new one. Loading never unpickles: safetensors, JSON, and a program
-archive checked first (``program.py``).
+``sg.saved_model.save``/``load`` write and read the same directory. ``load_model`` inside
+``strategy.scope()`` distributes the rebuilt parameters again. Only the chief writes; ``save``
+returns on every worker once done. A save appears whole or not at all, and a load reads one
+save (``train.atomic_dir``). Loading never unpickles (``program.py`` checks the archive first).
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """``notebook_launcher(fn, args=(), num_processes=2)``: a local N-worker cluster from a function.
 
-As Accelerate's ``notebook_launcher``, the workers are forked from the calling process, so
-``fn`` may be defined in a notebook cell, in ``python -c`` or in a script without an
-``if __name__ == "__main__":`` guard: nothing is pickled and nothing re-imports ``__main__``
-(what the "spawn" start method would need). Each worker gets its own TF_CONFIG on free loopback
-ports, so ``sg.distribute.MultiWorkerMirroredStrategy()`` inside ``fn`` finds its cluster as
-under ``stratagem run``; its stdout and stderr are shown in the caller's output (a notebook
-cell's) line by line with a ``[worker i]`` prefix; a worker's traceback is shown as one block,
-so that two workers failing at once do not mix their tracebacks line by line. When a worker
-fails, the others get a grace period to report the lost peer themselves, then are stopped, and
-``WorkerFailedError`` names the worker, its exit status and its last error line. Nothing is
-returned: a value would have to cross back from another process.
-
-Accelerate's keywords are Accelerate's: ``num_processes`` (``num_workers``, stratagem's older
-name, is the same), ``use_port`` (worker 0's port) and ``master_addr`` (the workers' host) are
-taken; what stratagem's launcher cannot do is refused by name with ``UnsupportedLaunchOption``
-(``num_nodes`` > 1, ``node_rank`` > 0, a ``mixed_precision`` other than "no"), never ignored.
-
-POSIX only (``fork``). Call it before the notebook runs any torch computation or CUDA: a forked
-child inherits the parent's thread pools and devices half-started (Accelerate has the same rule).
+As Accelerate's, the workers are forked from the caller, so ``fn`` may be defined in a notebook
+cell, in ``python -c`` or in a script without a ``__main__`` guard: nothing is pickled. Each
+worker gets its own TF_CONFIG on free loopback ports (``MultiWorkerMirroredStrategy()`` finds
+its cluster as under ``stratagem run``); its output is shown line by line with a ``[worker i]``
+prefix, a traceback as one block. When a worker fails, the others get a grace period, then are
+stopped, and ``WorkerFailedError`` names the worker, its exit status and its last error line.
+Nothing is returned. Accelerate's ``num_processes`` (or ``num_workers``), ``use_port`` and
+``master_addr`` are taken; what the launcher cannot do is refused with
+``UnsupportedLaunchOption`` (``num_nodes`` > 1, ``node_rank`` > 0, ``mixed_precision`` not "no").
+POSIX only (``fork``); call it before the notebook runs any torch computation or CUDA.
 """
 
 from __future__ import annotations

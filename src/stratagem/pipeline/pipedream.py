@@ -1,24 +1,15 @@
 """PipeDream's asynchronous 1F1B with weight stashing, for one stage process.
 
 Each stage alternates one forward and one backward pass (after a warm-up of ``K - s - 1``
-forwards on stage ``s`` of ``K``), takes micro-batches from the previous stage and gradients
-from the next one, and updates its weights after *every* micro-batch's backward pass: there is
-no synchronous flush between updates, so a micro-batch's forward runs on whatever weights the
-stage has at that moment, while older micro-batches are still in flight. By default each
-``run`` (one training step) ends by draining what is in flight; with ``drain=False`` the
-``K - s - 1`` micro-batches of the warm-up stay in flight into the next ``run``, as in PipeDream,
-where the pipeline never drains, until ``flush()``.
-
-Weight stashing (PipeDream, Harlap et al. 2018) keeps, for each in-flight micro-batch, the
-weight version its forward used, and runs that micro-batch's backward with the same version:
-the forward runs ``torch.func.functional_call`` on a snapshot of the live weights (one snapshot
-per version, shared by the micro-batches that used it), so the autograd graph holds exactly
-those tensors, and the gradients it yields are applied to the live weights.
-
-With stashing off the stage keeps one weight version only, as naive PipeDream does: a
-micro-batch's backward recomputes the stage from its saved input with the *current* weights,
-which may be newer than its forward's by the updates of the micro-batches that finished in
-between. ``Recorder`` lets a test watch both passes and detect the difference.
+forwards on stage ``s`` of ``K``) and updates its weights after *every* micro-batch's backward:
+no flush between updates, so a forward runs on the weights of that moment. Each ``run`` (one
+training step) drains what is in flight, or with ``drain=False`` leaves the warm-up's
+micro-batches in flight into the next ``run``, as in PipeDream, until ``flush()``. Weight
+stashing (Harlap et al. 2018) runs each micro-batch's backward with the weight version its
+forward used (``torch.func.functional_call`` on a snapshot, one per version), and applies the
+gradients to the live weights. With stashing off the stage keeps one version, as naive PipeDream:
+backward recomputes from the saved input with the current weights. ``Recorder`` lets a test
+watch both passes.
 """
 
 from __future__ import annotations

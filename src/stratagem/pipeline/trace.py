@@ -1,29 +1,16 @@
 """Splitting a model that is not an ``nn.Sequential``: traced by ``torch.export``, cut at module
 paths (``split_points=["transformer.h.1"]``: that module's call starts a new stage).
 
-``torch.distributed.pipelining.pipeline`` does the tracing and the cut: it exports the whole
-forward as one graph of ATen operations and splits it where the named modules are called. What
-it returns is shaped for its own runtime, so this module adapts it to ours:
-
-- **The call.** The model is traced through ``ModelCall``: one tensor in (token ids, pixel
-  values), one tensor out. A Hugging Face model works as it is: ``use_cache=False`` is passed
-  when its forward takes it (a cache object is not a tensor the tracer can return), and an
-  output with ``.logits`` gives its logits.
-- **What runs.** Each traced stage becomes a ``TracedStage``, which takes the tensors the
-  previous stage hands on and returns those the next one needs (its own outputs, and any value a
-  later stage uses that must pass through it): stages talk to neighbours only, as slices of a
-  Sequential do, so the schedules, the forward pass and the checkpoints run them unchanged.
-- **Which parameters.** The tracer copies a parameter that several stages use (tied
-  embeddings), one copy per stage. Every stage's parameters and buffers are put back to the
-  whole model's own tensors, by name: a stage trains the model's parameters (the optimizer over
-  the whole model, ``Model.fit``'s, updates them) and a tied one is one tensor per process again;
-  across processes ``shared.SharedCopies`` keeps it one parameter, as for a Sequential.
-- **Names.** A stage's names are the whole model's names of the tensors its graph reads, so the
-  stages' state dicts together are the whole model's (checkpoints, ``gather_module``). A tensor
-  no stage reads stays with the stage that reads an alias of it, else with the first.
-- **Shapes.** An exported graph is specialised to the shapes it was traced with, so a pipeline
-  traces again (once, cached) for each micro-batch size it meets; every other dimension must
-  stay that of the sample input.
+``torch.distributed.pipelining.pipeline`` traces and cuts; this module adapts its result to our
+runtime. The model is traced through ``ModelCall``: one tensor in, one tensor out (a Hugging
+Face model gets ``use_cache=False``, and its output's ``.logits``). Each stage becomes a
+``TracedStage`` that takes what the previous stage hands on and returns what the next ones need,
+so stages talk to neighbours only, as slices of a Sequential do. Every stage's parameters and
+buffers are put back to the whole model's own tensors, under the whole model's names: a stage
+trains the model's parameters, a tied one is one tensor per process (``shared.SharedCopies``
+across processes), and the stages' state dicts together are the model's. A graph is specialised
+to its shapes: a pipeline traces again (once, cached) per micro-batch size; every other
+dimension must stay that of the sample input.
 """
 
 from __future__ import annotations

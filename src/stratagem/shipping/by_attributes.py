@@ -1,32 +1,16 @@
 """Objects of a library's classes that travel by their attributes: a Hugging Face model's
-``config`` (``GPT2Config``) and ``generation_config`` (``GenerationConfig``), and any object like
-them, in a module, optimizer or closure that a coordinator's worker rebuilds.
+``config`` (``GPT2Config``), ``generation_config`` and any object like them, in a module,
+optimizer or closure that a coordinator's worker rebuilds.
 
-Such a library's class cannot opt in (derive from ``Portable``, as stratagem's and the
-program's classes can), so a structural rule stands in, rather than an adapter per library
-(``to_dict``/``from_dict`` would call a classmethod the wire names). The worker makes the object
-as ``pickle`` makes a plain one, minus every hook: ``object.__new__(cls)``, its ``__dict__``
-filled with the described attributes. Nothing a peer sends is called (no ``from_dict``,
-``__setstate__`` or ``__reduce__``) and nothing is imported (the class is named by
-``module.qualname`` in a module this worker has imported: ``Rebuilder._module``); the worker
-checks the class and each attribute's name against this rule itself, and each attribute is a
-capture entry like any other (plain data, tensors, containers, objects by state, by name).
-
-A class qualifies when
-
-- it is a library's: named by ``module.qualname``, not defined in the program's files and not
-  stratagem's (those opt in with ``Portable``, their authors knowing what state is one
-  process's own), and no module, optimizer or ``Portable`` class (their own kinds);
-- its objects are all ``__dict__``: made by ``object.__new__``, every class of its MRO but
-  ``object`` a class statement of a ``.py`` file, without ``__slots__``;
-- it has no ``__del__``: nothing runs on a rebuilt state unless the program calls it;
-- its pickling hooks are ``object``'s (``__reduce__``, ``__reduce_ex__``, ``__getstate__``; no
-  ``__setstate__``, ``__getnewargs__``, ``__getnewargs_ex__``): a class customising what
-  ``pickle`` takes says its ``__dict__`` is not its whole state (a handle it reopens, a cache it
-  drops).
-
-An attribute's name is a string, no dunder, and names no method or other descriptor of the
-class: the state is data, not behaviour (an attribute named as a method would replace it).
+The worker makes such an object as ``pickle`` makes a plain one, minus every hook:
+``object.__new__(cls)``, its ``__dict__`` filled with the described attributes, each a capture
+entry like any other. Nothing a peer sends is called and nothing is imported; the worker checks
+the class and each attribute against this rule itself. A class qualifies when it is a library's
+(named by ``module.qualname``; not the program's or stratagem's, which opt in with
+``Portable``; no module, optimizer or ``Portable``); its objects are all ``__dict__`` (every class
+of its MRO but ``object`` a class statement of a ``.py`` file, no ``__slots__``); it has no
+``__del__``; and its pickling hooks are ``object``'s (no ``__setstate__``, ``__getnewargs__``...).
+An attribute's name is a string, no dunder, and names no method or other descriptor of the class.
 """
 
 from __future__ import annotations

@@ -2,23 +2,13 @@
 plain data (``Describer``) that a worker's ``Rebuilder`` turns back into a function of its own
 copy of the program.
 
-Each global name the function's code loads, each closure cell and each default is
-
-- a module, by name (the worker imports only modules it has imported already or the program's
-  own files);
-- a function, by reference (recursively; cycles allowed), or a class or builtin by
-  ``module.qualname``;
-- a tensor or plain data (``comm.plain_data``), by value; lists, tuples and dicts of these;
-  a list or tuple subclass (a namedtuple, ``torch.Size``) by its class and its items;
-- an object *by state* (``portable``): a ``torch.nn.Module``, a ``torch.optim.Optimizer`` or a
-  ``Portable`` object; an object of a library's plain class by its attributes
-  (``by_attributes``: a Hugging Face model's config); the same object described twice is one
-  object there;
-- a class of the program's main file, by its class body (a ``collections.namedtuple`` by its
-  fields); other classes, enum members, dtypes and devices by name;
-- whatever the caller's ``special`` hook names (the coordinator's per-worker iterators, its
-  strategy, the ps variables): the worker's ``resolve_special`` gives its own object for it.
-
+Each global name the function's code loads, closure cell and default is described as: a module
+by name; a function by reference (recursively; cycles allowed); a class or builtin by
+``module.qualname`` (a class of the program's main file by its body); a tensor or plain data by
+value, with lists, tuples, dicts and tuple subclasses of them; a module, optimizer or
+``Portable`` by state (``portable``), a library's plain object by its attributes
+(``by_attributes``), the same object twice as one; enum members, dtypes and devices by name; or
+whatever the caller's ``special`` hook names (the worker's ``resolve_special`` gives its own).
 Anything else is a ``TypeError`` naming the function, the captured name and its type.
 """
 

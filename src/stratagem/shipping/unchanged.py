@@ -1,30 +1,16 @@
 """Whether a call changed the objects a ``Rebuilder`` made: a worker that is sent the same
 table again may call the same objects again only if the last call left them as they were built.
 
-A snapshot holds, for every container the rebuilt objects reach (their ``__dict__``, the dicts,
-lists and sets in it and in the functions' globals, closure cells, defaults and attributes),
-the identity of each item, and each object's class; a ``Portable``'s attributes by name, but
-for those the worker sets anew at each call it keeps the objects for (``Rebuilder.restarted``:
-its local state, its volatile attributes). ``unchanged()`` compares them by identity,
-in C (``itertools.chain``, ``map(operator.is_)``): about a sixth of a rebuild's time for a
-model and its optimizer. Immutable values (numbers, strings, tuples) can only be replaced, which
-the identity shows; a tensor can change in place, so a table holding one is never kept
-(``ClusterCoordinator``'s fingerprint), and the tensors the objects hold otherwise are the
-ps's variables and the worker's own buffers, which persist from call to call by design. Not
-walked: what the rebuild did not make (library modules and their objects, classes, the
-strategy, per-worker iterators and datasets), which is shared between calls either way; the
-registry of the warnings Python showed for a function's lines (``__warningregistry__`` in its
-globals: made empty with the function, so only its contents change), so a function that warns
-is kept, and warns once.
-
-An object whose class keeps attributes in ``__slots__`` cannot be watched so, nor a
-``Portable`` that sets its own state (``_sg_from_state``): ``watch`` returns None and the
-objects are built again for each call.
-
-The chief uses the same comparison the other way round: ``Reads`` records what a ``Describer``
-read while it described a function (``Describer(reads=...)``), and while its snapshot is
-unchanged, describing the same function and arguments again would read the same and make the
-same table (``ClusterCoordinator.schedule`` keeps the last one).
+``watch`` takes a snapshot: for every container the rebuilt objects reach (their ``__dict__``,
+the dicts, lists and sets in it, the functions' globals, cells, defaults and attributes), the
+identity of each item, and each object's class; a ``Portable``'s attributes by name, but those
+the worker sets anew at each call (``Rebuilder.restarted``). ``unchanged()`` compares by
+identity. A table holding a tensor is never kept (a tensor can change in place); what the
+rebuild did not make (library objects, the strategy, per-worker iterators) and a function's
+``__warningregistry__`` are not walked. An object with ``__slots__``, or a ``Portable`` that sets
+its own state, cannot be watched: ``watch`` returns None and the objects are built for each
+call. The chief uses the same comparison: ``Reads`` records what a ``Describer`` read, and while
+it is unchanged the last description of the same function and arguments is kept.
 """
 
 from __future__ import annotations

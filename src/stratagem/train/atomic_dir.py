@@ -1,19 +1,13 @@
 """Directories that appear whole or not at all: publish a staged directory, read a consistent one.
 
-A save (a checkpoint, a saved model) is a directory of several files. A reader that loads it while
-another process saves to the same path must see the old save or the new one, never a mix of the
-two, nor a half-written one. So:
-
-- writers build the whole directory under a hidden sibling name and ``publish`` it: on Linux one
-  ``renameat2(RENAME_EXCHANGE)`` swaps it with the previous save in a single step (the path never
-  goes missing), after which the previous save, now under the hidden name, is deleted;
-- readers ``open_files`` every file they need relative to one open handle of the directory, so all
-  come from the same save; a file that vanishes under them (the save they opened was replaced and
-  is being deleted) makes them start again on the new one, which is complete by construction.
-
-Where the exchange is not available (another OS, a filesystem without it) ``publish`` renames the
-previous save aside and the new one in: the path is missing for the moment between the renames,
-and readers that find it missing while a replaced save lies aside wait for the new one.
+A save (a checkpoint, a saved model) is a directory of several files; a reader that loads it
+while another process saves to the same path sees the old save or the new one, never a mix nor
+a half-written one. Writers build the whole directory under a hidden sibling name and
+``publish`` it: on Linux one ``renameat2(RENAME_EXCHANGE)`` swaps it with the previous save (the
+path never goes missing), which is then deleted; elsewhere the previous save is renamed aside
+and the new one in, and readers that find the path missing meanwhile wait for the new one.
+Readers ``open_files`` every file relative to one open handle of the directory, so all come
+from the same save; a file that vanishes under them makes them start again on the new save.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Reading a sharded checkpoint's DCP files without running code from them.
 
-``torch.distributed.checkpoint`` keeps its index, ``.metadata``, as a pickle, which its
-``FileSystemReader`` reads with ``pickle.load``, and its ``DefaultLoadPlanner`` loads every
-non-tensor value with ``torch.load(weights_only=False)``: a crafted checkpoint runs what it wants.
-Here ``.metadata`` is read by an unpickler that resolves only DCP's own metadata classes (plain
-dataclasses and an enum), ``torch.Size``, torch's dtypes and layouts and ``pathlib`` paths, which
-is the pickle documentation's "restricting globals" and the way ``torch.load(weights_only=True)``
-itself works; any other global is refused. Constructing those classes runs no code of the
-file's choosing. Then the index is checked: every piece of data lies in a plain file of the
-checkpoint directory (no ``../``, no absolute path) at a non-negative offset, with no stream
-transform (we never write one). Non-tensor values load with ``weights_only=True``.
-
-We keep DCP's pickled ``.metadata`` (rather than writing our own JSON index beside it) because
-DCP writes and resolves it (global shapes, chunks, resharding on load); a second index would
-have to be kept equal to it, and the pickle would still be there to be read by DCP's own reader.
-The names resolved are DCP's in torch 2.13 (``_StorageInfo`` and ``_MEM_FORMAT_ENCODING`` are
-private to torch): a torch that renames them makes the load fail with a named error, never run
-more.
+``torch.distributed.checkpoint`` reads its ``.metadata`` index with ``pickle.load`` and loads
+non-tensor values with ``torch.load(weights_only=False)``, so a crafted checkpoint could run what
+it wants. Here ``.metadata`` is read by an unpickler that resolves only DCP's own metadata
+classes (plain dataclasses and an enum), ``torch.Size``, torch's dtypes and layouts and
+``pathlib`` paths, and refuses any other global. Then the index is checked: every piece of data
+lies in a plain file of the checkpoint directory (no ``../``, no absolute path) at a
+non-negative offset, with no stream transform. Non-tensor values load with
+``weights_only=True``. A torch whose DCP renames its metadata classes fails with a named error.
 """
 
 from __future__ import annotations

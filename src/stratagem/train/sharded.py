@@ -1,20 +1,16 @@
 """Sharded checkpoints: ``Checkpoint`` state that holds DTensors goes through DCP.
 
-When any tracked module, optimizer or tensor holds a ``torch.distributed.tensor.DTensor`` (a
-weight laid out by ``sg.dtensor``), ``Checkpoint.write`` hands the whole state to
-``torch.distributed.checkpoint``: every process writes only its own shards, and DCP records each
-tensor's global shape, so ``restore`` on another mesh — another number of processes, other
-layouts — reads exactly the slices each new shard needs. Modules and optimizers go through
-DCP's ``get_/set_model_state_dict`` and ``get_/set_optimizer_state_dict`` (optimizer state keyed
-by parameter path, so it follows its parameter to any layout); an optimizer is therefore saved
-with a module of the same checkpoint that owns its parameters. A tied tensor (two names, one
-parameter: tied embeddings) is written once, under its first name (``tied.py``), and restored
-into every name of it.
-
-On disk a sharded checkpoint is the same kind of directory as any other: ``meta.json``
-(``"sharded": true``) beside DCP's ``.metadata`` and ``__<rank>_0.distcp`` files instead of
-``state.pt``. It is written into a hidden sibling that process 0 swaps into place once every
-process has written its part. Saving and restoring are collective: every process calls them.
+When a tracked module, optimizer or tensor holds a DTensor (a weight laid out by ``sg.dtensor``
+or sharded), ``Checkpoint.write`` hands the whole state to ``torch.distributed.checkpoint``:
+every process writes only its own shards, with each tensor's global shape, so ``restore`` on
+another mesh (another number of processes, other layouts) reads the slices each shard needs.
+Modules and optimizers go through DCP's ``get_/set_model_state_dict`` and
+``get_/set_optimizer_state_dict`` (optimizer state keyed by parameter path), so an optimizer is
+saved with a module of the same checkpoint that owns its parameters. A tied tensor is written
+once (``tied.py``) and restored into every name of it. On disk: ``meta.json``
+(``"sharded": true``), DCP's ``.metadata`` and ``__<rank>_0.distcp`` files, written into a
+hidden sibling that process 0 swaps into place once every process has written its part. Saving
+and restoring are collective: every process calls them.
 """
 
 from __future__ import annotations

@@ -35,9 +35,7 @@ def check_search_algorithm(search_algorithm: object) -> str | None:
 def startup_trials(max_trial_count: int) -> int:
     """Random trials before the model takes over: 40 % of the budget, 3 to 10 (8 of 20).
 
-    Measured on the synthetic objective of ``benchmarks/tuning_search.py`` over 30 seeds,
-    best-of-20 against random search: 3 -> 24, 5 -> 21, 8 -> 24, 10 (Optuna's default) -> 20
-    wins; 8 also had the highest mean best value.
+    The choice is measured in ``docs/benchmarks.md`` ("Hyperparameter search").
     """
     return min(10, max(3, round(0.4 * max_trial_count)))
 

@@ -1,17 +1,13 @@
 """The study file ``stratagem tune`` runs: a HyperparameterTuningJob's arguments as JSON.
 
-    {
-      "display_name": "digits_search",
-      "custom_job": {"script_path": "trial.py", "args": ["--epochs", "3"], "replica_count": 1},
-      "metric_spec": {"accuracy": "maximize"},
-      "parameter_spec": {
-        "learning_rate": {"type": "double", "min": 0.001, "max": 10, "scale": "log"},
-        "n_hidden": {"type": "integer", "min": 1, "max": 10},
-        "optimizer": {"type": "categorical", "values": ["sgd", "adam"]}
-      },
-      "max_trial_count": 20,
-      "parallel_trial_count": 2
-    }
+    {"display_name": "digits_search",
+     "custom_job": {"script_path": "trial.py", "args": ["--epochs", "3"], "replica_count": 1},
+     "metric_spec": {"accuracy": "maximize"},
+     "parameter_spec": {
+       "learning_rate": {"type": "double", "min": 0.001, "max": 10, "scale": "log"},
+       "n_hidden": {"type": "integer", "min": 1, "max": 10},
+       "optimizer": {"type": "categorical", "values": ["sgd", "adam"]}},
+     "max_trial_count": 20, "parallel_trial_count": 2}
 
 Relative paths (``script_path``, ``base_output_dir``) are relative to the file's folder; the
 optional keys are the job's other arguments (``seed``, ``search_algorithm``...).

@@ -1,42 +1,17 @@
 """``sg.distribute.coordinator.ClusterCoordinator``: the chief schedules functions on workers.
 
-TF2's parameter-server training: the chief (the coordinator) runs the training loop and
-``schedule``\\ s functions; the worker tasks (``sg.distribute.Server(...).join()``) run them.
-
-1. The coordinator opens one connection to each worker (``comm.messages``, the job's secret)
-   and checks that the worker runs the same program (``hello``). One dispatch thread per worker
-   takes the next function from the shared queue: one function in flight per worker.
-2. ``schedule(fn, args, kwargs)`` describes ``fn`` and its arguments by reference
-   (``stratagem.shipping``: what cannot be sent is a ``TypeError`` here, in the caller),
-   queues it and returns a ``RemoteValue`` at once. A function's table (what it captures) is
-   described on every call, unless it is the same function with the same arguments as the last
-   call and nothing the last describe read has changed since (``KeptDescriptions``: a loop's
-   function, described once); a worker keeps the last table of plain data it was sent, and a
-   run whose table is the same (``fingerprint``: types included) sends only its number; one
-   that differs from it in a few entries (a counter a loop advances) sends those entries
-   alone.
-3. Per-worker resources (``create_per_worker_dataset``, ``iter`` of one) are a log every
-   worker replays, in order, before its next function: a per-worker iterator passed to
-   ``schedule`` is each worker's own. ``create_per_worker_dataset`` takes a dataset function,
-   or, as TF's, an ``sg.data.Dataset`` or a distributed dataset (``strategy.
-   experimental_distribute_dataset`` / ``distribute_datasets_from_function`` on the chief,
-   which are not built there): a dataset travels by its recipe (``Dataset.recipe``: its source
-   data by value, its map functions by reference) and each worker makes its own copy. Unseeded
-   shuffles differ from worker to worker, as in TF (seeded from one draw of the chief's torch
-   generator and the worker's index: ``torch.manual_seed`` makes runs repeat).
-4. Errors, as TF's ``ClosureQueue``: the first error a function (or a per-worker resource)
-   raises is kept, the functions still queued are cancelled, and so are those still running
-   (TF cancels its in-flight functions: each worker is told on a second connection, and the
-   function stops with a ``CancelledError`` at its next ``next()`` of a per-worker iterator or
-   optimizer step; whatever it returns is not taken). ``join``, ``done`` or the next
-   ``schedule`` raise the error once (then it is cleared; ``join`` first waits for the
-   cancelled functions to end). ``fetch`` of the failed function's value raises it; of a
-   cancelled one, a ``CancelledError``.
-5. A worker whose connection is lost (its process ended) gives its in-flight function back to
-   the queue: another worker runs it, and its value is set once. When the launcher restarts
-   that worker (``stratagem run --restart-workers``), its new incarnation signs in again
-   (``comm.rendezvous.reclaim``); the coordinator sees it in the rendezvous, connects, has it
-   replay the per-worker resources from the start of the log, and dispatches to it again.
+TF2's parameter-server training: the chief runs the loop and schedules functions; the worker
+tasks (``sg.distribute.Server(...).join()``) run them. One connection per worker
+(``comm.messages``; ``hello`` checks it runs the same program) and one dispatch thread each,
+taking the next function from a shared queue: one function in flight per worker. ``schedule``
+describes the function and its arguments by reference (``stratagem.shipping``; what cannot be
+sent is a ``TypeError`` in the caller) and returns a ``RemoteValue`` at once. Per-worker datasets
+and iterators are a log every worker replays, in order, before its next function; a dataset
+travels by its recipe and each worker makes its own copy. Errors follow TF's ``ClosureQueue``:
+the first is kept, the functions queued or running are cancelled, and ``join``, ``done`` or the
+next ``schedule`` raise it once; ``fetch`` of a cancelled function raises ``CancelledError``. A
+lost worker's function runs again on another worker; a worker the launcher restarts
+(``--restart-workers``) signs in again, replays the log and is dispatched to again.
 """
 
 from __future__ import annotations

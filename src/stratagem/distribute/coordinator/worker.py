@@ -1,51 +1,17 @@
 """A worker task of a cluster with a chief: it serves the chief's ``ClusterCoordinator``.
 
 ``sg.distribute.Server(...)`` on a ``worker`` task builds a ``WorkerServer``: it listens on the
-task's own address (``comm.messages``: authenticated, plain data only; the chief is its only
-client), joins the job's world (the roll call, liveness), and ``join()`` serves until the chief
-says goodbye or ends; then it tells each ps it is done, as a between-graph worker does at exit.
-
-Its method table is fixed: ``hello`` (the chief's program file must hash as this task's own),
-``make_dataset`` / ``make_iterator`` (per-worker datasets), ``run`` (a scheduled function),
-``cancel`` (functions running here that the chief cancelled: an earlier one failed) and
-``goodbye``. A cancelled function stops with a ``CancelledError`` at its next ``next()`` of a
-per-worker iterator or its next optimizer step (TF cancels the ops of an in-flight function).
-
-Functions arrive as references (``stratagem.shipping``): this task compiles them
-from its own copy of the program. A function runs on the thread of the chief's connection
-(``comm.messages.Here``), one at a time as the chief sends them, while the server's note
-thread tells the chief that it runs (a long function is not a silent worker). That thread
-lives as long as the connection: a new thread per call set up torch's per-thread state again
-every time (the profiler's ``record_function`` of each optimizer step, the autograd engine), a
-fifth of a worker's CPU per update at ten steps per function; and a hand-over to another
-thread and back cost two wake-ups per function, a fifth of the worker's time between two
-functions. What it returns must be plain data; what it raises comes back as its type, message
-and traceback text.
-
-The model, optimizer, loss and metrics a function captures arrive by state and are rebuilt for
-each call; or, when the chief sends the table of the last call again (by number, or as the
-entries that changed where only volatile attributes did: fit's step counter) with the same
-function and arguments, and that call left the objects as they were built
-(``shipping.unchanged``: every container they hold, by identity, but what a restart sets
-anew), the last call's objects are restarted (``Rebuilder.restarted``: volatile attributes
-from the table, local state remade, a metric empty) and called again, as a rebuild would make
-them. Their parameters are the chief's variables on the
-ps: this worker keeps one copy of each (``bind_variable``, owned by its own
-``ParameterServerStrategy``), and an optimizer step
-inside the function pushes gradients to the ps, which applies them (asynchronously, as TF2) and
-sends back the new values. Before each call the worker pulls the current value of each variable
-the function uses, unless its copy already holds every write the function must see: the chief
-numbers its calls and tells each the first call it sent to this worker after every such write
-had ended (the pushes of the functions that had ended when it was scheduled, the chief's own
-writes); a copy written from the ps during that call or a later one (a pull, a push's answer),
-and not changed here since, is recent enough. A loop that keeps functions queued behind the
-running ones pulls nothing as a rule; a function scheduled after ``join`` pulls.
-
-What the call changes of a variable it does not train (a step counter:
-``requires_grad=False``) is sent to the ps as an addition when it ends (TF's ``assign_add`` on a
-ps variable). A buffer (a BatchNorm's statistics) is this worker's
-own: it starts from the chief's value and then stays here. A metric starts empty in each call;
-its totals go back with the value, and the chief adds them to its own.
+task's address (``comm.messages``; the chief is its only client), joins the job's world, and
+``join()`` serves until the chief says goodbye or ends, then tells each ps it is done. Its fixed
+table: ``hello`` (the chief's program must hash as this task's), ``make_dataset``,
+``make_iterator``, ``run``, ``cancel`` (the function stops with ``CancelledError`` at its next
+iterator ``next()`` or optimizer step) and ``goodbye``. A function arrives by reference and is
+rebuilt from this task's copy of the program, or its last objects are called again when the
+table is the same and the last call left them as built (``shipping.unchanged``). It runs on the
+connection's thread, returns plain data, and an error comes back as type, message and traceback.
+Parameters are the ps's variables: an optimizer step pushes gradients and gets new values, and a
+copy is pulled before a call unless it already holds every write the call must see. A variable
+that does not train goes back as an addition; buffers stay this worker's own.
 """
 
 from __future__ import annotations

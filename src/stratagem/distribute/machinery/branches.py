@@ -1,28 +1,14 @@
 """Independent parts of a model run at once, each on its own device: parallel branches and
-ensembles (the book chapter's "parallel execution across devices" on one machine).
+ensembles.
 
 ``ParallelBranches(a, b, devices=["cuda:0", "cuda:1"])`` is a module whose forward takes one
-input per branch and runs branch i on device i, all at once; ``Ensemble(models, devices)``
-gives every model the same batch and averages their predictions.
-
-How they run at once: one thread per branch beyond the first (which runs in the caller's
-thread), joined before forward returns.
-
-- On CUDA, each thread launches its branch's kernels on a stream of its own device (the
-  branch's input is copied there first), so the GPUs compute concurrently; the caller's stream
-  on each device waits for the branch's stream (a GPU-side wait), and the outputs are marked as
-  used by the caller's stream for the caching allocator. torch's autograd engine runs backward
-  on one thread per GPU, so the backward passes of branches on two GPUs overlap too.
-- On logical CPU devices ("cpu:0", "cpu:1": one CPU), the threads share the CPU's cores:
-  torch operations leave the GIL, and each branch computes with its share of the intra-op
-  threads (two branches on two cores: one core each), which pays where one branch's
-  operations are too small to use every core well. The backward pass runs in the caller's
-  thread (torch's CPU autograd has one), so it is sequential and uses every thread.
-
-Values and gradients are those of running the branches one after the other: each branch sees
-its own input and parameters, and nothing is shared between threads but the read-only inputs.
-The thread-local state a branch needs is carried into its thread: grad mode, the branch's
-``sg.device`` (for the placement log), and the placement log's operation hook.
+input per branch and runs branch i on device i, all at once; ``Ensemble(models, devices)`` gives
+every model the same batch and averages their predictions. Each branch beyond the first runs in
+a thread of its own, joined before forward returns: on CUDA on a stream of its device (the
+caller's streams wait for it on the GPU), on logical CPU devices with its share of the intra-op
+threads (backward then runs in the caller's thread). Values and gradients are those of running
+the branches one after the other; the thread-local state a branch needs (grad mode, its
+``sg.device``, the placement log's hook) is carried into its thread.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """``sg.device(name)``: TF's ``tf.device``, a scope that places what is created inside it.
 
-Outside a strategy scope, ``with sg.device("cuda:1"):`` enters torch's own device context
-(``with torch.device(...)``, a ``TorchFunctionMode`` that gives every factory function a
-default device), so modules and tensors created inside live on that device. Names are TF's or
-torch's: ``"/gpu:1"``, ``"/device:GPU:1"``, ``"cuda:1"``, ``"/cpu:0"``, a logical ``"cpu:1"``.
-A logical CPU device computes on the one CPU, so the tensors are CPU tensors; what the scope
-adds is the name: modules whose parameters are registered inside are tagged with it (the
-placement log reports it, parallel branches run them on that device's thread).
-
-Scopes nest (the innermost wins) and are per thread, as TF's are. With a strategy's scope, the
-strategy's placement wins: inside ``strategy.scope()``, ``sg.device`` changes nothing, since
-the strategy places (mirrors, shards) what is created there, and naming a device the strategy
-does not compute on is an error, in either order of nesting, rather than a placement silently
-ignored.
+Outside a strategy scope, ``with sg.device("cuda:1"):`` enters torch's own device context, so
+modules and tensors created inside live on that device. Names are TF's or torch's: ``"/gpu:1"``,
+``"/device:GPU:1"``, ``"cuda:1"``, ``"/cpu:0"``, a logical ``"cpu:1"`` (whose tensors are CPU
+tensors: the scope adds the name, which tags the modules registered inside for the placement
+log and parallel branches). Scopes nest (the innermost wins) and are per thread, as TF's are.
+Inside ``strategy.scope()`` the strategy's placement wins: ``sg.device`` changes nothing, and
+naming a device the strategy does not compute on is an error, in either order of nesting,
+rather than a placement silently ignored.
 """
 
 from __future__ import annotations

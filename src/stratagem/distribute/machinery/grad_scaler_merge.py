@@ -1,17 +1,11 @@
 """``torch.amp.GradScaler`` called inside ``strategy.run`` where replicas are threads.
 
 Under MirroredStrategy and CentralStorageStrategy the local replicas are threads of one process
-sharing one ``GradScaler`` and one optimizer. PyTorch's scaler is not made for that: each
-thread's ``unscale_`` would look at its own replica's gradients only (they are summed at the
-optimizer's step, later), so the replicas could decide differently about an overflow, and the
-second thread's ``unscale_`` raises ("unscale_() has already been called on this optimizer").
-TF's answer to such a call is a merge call: every replica meets, and the call runs once, in
-the cross-replica context. So the scaler's ``unscale_``, ``step`` and ``update``, called in a
-replica context of a strategy whose replicas are threads (``MergesReplicas``), meet
-the other replicas; the last to arrive sums the replicas' gradients and makes the call once,
-on the summed gradients, and every replica gets its result. One overflow decision for all, as
-DDP's one scaler per process gives. Elsewhere the methods are torch's own, unchanged.
-
+sharing one ``GradScaler`` and one optimizer. There the scaler's ``unscale_``, ``step`` and
+``update``, called in a replica context of a strategy with ``MergesReplicas``, are merge calls:
+every replica meets, the last to arrive sums the replicas' gradients and makes the call once, on
+the summed gradients, and every replica gets its result, so there is one overflow decision for
+all (as DDP's one scaler per process gives). Elsewhere the methods are torch's own, unchanged.
 Installed once, with the strategies' other global hooks (``scope_hooks.install_hooks``).
 """
 

@@ -1,43 +1,17 @@
 """Distributed datasets: global batches split across replicas, or per-worker pipelines.
 
-``experimental_distribute_dataset(ds)``: ``ds`` yields *global* batches (an ``sg.data.Dataset``,
-a DataLoader, or any re-iterable of batches), cut into replica batches as TensorFlow cuts them.
-Which cut depends on the dataset's ``options().experimental_distribute.auto_shard_policy``:
-
-* DATA, and AUTO (no ``sg.data`` source reads files, so AUTO is DATA, as TF falls back to it),
-  on one worker as on several: TF's legacy rebatch then a data shard. Every worker iterates the
-  same global batches; each batch of ``n`` is cut into ``num_replicas_in_sync`` parts of
-  ``ceil(n / replicas)``, the last ones smaller or empty (``range(8).batch(4)`` on 3 replicas:
-  ``[0, 1]``, ``[2, 3]``, ``[]``; a last ``[6, 7]`` on 2: ``[6]``, ``[7]``), and worker ``w``'s
-  local replica ``j`` gets part ``j * num_workers + w`` (the shard keeps every
-  ``num_workers``-th part). So each example is seen exactly once per epoch; for that, shuffles
-  must agree across workers: unseeded ``sg.data`` shuffles and a DataLoader's unseeded
-  RandomSampler get a seed broadcast from the chief.
-* OFF, HINT (after ``shard(SHARD_HINT, SHARD_HINT)`` became ``shard(num_workers, index)``), and
-  FILE on one worker: each worker reads its own stream, rebatched as TF's ``rebatch`` does.
-  Where the dataset's full batch size ``G`` is known (``Dataset.static_batch_size()``), the
-  stream's examples are re-cut, across the input's batch boundaries, into batches of
-  ``batch_sizes_for_worker(G, ...)`` in turn (shares of ``G`` as even as possible, the larger
-  first, each worker's list rotated by its first replica, so every step adds up to ``G``), the
-  last one smaller; otherwise each batch is cut as DATA cuts it.
-  The worker's local replicas take consecutive batches, so a global batch lasts
-  ``num_workers`` steps. FILE raises on several workers: no ``sg.data`` source reads files.
-
-An element is the batch's structure with ``PerReplica`` leaves (``for x, y in dist_dataset``
-unpacks as in TF).
-
-``distribute_datasets_from_function(fn)``: each worker calls ``fn(InputContext)`` once and gets
-its own pipeline of *per-replica* batches (sharded by the user, as in the seeds); local replicas
-take consecutive batches, and at the end of the data the replicas left without one get an empty
-batch (TF's dummy batches), as long as one local replica has data.
-
-With several workers, every batch is agreed on (a small all-reduce: how many workers have no
-batch, how many of those cannot stand in an empty one, how many examples the step holds), so an
-uneven end of data never leaves one worker waiting in a collective. Shared global batches stop
-every worker at the first worker's end. Per-worker streams go on while any worker has data, as
-TF's do: a worker whose stream ended gives its replicas empty batches shaped like its last one.
-The agreement on batch N+1 is started, asynchronously, when batch N is handed out, so it
-completes while step N computes instead of delaying every step.
+``experimental_distribute_dataset(ds)``: ``ds`` yields *global* batches, cut as TensorFlow cuts
+them by ``options().experimental_distribute.auto_shard_policy``. DATA (and AUTO, as no
+``sg.data`` source reads files): every worker iterates the same batches, each cut into
+``num_replicas_in_sync`` parts of ``ceil(n / replicas)``, the last smaller or empty, worker
+``w``'s replica ``j`` taking part ``j * num_workers + w``; unseeded shuffles get the chief's
+seed, so each example is seen once per epoch. OFF, HINT, and FILE on one worker (on several it
+raises: no source reads files): each worker reads its own stream, re-cut into shares of the full
+batch where it is known (``batch_sizes_for_worker``), its replicas taking consecutive ones. With
+``distribute_datasets_from_function(fn)`` each worker's ``fn(InputContext)`` gives per-replica
+batches. An element is the batch's structure with ``PerReplica`` leaves. With several workers
+every batch is agreed on (an all-reduce started one batch ahead), so an uneven end never leaves
+a worker waiting in a collective: replicas without data get empty batches while others go on.
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Mirrored variables of one process: a primary tensor and one copy per other local replica.
 
-The primary is the tensor the model holds (replica 0 computes on it; the optimizer updates it).
-Replica i > 0 computes on its copy, seen through ``ReplicaView``. With ``central=True``
-(CentralStorageStrategy) the primary lives on a parameter device of its own and every replica,
-replica 0 included, computes on a copy. A parameter copy on the same
-physical device shares the primary's storage (``detach()``): it is a separate leaf with its own
-``.grad`` but needs no refresh and no memory. Copies on other devices, and every buffer copy
-(replicas update running statistics in place, concurrently), are real copies, overwritten from
-the primary at every refresh, so the primary's values win, as DDP's buffer broadcast does.
-Version counters cannot say what changed: BatchNorm updates its running statistics without
-bumping them, and neither do writes through ``.data``.
-
-After backward, replicas' gradients are summed into the primary's ``.grad`` by the strategy's
-cross-device op, and the copies' gradients are cleared: additive, so several backward passes
-before a step accumulate exactly as on one device. For PyTorch's mean convention
-(``grad_scale=1/n``) each replica's gradient is scaled as it arrives, by a hook active only
-while the strategy runs replicas, so that accumulation stays exact there too; the hook reads a
-flag rather than a thread-local because CUDA backward runs on autograd's own threads.
+The primary is the tensor the model holds (replica 0 computes on it; the optimizer updates it);
+replica i > 0 computes on its copy, seen through ``ReplicaView``. With ``central=True``
+(CentralStorageStrategy) the primary lives on a parameter device and every replica computes on
+a copy. A parameter copy on the primary's physical device shares its storage (a separate leaf
+with its own ``.grad``); other copies, and every buffer copy, are overwritten from the primary
+at every refresh, so the primary's values win. After backward the replicas' gradients are
+summed into the primary's ``.grad`` by the strategy's cross-device op and the copies' cleared,
+so several backward passes before a step accumulate exactly; under PyTorch's mean convention
+(``grad_scale=1/n``) each replica's gradient is scaled as it arrives.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """The device placement log (TF's ``tf.debugging.set_log_device_placement``).
 
 When on, every operation is logged with the device it ran on, once per distinct (operation,
-device), to the ``stratagem.device_placement`` logger (to stderr when logging is not set up,
-as TF prints its log): ``Executing op aten::addmm in device
-/job:localhost/replica:0/task:0/device:CPU:1``.
-
-Two sources, because of what torch offers:
-
-- module calls, from a global forward hook (``register_module_forward_hook``): every thread;
-  the device is the ``sg.device`` the module was created under, else its first parameter's;
-- ATen operations (forward and backward), from a ``TorchDispatchMode``: torch keeps such modes
-  per thread (its autograd engine carries them to its own threads), so they are logged in the
-  thread that turned the log on and in the threads stratagem starts (parallel branches enter
-  ``thread_logging()``); the device is the result's, named after the module being called or
-  the thread's innermost ``sg.device`` when that is the same torch device (a logical CPU
-  device).
-
-Off, nothing is installed: no hook, no mode, so there is no cost at all (measured in
-``benchmarks/placement_log.py``).
+device), to the ``stratagem.device_placement`` logger (stderr when logging is not set up):
+``Executing op aten::addmm in device /job:localhost/replica:0/task:0/device:CPU:1``. Module
+calls come from a global forward hook, in every thread (the device: the module's ``sg.device``,
+else its first parameter's); ATen operations, forward and backward, from a
+``TorchDispatchMode``, in the thread that turned the log on and the threads stratagem starts
+(parallel branches enter ``thread_logging()``). Off, nothing is installed: no hook, no mode.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Random draws of replica threads, reproducible given ``torch.manual_seed``.
 
-torch has one default CPU generator per process, not per thread. Replicas on CPU devices that
-draw from it concurrently (dropout masks, ``torch.rand``) take its numbers in whatever order
-their threads happen to run, so the same seed gave different masks from run to run. TF gives
-each replica a stream of its own: op seeds derive from the global seed, and a
-``tf.random.Generator`` made in a strategy's scope gives each replica an independent stream.
-
-Here, at each ``run``, the calling thread draws one seed per other CPU replica from the default
+At each ``run``, the calling thread draws one seed per other CPU replica from the default
 generator (so ``torch.manual_seed`` fixes them, and each step gets fresh ones), and each such
-replica draws from its own ``torch.Generator`` with that seed. A ``TorchDispatchMode`` hands it
-to every random CPU operation that was given no generator: torch keeps the mode stack per thread
-(unlike the default generator), and at the dispatcher it sees what composite operations such as
-``dropout`` draw with (``bernoulli_``). Replica 0, in the calling thread, keeps the default
+replica draws from its own ``torch.Generator`` with that seed: a ``TorchDispatchMode``
+(``ReplicaRandom``) hands it to every random CPU operation that was given no generator,
+``dropout``'s ``bernoulli_`` included. Replica 0, in the calling thread, keeps the default
 generator, as a single-device program does. CUDA replicas need none of this: each device has
 its own default generator.
 """

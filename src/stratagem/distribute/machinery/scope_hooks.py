@@ -1,23 +1,17 @@
 """What ``with strategy.scope():`` captures, through PyTorch's public global hooks.
 
-- ``register_module_parameter_registration_hook`` / ``..._buffer_registration_hook``: every
-  parameter and buffer a module registers while a scope is active belongs to that strategy
-  (which may place it on a device and mirror it). Outside a scope the hooks do nothing.
-- ``torch.nn.Parameter`` itself: a parameter created in a scope on its own, as TF code creates
-  a ``tf.Variable`` (``w = nn.Parameter(torch.zeros(()))``), is offered to the strategy when it
-  is created (``capture_variable``), since no module will ever register it. PyTorch has no
-  public hook for that, so ``Parameter.__new__`` is wrapped, as ``GradScaler``'s methods are
-  below: the wrapper calls torch's own and, outside a strategy's scope, does nothing more.
-- ``register_optimizer_step_pre_hook`` / ``..._post_hook``: an optimizer whose parameters belong
-  to a strategy lets that strategy finish the gradient reduction before the update and refresh
-  replica copies after it. The owner is found from the parameters, so an optimizer created
-  outside the scope over a model created inside it works too.
+- Module parameter and buffer registration hooks: what a module registers while a scope is
+  active belongs to that strategy (which may place and mirror it).
+- ``torch.nn.Parameter`` itself (``Parameter.__new__`` wrapped; torch has no public hook): a
+  parameter created in a scope on its own, as TF creates a ``tf.Variable``, is offered to the
+  strategy (``capture_variable``).
+- Optimizer step pre- and post-hooks: an optimizer whose parameters belong to a strategy lets it
+  finish the gradient reduction before the update and refresh replica copies after it; the
+  owner is found from the parameters, so an optimizer made outside the scope works too.
+- ``GradScaler``'s methods inside ``run`` of threaded replicas become merge calls
+  (``grad_scaler_merge``).
 
-- ``torch.amp.GradScaler``'s ``unscale_``/``step``/``update`` called inside ``strategy.run``
-  of a strategy whose replicas are threads become merge calls (``grad_scaler_merge``).
-
-The hooks are installed once per process, on first use, and cost a dictionary lookup when no
-strategy is involved.
+Installed once per process, on first use; outside a scope the hooks do nothing.
 """
 
 from __future__ import annotations

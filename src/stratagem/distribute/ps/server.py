@@ -1,24 +1,15 @@
 """What a ps task holds and does: variable shards, their optimizer, and each mode's update
 rule (the task that serves them is ``task_server.PsTaskServer``).
 
-Workers reach a ps through ``comm.messages``: ``methods`` is the fixed table of what they may
-ask (each runs on the thread of the asking worker's connection, its arguments plain data). One
-``_Group`` per optimizer a worker pushes for: the shards it updates
-on this ps, a torch optimizer of the worker's class over them (its state lives here, beside the
-shards), a version (updates applied), and per mode:
-
-- ``async``: a pushed gradient is applied at once (under the group's lock); its staleness is the
-  number of updates applied since the worker pulled the values it was computed on. The policy
-  applies it as is, scales it by ``1 / (1 + staleness)`` or drops it beyond a bound. With
-  ``max_staleness=s`` a worker more than ``s`` steps ahead of the slowest worker still training
-  gets its reply (its next parameters) only once the slowest catches up (bounded staleness).
-- ``sync``: gradients pushed for the current version are summed until ``replicas_to_aggregate``
-  have arrived; then their mean is applied, the version moves on, and every contributor gets
-  the new values. A gradient for an older version (a backup worker that came late) is dropped,
-  never applied to a later step; its worker gets the current values and goes on from there.
-
-Replies carry copies of the values: a reply is serialised after the lock is released, and the
-next update must not change it on the way out.
+``methods`` is the fixed table of what workers may ask through ``comm.messages`` (each call on
+the asking worker's connection thread, its arguments plain data). Per optimizer a worker pushes
+for: the shards it updates on this ps, a torch optimizer of the worker's class over them (its
+state lives here), and a version (updates applied). ``async``: a pushed gradient is applied at
+once; the staleness policy applies it as is, scales it by ``1 / (1 + staleness)`` or drops it
+beyond a bound, and with ``max_staleness=s`` a worker more than ``s`` steps ahead of the slowest
+gets its reply only once the slowest catches up. ``sync``: gradients for the current version
+are summed until ``replicas_to_aggregate`` arrived, then their mean is applied; a late gradient
+for an older version is dropped and its worker gets the current values. Replies carry copies.
 """
 
 from __future__ import annotations

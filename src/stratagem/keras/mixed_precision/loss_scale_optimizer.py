@@ -1,24 +1,13 @@
 """``LossScaleOptimizer``: dynamic loss scaling, with one decision for every replica.
 
-Keras's algorithm (TF2's ``tf.keras.mixed_precision.LossScaleOptimizer`` and Keras 3's): the
-loss is multiplied by the loss scale before backward (``get_scaled_loss``, or ``scale_loss``,
-which ``Model.fit`` calls); at ``step()`` the gradients are divided by it; a step whose
-gradients hold an inf or a NaN is skipped and the scale halved (not below 1, as TF2); after
-``dynamic_growth_steps`` finite steps in a row the scale doubles. Defaults: initial scale 2**15,
-growth every 2000 steps.
-
-Under a strategy the decision must be the same on every replica, or replicas diverge (one
-applies an update the others skip) or hang (one enters the gradient all-reduce of
-``optimizer.step()`` alone). Where gradients are combined before the step (MultiWorkerMirrored
-sums them during backward) an inf already reaches every replica; elsewhere it does not
-(MirroredStrategy's replicas each hold their own gradients until the step, FSDP's hold shards),
-so each replica checks the gradients it holds and the flag is agreed through the strategy: one
-MAX all-reduce of one number, through the replica context inside ``strategy.run`` (replica
-threads and processes alike), through the strategy's communicator outside it. The scale is then
-updated once per process (a merge call among replica threads), so it is the same everywhere.
-
-Unscaling before the strategy combines the gradients is exact: the combination is a sum (or a
-mean), which commutes with the division.
+Keras's algorithm: the loss is multiplied by the loss scale before backward (``scale_loss``,
+which ``Model.fit`` calls, or ``get_scaled_loss``); ``step()`` divides the gradients by it; a
+step whose gradients hold an inf or a NaN is skipped and the scale halved (not below 1); after
+``dynamic_growth_steps`` finite steps the scale doubles (defaults: 2**15, every 2000 steps).
+Under a strategy each replica checks the gradients it holds and the overflow flag is agreed by
+one MAX all-reduce (through the replica context inside ``strategy.run``, the strategy's
+communicator outside it); the scale is updated once per process. So every replica skips or
+applies the same steps, and none enters a gradient all-reduce alone.
 """
 
 from __future__ import annotations
