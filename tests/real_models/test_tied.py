@@ -136,7 +136,7 @@ class MovingExtended(InTurnExtended):
 
 
 @pytest.mark.parametrize("how", ["built in scope", "distribute_module"])
-def test_a_strategy_that_moves_parameters_moves_a_tied_one_once(how, reference):
+def test_a_strategy_that_moves_parameters_moves_a_tied_one_once_and_trains_it(how, reference):
     strategy = MovingStrategy()
     if how == "built in scope":
         model, one_gradient = _train_threaded(strategy)
