@@ -39,6 +39,7 @@ def test_the_wait_sees_the_threads_settle_and_does_not_wait_for_a_blocked_collec
         assert report["after_collectives"] and report["at_the_end"], report
         assert set(report["states"]) <= {"S", "D"}, report
     # True, not the limit's False: the thread blocked in the pending collective counted as
-    # sleeping.
+    # sleeping, so the wait ended before its limit, with the collective still pending (it can
+    # only complete once the wait has returned: rank 1 joins it after that). No clock needed.
     blocked = reports[0]
     assert blocked["while_blocked"] and not blocked["pending_done_then"], blocked

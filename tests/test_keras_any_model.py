@@ -5,8 +5,6 @@ named errors for what cannot work."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -87,10 +85,15 @@ def test_outputs_are_read_by_logits_name_or_position_and_otherwise_refused():
     expected = (model.module(x["a"])[1].argmax(-1) == y).float().mean().item()
     assert accuracy == pytest.approx(expected)
     assert model.predict(x["a"], batch_size=4).shape == (6, 3)  # the part named
-    # A dict output is read at "logits" without naming it.
+    # A dict output is read at "logits" without naming it: the loss is the cross-entropy of
+    # module(x)["logits"], not of "features" (also a valid input to this loss, and far off).
     logits_dict = sg.keras.Model(_DictHead())
     logits_dict.compile("sgd", loss)
-    assert math.isfinite(logits_dict.evaluate(x["a"], y, verbose=0))
+    with torch.no_grad():
+        out = logits_dict.module(x["a"])
+    expected = torch.nn.functional.cross_entropy(out["logits"], y).item()
+    assert abs(torch.nn.functional.cross_entropy(out["features"], y).item() - expected) > 0.1
+    assert logits_dict.evaluate(x["a"], y, verbose=0) == pytest.approx(expected, rel=1e-6)
     # Neither a compiled loss nor a .loss of the output's own: the error says what to pass.
     plain = sg.keras.Model(torch.nn.Linear(4, 3))
     plain.compile("sgd")

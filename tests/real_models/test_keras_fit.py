@@ -138,12 +138,34 @@ def test_bert_with_dict_inputs_a_keras_loss_and_accuracy_reading_logits():
 
 def test_bert_on_its_own_loss_reads_labels_from_the_input_dict_for_the_metrics():
     x, labels = _bert_inputs(6)
-    model = sg.keras.Model(hf_models.bert())
+    module = hf_models.bert()
+    initial = _state(module)
+    model = sg.keras.Model(module)
     model.compile("adamw", metrics=["accuracy"])
-    history = model.fit({**x, "labels": labels}, batch_size=3, verbose=0)
+    history = model.fit({**x, "labels": labels}, batch_size=3, shuffle=False, verbose=0)
+    # One process by hand: BERT's own loss from labels=, the accuracy of each step's logits
+    # (before its update, as Keras's metrics see them) against those labels.
+    expected = hf_models.bert()
+    expected.load_state_dict(initial)
+    expected.train()
+    optimizer = _keras_adamw(expected.parameters())
+    losses, correct = [], 0
+    for lo in (0, 3):
+        part = {k: v[lo : lo + 3] for k, v in x.items()}
+        optimizer.zero_grad()
+        out = expected(**part, labels=labels[lo : lo + 3])
+        correct += int((out.logits.argmax(-1) == labels[lo : lo + 3]).sum())
+        out.loss.backward()
+        optimizer.step()
+        losses.append(out.loss.item())
     assert set(history.history) == {"loss", "accuracy"}
+    # The accuracy a count over 6 examples (float32's rounding of it at most); the loss a
+    # float32 mean of two batches, to a few ulps.
+    assert history.history["accuracy"] == pytest.approx([correct / 6], abs=1e-7)
+    assert history.history["loss"] == pytest.approx([sum(losses) / 2], rel=1e-5)
+    _assert_same_weights(module, expected)
     with torch.no_grad():
-        out = model.module.eval()(**x, labels=labels)
+        out = expected.eval()(**x, labels=labels)
     loss, accuracy = model.evaluate(x, labels, batch_size=6, verbose=0)
     assert loss == pytest.approx(out.loss.item(), rel=1e-5)
     assert accuracy == pytest.approx((out.logits.argmax(-1) == labels).float().mean().item())

@@ -73,9 +73,14 @@ def gpt2_from(state: dict[str, torch.Tensor], **overrides) -> torch.nn.Module:
 # ---------------------------------------------------------------- one process, threads
 
 
-def _train_threaded(strategy) -> tuple[torch.nn.Module, list[bool]]:
+def _train_threaded(
+    strategy, model: torch.nn.Module | None = None
+) -> tuple[torch.nn.Module, list[bool]]:
+    """The chief's GPT-2 (built in the scope unless ``model`` is given) trained on the global
+    batches through ``strategy.run``."""
     with strategy.scope():
-        model = hf_models.gpt2(seed=CHIEF_SEED)
+        if model is None:
+            model = hf_models.gpt2(seed=CHIEF_SEED)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data = sg.data.Dataset.from_tensor_slices(torch.cat(batches())).batch(GLOBAL_BATCH)
     one_gradient: list[bool] = []  # per replica and step: both names' .grad one tensor
@@ -119,29 +124,34 @@ class MovingExtended(InTurnExtended):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         # The memory of what it moved: in place already (as on the device), Parameter or not.
-        self._moved: set[int] = set()
+        self.moved: set[int] = set()
 
     @override
     def _place(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.data_ptr() in self._moved:
+        if tensor.data_ptr() in self.moved:
             return tensor
         moved = tensor.detach().clone()
-        self._moved.add(moved.data_ptr())
+        self.moved.add(moved.data_ptr())
         return moved
 
 
 @pytest.mark.parametrize("how", ["built in scope", "distribute_module"])
-def test_a_strategy_that_moves_parameters_moves_a_tied_one_once(how):
+def test_a_strategy_that_moves_parameters_moves_a_tied_one_once_and_trains_it(how, reference):
     strategy = MovingStrategy()
     if how == "built in scope":
-        with strategy.scope():
-            model = hf_models.gpt2()
+        model, one_gradient = _train_threaded(strategy)
     else:
-        model = hf_models.gpt2()
+        model = hf_models.gpt2(seed=CHIEF_SEED)
         before = model.transformer.wte.weight
         strategy.distribute_module(model)
         assert model.transformer.wte.weight is not before  # moved
+        model, one_gradient = _train_threaded(strategy, model)
     assert tied(model)
+    # Moved (a tensor the strategy made), and then trained as one parameter: the weights of
+    # one process on the same global batches.
+    assert model.transformer.wte.weight.data_ptr() in strategy.extended.moved
+    assert one_gradient == [True] * (2 * STEPS)
+    assert_same(weights(model), reference, how, rtol=1e-5, atol=1e-6)
 
 
 def test_a_checkpoint_writes_the_tie_once_and_restores_it(tmp_path, reference):

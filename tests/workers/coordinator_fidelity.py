@@ -559,12 +559,19 @@ def fit_data(input_context=None):
     return sg.data.Dataset.from_tensor_slices((x, y)).shuffle(32).repeat().batch(8)
 
 
+def applied() -> int:
+    """Gradients the ps applied so far (async: one per worker's optimizer step)."""
+    return sum(s["applied"] for s in strategy.ps_stats())
+
+
 def keras_fit():
     """Model.fit under the coordinator on a dataset, as TF's tutorial passes it (and on a
-    DatasetCreator, as its older version did)."""
+    DatasetCreator, as its older version did): how many epochs and steps, how many gradients
+    reached the ps, and the weights (as the chief reads them from the ps) before and after."""
     result = {}
     creator = sg.keras.utils.experimental.DatasetCreator(fit_data)
     for name, data in (("dataset", fit_data().prefetch(2)), ("creator", creator)):
+        torch.manual_seed(0)
         with strategy.scope():
             model = sg.keras.Model(torch.nn.Linear(2, 2))
             model.compile(
@@ -572,8 +579,16 @@ def keras_fit():
                 loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 steps_per_execution=2,
             )
+        before = {k: v.tolist() for k, v in model.module.state_dict().items()}
+        applied_before = applied()
         history = model.fit(data, epochs=2, steps_per_epoch=4, verbose=0)
-        result[name] = {"epochs": len(history.history["loss"]), "steps": model.optimizer.iterations}
+        result[name] = {
+            "epochs": len(history.history["loss"]),
+            "steps": model.optimizer.iterations,
+            "applied": applied() - applied_before,
+            "before": before,
+            "after": {k: v.tolist() for k, v in model.module.state_dict().items()},
+        }
     return result
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,9 +35,7 @@ report["states"] = _runloop_states()
 # thread blocked inside a collective sleeps, so a job whose peer is gone is not held up.
 if rank == 0:
     pending = dist.all_reduce(torch.ones(3), group=group, async_op=True)
-    start = time.monotonic()
     report["while_blocked"] = wait_for_gloo_threads()
-    report["blocked_wait_s"] = time.monotonic() - start
     report["pending_done_then"] = pending.is_completed()
     store.set("measured", "1")
     pending.wait()

@@ -44,6 +44,13 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x.sum(dim=1) > 0).long()
 
 
+def regression_data() -> tuple[torch.Tensor, torch.Tensor]:
+    """The coordinated training steps' inputs and targets (as tests/test_multihost_netns.py's
+    one-process reference)."""
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)
+
+
 def keras_model() -> sg.keras.Model:
     model = sg.keras.Model(torch.nn.Linear(4, 2))
     model.compile(
@@ -150,25 +157,28 @@ def coordinate() -> None:
     with strategy.scope():
         layer = torch.nn.Linear(4, 1)
         optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
-    before = [p.detach().clone().tolist() for p in layer.parameters()]
-    x = torch.ones(8, 4)
+    x, target = regression_data()
 
     def train_step() -> float:
         optimizer.zero_grad()
-        loss = (layer(x) - 1.0).pow(2).mean()
+        loss = (layer(x) - target).pow(2).mean()
         loss.backward()
         optimizer.step()
         return float(loss.detach())
 
     Path("marks").mkdir()
     both = [coordinator.schedule(ran_on_both, args=("marks",)) for _ in range(2)]
-    losses = [coordinator.schedule(train_step) for _ in range(4)]
     coordinator.join()
+    # One step at a time (each fetched before the next is scheduled): each starts from the
+    # values the last one left on the ps, so the steps are one process's, whichever worker ran.
+    losses = [coordinator.schedule(train_step).fetch() for _ in range(4)]
+    seam = strategy.extended.coordinator_seam
     result = {
         "workers": sorted(v.fetch() for v in both),
-        "losses": [v.fetch() for v in losses],
-        "before": before,
-        "after": [p.detach().clone().tolist() for p in layer.parameters()],
+        "losses": losses,
+        "placement": {n: [s.ps for s in seam.shards_of(p)] for n, p in layer.named_parameters()},
+        "ps_stats": strategy.ps_stats(),
+        "after": {n: p.detach().tolist() for n, p in layer.named_parameters()},
     }
     print("RESULT " + json.dumps(result), flush=True)
 
