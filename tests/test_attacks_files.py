@@ -19,7 +19,7 @@ import torch.distributed as dist
 import stratagem as sg
 from stratagem import dtensor
 from stratagem.dtensor import Layout, LayoutMap
-from stratagem.keras.program import ProgramError
+from stratagem.keras.exported_program import ProgramError
 from stratagem.train import UnsafeCheckpointError
 from stratagem.train.manifest import write_manifest
 

@@ -698,7 +698,7 @@ def test_the_coordinator_is_asked_about_each_kind_it_describes_and_nothing_else(
     from torch.utils.weak import WeakIdKeyDictionary
 
     from stratagem.distribute.coordinator.cluster_coordinator import ClusterCoordinator
-    from stratagem.distribute.coordinator.values import PerWorkerDataset, PerWorkerIterator
+    from stratagem.distribute.coordinator.remote_values import PerWorkerDataset, PerWorkerIterator
 
     class Seam:
         def shards_of(self, tensor):

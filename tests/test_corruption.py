@@ -22,7 +22,7 @@ import stratagem as sg
 from stratagem import dtensor
 from stratagem.dtensor import Layout, LayoutMap
 from stratagem.errors import StratagemError
-from stratagem.keras.program import ProgramError
+from stratagem.keras.exported_program import ProgramError
 from stratagem.train import DamagedSaveError, FellBackWarning
 
 pytestmark = pytest.mark.filterwarnings("ignore:DTensor random operators")

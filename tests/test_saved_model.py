@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import stratagem as sg
-from stratagem.keras.program import ProgramError, load_program
+from stratagem.keras.exported_program import ProgramError, load_program
 from stratagem.train.manifest import write_manifest
 
 

@@ -547,7 +547,7 @@ def test_the_seed_search_example_smoke_run(tmp_path):
 
 
 def test_device_groups_cut_the_visible_gpus_and_refuse_too_few():
-    from stratagem.tune.devices import device_groups
+    from stratagem.tune.gpu_groups import device_groups
 
     env = {"CUDA_VISIBLE_DEVICES": "4,7,2,5,GPU-abc"}
     assert device_groups(env, 2, 2) == ["4,7", "2,5"]  # the odd one out is left unused

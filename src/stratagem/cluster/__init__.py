@@ -8,6 +8,7 @@ resolvers that read TF_CONFIG/STRATAGEM_CONFIG, torchrun's and SLURM's variables
 from __future__ import annotations
 
 from stratagem.cluster.address import format_address, parse_address
+from stratagem.cluster.cluster_spec import ClusterSpec
 from stratagem.cluster.detect import resolve_cluster
 from stratagem.cluster.resolver import (
     ClusterResolver,
@@ -28,7 +29,6 @@ from stratagem.cluster.slurm import (
     expand_tasks_per_node,
     slurm_env_present,
 )
-from stratagem.cluster.spec import ClusterSpec
 from stratagem.cluster.tf_config import TFConfig, load_tf_config, parse_tf_config
 from stratagem.cluster.torchrun import TorchrunClusterResolver, torchrun_env_present
 

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from stratagem.cluster.address import is_loopback, parse_address
-from stratagem.cluster.spec import ClusterSpec
+from stratagem.cluster.cluster_spec import ClusterSpec
 from stratagem.errors import ClusterConfigError
 
 SECRET_VARIABLE = "STRATAGEM_JOB_SECRET"

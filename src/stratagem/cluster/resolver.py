@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from stratagem.cluster.address import GRPC_PREFIX, parse_address
+from stratagem.cluster.cluster_spec import ClusterLike, ClusterSpec
 from stratagem.cluster.roles import collective_members, describe_jobs, is_chief, rank_of
-from stratagem.cluster.spec import ClusterLike, ClusterSpec
 from stratagem.cluster.tf_config import (
     TFConfig,
     check_task_type,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Collection
 
-from stratagem.cluster.spec import ClusterLike, ClusterSpec
+from stratagem.cluster.cluster_spec import ClusterLike, ClusterSpec
 from stratagem.errors import ClusterConfigError
 
 #: The task types TensorFlow's strategies know, in the order messages list them.

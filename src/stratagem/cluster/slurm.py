@@ -19,8 +19,8 @@ import subprocess
 from collections.abc import Mapping, MutableMapping
 
 from stratagem.cluster.address import check_port, format_address, parse_address
+from stratagem.cluster.cluster_spec import ClusterSpec
 from stratagem.cluster.resolver import ClusterResolver, env_int, restart_attempt
-from stratagem.cluster.spec import ClusterSpec
 from stratagem.cluster.tasks import plural
 from stratagem.errors import ClusterConfigError
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stratagem.cluster.address import parse_address
+from stratagem.cluster.cluster_spec import ClusterSpec
 from stratagem.cluster.roles import TASK_TYPES
-from stratagem.cluster.spec import ClusterSpec
 from stratagem.errors import ClusterConfigError
 
 _EXAMPLE = (

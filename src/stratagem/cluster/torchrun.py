@@ -11,8 +11,8 @@ import os
 from collections.abc import Mapping
 
 from stratagem.cluster.address import check_port, format_address, parse_address
+from stratagem.cluster.cluster_spec import ClusterSpec
 from stratagem.cluster.resolver import ClusterResolver, env_int, restart_attempt
-from stratagem.cluster.spec import ClusterSpec
 from stratagem.errors import ClusterConfigError
 
 #: Variables torchrun always sets for its workers; all are needed to join its job.

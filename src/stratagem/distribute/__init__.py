@@ -31,12 +31,12 @@ from stratagem.distribute.machinery.context import (
 )
 from stratagem.distribute.machinery.device_scope import device
 from stratagem.distribute.machinery.input import InputContext, InputOptions
+from stratagem.distribute.machinery.per_replica import PerReplica
 from stratagem.distribute.machinery.placement_log import (
     get_log_device_placement,
     set_log_device_placement,
 )
 from stratagem.distribute.machinery.scope_hooks import owner_of, strategy_for, tensors_of
-from stratagem.distribute.machinery.values import PerReplica
 from stratagem.distribute.mirrored_strategy import MirroredStrategy
 from stratagem.distribute.multi_worker_mirrored_strategy import MultiWorkerMirroredStrategy
 from stratagem.distribute.one_device_strategy import OneDeviceStrategy

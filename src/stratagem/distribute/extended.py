@@ -41,15 +41,15 @@ from stratagem.distribute.machinery.input import (
     recorded_global_batch_size,
     split_sizes,
 )
-from stratagem.distribute.machinery.reduction import gather_values, reduce_values
-from stratagem.distribute.machinery.replica_random import ReplicaRandom, replica_generators
-from stratagem.distribute.machinery.replica_threads import ReplicaView
-from stratagem.distribute.machinery.values import (
+from stratagem.distribute.machinery.per_replica import (
     PerReplica,
     local_results,
     regroup,
     select_replica,
 )
+from stratagem.distribute.machinery.reduction import gather_values, reduce_values
+from stratagem.distribute.machinery.replica_random import ReplicaRandom, replica_generators
+from stratagem.distribute.machinery.replica_threads import ReplicaView
 
 
 class StrategyExtended(ABC):

@@ -11,7 +11,7 @@
 ``sg.saved_model.save``/``load`` write and read the same directory. ``load_model`` inside
 ``strategy.scope()`` distributes the rebuilt parameters again. Only the chief writes; ``save``
 returns on every worker once done. A save appears whole or not at all, and a load reads one
-save (``train.atomic_dir``). Loading never unpickles (``program.py`` checks the archive first).
+save (``train.atomic_dir``). Loading never unpickles (``exported_program`` checks first).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from safetensors.torch import save as save_safetensors
 
 from stratagem.distribute import strategy_for
 from stratagem.keras import losses, optimizers
+from stratagem.keras.exported_program import export_program, load_program
 from stratagem.keras.io_options import LoadOptions, SaveOptions, check_options
 from stratagem.keras.mixed_precision import LossScaleOptimizer
-from stratagem.keras.program import export_program, load_program
 from stratagem.train.atomic_dir import hidden_sibling, open_files, publish
 from stratagem.train.manifest import (
     MANIFEST_FILE,

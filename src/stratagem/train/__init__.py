@@ -1,6 +1,6 @@
 """``sg.train``: checkpoints, and ``ClusterSpec`` (where TF keeps it)."""
 
-from stratagem.cluster.spec import ClusterSpec
+from stratagem.cluster.cluster_spec import ClusterSpec
 from stratagem.train.checkpoint import Checkpoint, CheckpointError, LoadStatus
 from stratagem.train.checkpoint_manager import CheckpointManager, latest_checkpoint
 from stratagem.train.checkpoints_iterator import checkpoints_iterator, wait_for_new_checkpoint

@@ -19,8 +19,8 @@ from stratagem.jobs.custom_job import CustomJob
 from stratagem.jobs.directories import slug
 from stratagem.jobs.state import JobState, write_json_atomic
 from stratagem.tune import scheduling
-from stratagem.tune.devices import device_groups
 from stratagem.tune.errors import TuningConfigError, TuningError
+from stratagem.tune.gpu_groups import device_groups
 from stratagem.tune.parameter_specs import ParameterSpec, check_parameter_spec, spec_to_json
 from stratagem.tune.report import MEASUREMENT_SELECTIONS
 from stratagem.tune.search import check_search_algorithm, make_sampler

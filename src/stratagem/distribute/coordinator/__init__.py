@@ -2,7 +2,7 @@
 that worker tasks run; functions travel by reference, see ``stratagem.shipping``)."""
 
 from stratagem.distribute.coordinator.cluster_coordinator import ClusterCoordinator
-from stratagem.distribute.coordinator.values import (
+from stratagem.distribute.coordinator.remote_values import (
     CancelledError,
     FunctionError,
     PerWorkerDataset,

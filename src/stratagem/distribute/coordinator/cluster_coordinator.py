@@ -29,13 +29,13 @@ from stratagem import data as sg_data
 from stratagem import shipping
 from stratagem.cluster import is_coordinated
 from stratagem.distribute.coordinator.dispatch import Dispatch
-from stratagem.distribute.coordinator.transport import WorkerLinks
-from stratagem.distribute.coordinator.values import (
+from stratagem.distribute.coordinator.remote_values import (
     CancelledError,
     PerWorkerDataset,
     PerWorkerIterator,
     RemoteValue,
 )
+from stratagem.distribute.coordinator.transport import WorkerLinks
 from stratagem.distribute.coordinator.work_queue import Closure, WorkQueue
 from stratagem.distribute.coordinator.worker_loss import WorkerLoss
 from stratagem.distribute.machinery import scope_hooks

@@ -16,8 +16,8 @@ from typing import Any
 
 from stratagem import shipping
 from stratagem.comm.messages import Connection
+from stratagem.distribute.coordinator.remote_values import FunctionError
 from stratagem.distribute.coordinator.transport import WorkerLinks
-from stratagem.distribute.coordinator.values import FunctionError
 from stratagem.distribute.coordinator.work_queue import Closure, WorkQueue
 from stratagem.errors import CollectiveTimeoutError, PeerLostError
 

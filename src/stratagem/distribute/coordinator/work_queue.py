@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stratagem.comm.messages import Connection
-from stratagem.distribute.coordinator.values import CancelledError, RemoteValue
+from stratagem.distribute.coordinator.remote_values import CancelledError, RemoteValue
 
 
 class Closure:

@@ -34,7 +34,7 @@ from stratagem.comm import plain_data
 from stratagem.comm.messages import Here, Later
 from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import rpc_name, serve_and_join
-from stratagem.distribute.coordinator.values import CancelledError
+from stratagem.distribute.coordinator.remote_values import CancelledError
 from stratagem.distribute.machinery.input import InputOptions
 from stratagem.distribute.partitioners import Shard
 

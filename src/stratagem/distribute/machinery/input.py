@@ -29,7 +29,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from stratagem import data as sg_data
 from stratagem.comm.communicator import PendingOp
-from stratagem.distribute.machinery.values import PerReplica, regroup
+from stratagem.distribute.machinery.per_replica import PerReplica, regroup
 from stratagem.errors import InputError
 
 AutoShardPolicy = sg_data.AutoShardPolicy
