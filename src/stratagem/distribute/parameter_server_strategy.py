@@ -39,15 +39,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
-from stratagem.cluster import (
-    ClusterResolver,
-    check_task_types,
-    collective_members,
-    is_coordinated,
-    resolve_cluster,
-)
+from stratagem.cluster import ClusterResolver, collective_members, is_coordinated
 from stratagem.cluster.roles import describe_jobs
-from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import RpcWorld
 from stratagem.distribute.capabilities import ChiefCoordination
 from stratagem.distribute.extended import StrategyExtended
@@ -58,6 +51,7 @@ from stratagem.distribute.machinery.input import (
     PerWorkerDistributedDataset,
     PerWorkerDistributedDatasetsFromFunction,
 )
+from stratagem.distribute.machinery.worker_job import WorkerJob
 from stratagem.distribute.partitioners import Partitioner, Shard
 from stratagem.distribute.ps import chief_reads
 from stratagem.distribute.ps.client import IndependentWorker, PsClient
@@ -87,10 +81,14 @@ class ParameterServerStrategy(Strategy):
         compression: str | None = None,
         _world: RpcWorld | None = None,
     ) -> None:
-        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        job = WorkerJob.set_up(
+            type(self).__name__,
+            ("chief", "worker", "ps", "evaluator"),
+            cluster_resolver,
+            on_gpu=False,
+        )
+        resolver = job.resolver
         spec = resolver.cluster_spec()
-        if spec:
-            check_task_types(spec, ("chief", "worker", "ps", "evaluator"), type(self).__name__)
         num_ps = spec.num_tasks("ps") if spec and "ps" in spec.jobs else 0
         if num_ps == 0:
             raise ValueError(
@@ -125,9 +123,9 @@ class ParameterServerStrategy(Strategy):
             compression=compression,
         )
         if resolver.task_type == "ps":
-            PsTaskServer(resolver).join()
+            PsTaskServer(job=job).join()
             raise SystemExit(0)  # the job is done: the rest of the script is the workers'
-        extended = ParameterServerExtended(self, resolver, variable_partitioner, rule, _world)
+        extended = ParameterServerExtended(self, job, variable_partitioner, rule, _world)
         super().__init__(extended)
         self.mode = mode
         self._client = extended.client
@@ -163,12 +161,12 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
     def __init__(
         self,
         container: Strategy,
-        resolver: ClusterResolver,
+        job: WorkerJob,
         partitioner: Partitioner | None,
         rule: UpdateRule,
         world: RpcWorld | None = None,
     ) -> None:
-        timeouts = Timeouts.from_env()
+        resolver, timeouts = job.resolver, job.timeouts
         # A coordinator's worker task (``sg.distribute.Server``) has joined the world already
         # and says goodbye to the ps itself when the chief is done.
         serving = world is not None
@@ -207,7 +205,7 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
             self.num_workers = spec.num_tasks("worker")
         super().__init__(
             container,
-            ["cpu:0"],
+            [job.device],
             comm=IndependentWorker(resolver.is_chief, world.describe(world.rank)),
             cluster_resolver=resolver,
         )
