@@ -128,15 +128,24 @@ class ParameterServerStrategy(Strategy):
         extended = ParameterServerExtended(self, job, variable_partitioner, rule, _world)
         super().__init__(extended)
         self.mode = mode
+        self._ps_extended = extended
         self._client = extended.client
         # The chief of a cluster with a chief coordinates (TF2: ClusterCoordinator, fit
         # schedules); without one every worker runs the loop (between-graph, TF1).
         self.coordinated = extended.coordinating
-        self.cluster_coordinator: Any = None  # the one ClusterCoordinator, once made
+
+    @property
+    def cluster_coordinator(self) -> Any:
+        """The one ClusterCoordinator of this strategy, once made (None before)."""
+        return self._ps_extended.cluster_coordinator
+
+    @cluster_coordinator.setter
+    def cluster_coordinator(self, coordinator: Any) -> None:
+        # Kept by the extended, which refreshes the chief's copies through it.
+        self._ps_extended.cluster_coordinator = coordinator
 
     def __repr__(self) -> str:
-        e = self.extended
-        assert isinstance(e, ParameterServerExtended)
+        e = self._ps_extended
         return (
             f"ParameterServerStrategy(mode={self.mode!r}, workers={e.num_workers}, "
             f"ps={len(self._client.ps_names)}, worker={e.worker_index})"
@@ -186,6 +195,7 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
             timeout=timeouts.operation,
         )
         self.world = world
+        self.cluster_coordinator: Any = None  # the one ClusterCoordinator, once made
         # A coordinator's worker task: checks, before each push, that the scheduled function
         # that steps was not cancelled (``CoordinatorSeam.guard_steps``).
         self.step_guard: Callable[[], None] = lambda: None
@@ -255,9 +265,8 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
     def refresh_chief_copies(self) -> None:
         """The coordinating chief, before a module of its scope is read: its copies of the
         variables as the ps has them now (a no-op until a coordinator ran a function)."""
-        coordinator = getattr(self._container, "cluster_coordinator", None)
-        if coordinator is not None:
-            coordinator.refresh()
+        if self.cluster_coordinator is not None:
+            self.cluster_coordinator.refresh()
 
     @override
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
