@@ -184,9 +184,10 @@ class PipelineStrategy(Strategy):
 
 
 class PipelineExtended(StrategyExtended, PipelinedSteps, DefersGradients):
-    """Stages on processes: no replicas of one model to ``run`` on (see ``_refuse``); whole
-    models whose checkpoints gather the stages. Builds the layout and the groups, splits and
-    traces models, and keeps the groups of stages that share parameters."""
+    """Stages on processes: no replicas of one model to ``run`` on (see
+    ``replica_steps_refused``); whole models whose checkpoints gather the stages. Builds the
+    layout and the groups, splits and traces models, and keeps the groups of stages that share
+    parameters."""
 
     def __init__(
         self,

@@ -26,12 +26,8 @@ CPU = ReplicaDevice("cpu:0", torch.device("cpu"))
 
 @dataclass(frozen=True)
 class WorkerJob:
-    """The resolved cluster, this process's device and the job's timeouts.
+    """The resolved cluster, this process's device and the job's timeouts."""
 
-    ``strategy`` names what set it up, for errors (``"MultiWorkerMirroredStrategy"``).
-    """
-
-    strategy: str
     resolver: ClusterResolver
     device: ReplicaDevice
     timeouts: Timeouts
@@ -46,14 +42,15 @@ class WorkerJob:
         operation_timeout: float | None = None,
         on_gpu: bool = True,
     ) -> WorkerJob:
-        """This process's job: ``task_types`` are the jobs the cluster may have (None: any);
-        ``operation_timeout`` replaces STRATAGEM_OP_TIMEOUT; ``on_gpu=False`` computes on the
-        CPU even where there are GPUs."""
+        """This process's job, set up by ``strategy`` (the name its errors give):
+        ``task_types`` are the jobs the cluster may have (None: any); ``operation_timeout``
+        replaces STRATAGEM_OP_TIMEOUT; ``on_gpu=False`` computes on the CPU even where there
+        are GPUs."""
         resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
         if task_types is not None:
             check_task_types(resolver.cluster_spec(), task_types, strategy)
         device = _local_gpu(resolver) if on_gpu else None
-        return cls(strategy, resolver, device or CPU, Timeouts.from_env(operation_timeout))
+        return cls(resolver, device or CPU, Timeouts.from_env(operation_timeout))
 
     @property
     def has_peers(self) -> bool:
