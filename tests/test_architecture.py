@@ -1153,3 +1153,265 @@ def test_checker_reports_a_long_module_docstring():
         "src/stratagem/comm/later.py:3: 17 lines",
     ], found
     assert long_module_docstrings(sources, limit=16) == ["src/stratagem/comm/later.py:3: 17 lines"]
+
+
+# --- a strategy's extended object never calls back up into its strategy ---------------------------
+#
+# The strategy delegates down to ``strategy.extended``, which does the work (the two-class rule
+# of docs/writing_a_strategy.md). A ``StrategyExtended`` subclass under distribute/ may hold its
+# container strategy and hand it on (``scope_hooks.claim(p, self._container)``, ``type(...)``,
+# ``ctx.strategy is self.strategy``), never read or call an attribute of it: no
+# ``self._container.x``, ``self.strategy.x``, ``getattr(self.strategy, "x")``, nor the same
+# through a local name bound to it, nor on the constructor's container parameter. Which
+# attributes hold the container is read from the base class (whatever they are named).
+
+EXTENDED_BASE = "StrategyExtended"
+
+
+def _functions(cls: ast.ClassDef) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def _self_attributes_bound_to(
+    function: ast.FunctionDef | ast.AsyncFunctionDef, name: str
+) -> set[str]:
+    """The ``self.x`` that ``function`` assigns ``name`` to (``self._container = container``)."""
+    return {
+        target.attr
+        for node in ast.walk(function)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == name
+        for target in node.targets
+        if isinstance(target, ast.Attribute) and _is_self(target.value)
+    }
+
+
+def _container_parameter(
+    cls: ast.ClassDef,
+) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef | None, str | None]:
+    """The class's ``__init__`` and its first parameter after ``self`` (the container)."""
+    init = next((f for f in _functions(cls) if f.name == "__init__"), None)
+    if init is None or len(init.args.args) < 2:
+        return init, None
+    return init, init.args.args[1].arg
+
+
+def container_attributes(base: ast.ClassDef) -> set[str]:
+    """The attributes of the extended base class that hold its container strategy: those its
+    ``__init__`` binds to the container parameter, and the properties returning one of them."""
+    init, param = _container_parameter(base)
+    held = _self_attributes_bound_to(init, param) if init is not None and param else set()
+    for function in _functions(base):
+        returns = [n for n in ast.walk(function) if isinstance(n, ast.Return) and n.value]
+        if any(
+            isinstance(d, ast.Name) and d.id == "property" for d in function.decorator_list
+        ) and any(
+            isinstance(r.value, ast.Attribute) and _is_self(r.value.value) and r.value.attr in held
+            for r in returns
+        ):
+            held = held | {function.name}
+    return held
+
+
+def _extended_classes(sources: tuple[Source, ...]) -> list[tuple[Source, ast.ClassDef]]:
+    """Every subclass of the extended base (through other subclasses, by name) under
+    distribute/, the base itself left out (it defines what holding the container means)."""
+    classes = [
+        (source, node)
+        for source in sources
+        if source.package == "distribute"
+        for node in ast.walk(source.tree)
+        if isinstance(node, ast.ClassDef)
+    ]
+    names = {EXTENDED_BASE}
+    found: list[tuple[Source, ast.ClassDef]] = []
+    grew = True
+    while grew:
+        grew = False
+        for source, cls in classes:
+            bases = {
+                b.id if isinstance(b, ast.Name) else getattr(b, "attr", None) for b in cls.bases
+            }
+            if cls.name not in names and bases & names:
+                names.add(cls.name)
+                found.append((source, cls))
+                grew = True
+    return sorted(found, key=lambda pair: (pair[0].path, pair[1].lineno))
+
+
+def _container_reads(
+    function: ast.FunctionDef | ast.AsyncFunctionDef,
+    held: set[str],
+    names: set[str],
+    returners: set[str] | frozenset[str] = frozenset(),
+) -> Iterator[ast.AST]:
+    """The nodes of ``function`` that read, call or set an attribute of the container:
+    ``held`` are the ``self`` attributes holding it, ``names`` the local names that do (the
+    constructor's parameter), ``returners`` the methods returning it (``self.m()``); a local
+    name assigned one of these holds it too. A ``return`` of the container is yielded as well
+    (``callback_violations`` takes it to make the method a returner, not to report it)."""
+    names = set(names)
+
+    def is_container(node: ast.expr | None) -> bool:
+        if isinstance(node, ast.Attribute):
+            return _is_self(node.value) and node.attr in held
+        if isinstance(node, ast.Call):
+            func = node.func
+            return (
+                isinstance(func, ast.Attribute)
+                and _is_self(func.value)
+                and (func.attr in returners)
+            )
+        return isinstance(node, ast.Name) and node.id in names
+
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and is_container(node.value):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Return) and is_container(node.value):
+            yield node
+            continue
+        if isinstance(node, ast.Attribute):
+            receiver: ast.expr | None = node.value
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ATTRIBUTE_FUNCTIONS
+            and node.args
+        ):
+            receiver = node.args[0]
+        else:
+            receiver = None
+        if receiver is not None and is_container(receiver):
+            yield node
+
+
+def callback_violations(sources: tuple[Source, ...]) -> list[str]:
+    """``file:line: text (Class reads its strategy)`` for each attribute of the container
+    strategy that a ``StrategyExtended`` subclass under distribute/ reads, calls or sets."""
+    base = next(
+        (
+            node
+            for source in sources
+            for node in ast.walk(source.tree)
+            if isinstance(node, ast.ClassDef) and node.name == EXTENDED_BASE
+        ),
+        None,
+    )
+    assert base is not None, f"no class {EXTENDED_BASE} in the sources"
+    inherited = container_attributes(base)
+    found = []
+    for source, cls in _extended_classes(sources):
+        init, param = _container_parameter(cls)
+        held = inherited | (_self_attributes_bound_to(init, param) if init and param else set())
+        functions = _functions(cls)
+        # Methods that hand the container back (``return self.strategy``), until no more are
+        # found: calling one reaches the container as surely as reading the attribute does.
+        returners: set[str] = set()
+        grew = True
+        while grew:
+            grew = False
+            for function in functions:
+                names = {param} if function is init and param else set()
+                reads = _container_reads(function, held, names, returners)
+                if function.name not in returners and any(isinstance(n, ast.Return) for n in reads):
+                    returners.add(function.name)
+                    grew = True
+        for function in functions:
+            names = {param} if function is init and param else set()
+            found += [
+                (source.path, node.lineno, f"{ast.unparse(node)} ({cls.name} reads its strategy)")
+                for node in _container_reads(function, held, names, returners)
+                if not isinstance(node, ast.Return)
+            ]
+    return [f"{path}:{line}: {text}" for path, line, text in sorted(set(found))]
+
+
+def test_no_extended_object_calls_back_into_its_strategy():
+    found = callback_violations(load_sources())
+    assert not found, _report("a strategy's extended object reading its strategy", found)
+
+
+CALLBACKS = {
+    "distribute/extended": """
+class StrategyExtended:
+    def __init__(self, owner, devices):
+        self._holder = owner
+
+    @property
+    def owner(self):
+        return self._holder
+
+    def describe(self):
+        return self._holder.name  # the base itself: not checked
+""",
+    "distribute/good": """
+from stratagem.distribute.extended import StrategyExtended
+
+class Good(StrategyExtended):
+    def __init__(self, container, n):
+        super().__init__(container, [])
+        self.name = type(container).__name__
+
+    def capture(self, p, ctx):
+        claim(p, self._holder)
+        return type(self.owner).__name__, ctx.strategy is self.owner, self.strategy.x
+""",
+    "distribute/bad": """
+from stratagem.distribute.good import Good
+from stratagem.distribute import extended
+
+class Bad(extended.StrategyExtended):
+    def __init__(self, container, n):
+        super().__init__(container, [])
+        self._mine = container
+        self._n = container.num_stages
+
+    def a(self):
+        return self.owner.pipeline(1)
+
+    def b(self):
+        return getattr(self._holder, "cluster_coordinator", None)
+
+    def c(self):
+        strategy = self.owner
+        return strategy.num_microbatches
+
+    def d(self):
+        self._mine.rank = 2
+
+    def _typed(self):
+        strategy = self.owner
+        assert isinstance(strategy, Good)
+        return strategy
+
+    def g(self):
+        return self._typed().schedule
+
+class Deeper(Good):
+    def e(self):
+        return [self._holder._comm]
+""",
+    "keras/elsewhere": """
+from stratagem.distribute import StrategyExtended
+
+class Outside(StrategyExtended):
+    def f(self):
+        return self._holder.rank  # not under distribute/: not this rule's
+""",
+}
+
+
+def test_checker_reports_an_extended_object_reading_its_strategy():
+    found = callback_violations(_sources(CALLBACKS))
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "container.num_stages (Bad reads its strategy)",
+        "self.owner.pipeline (Bad reads its strategy)",
+        "getattr(self._holder, 'cluster_coordinator', None) (Bad reads its strategy)",
+        "strategy.num_microbatches (Bad reads its strategy)",
+        "self._mine.rank (Bad reads its strategy)",
+        "self._typed().schedule (Bad reads its strategy)",
+        "self._holder._comm (Deeper reads its strategy)",
+    ], found
+    assert all(line.startswith("src/stratagem/distribute/bad.py:") for line in found), found

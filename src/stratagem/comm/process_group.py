@@ -22,7 +22,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,9 @@ from stratagem.errors import (
     RendezvousError,
     StratagemError,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class Resolver(Protocol):
@@ -92,9 +95,16 @@ class Timeouts:
 
     @classmethod
     def from_env(cls, operation: float | None = None) -> Timeouts:
-        """Defaults, overridden by STRATAGEM_RENDEZVOUS_TIMEOUT / STRATAGEM_OP_TIMEOUT."""
-        op = operation if operation is not None else _env_seconds("STRATAGEM_OP_TIMEOUT", 60.0)
+        """Defaults, overridden by STRATAGEM_RENDEZVOUS_TIMEOUT / STRATAGEM_OP_TIMEOUT
+        (``operation``, where given, instead of the latter)."""
+        op = operation if operation is not None else cls.operation_from_env()
         return cls(_env_seconds("STRATAGEM_RENDEZVOUS_TIMEOUT", 60.0), op)
+
+    @staticmethod
+    def operation_from_env() -> float:
+        """The operation timeout alone (STRATAGEM_OP_TIMEOUT, 60 s by default): the one place
+        it is read, for what waits on peers without a rendezvous (replica threads)."""
+        return _env_seconds("STRATAGEM_OP_TIMEOUT", 60.0)
 
 
 class _Pending(PendingOp):
@@ -647,6 +657,39 @@ def default_backend(device_type: str) -> str:
 def live_connection() -> ProcessGroupCommunicator | None:
     """The connection ``connect`` opened in this process, while it is open."""
     return _live
+
+
+def new_groups(
+    rank_lists: Sequence[Sequence[int]], *, timeout: float | None = None
+) -> list[dist.ProcessGroup]:
+    """A process group for each list of ranks, in order, its connections proven with the job's
+    secret where this process is a member (``prove_group``): a group made after start-up opens
+    new gloo connections, and none is used unproven. Every process of the job calls it with the
+    same lists (torch.distributed's rule); ``timeout`` (seconds) bounds the groups' operations
+    (torch's default without it)."""
+    extra = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    groups = [dist.new_group(list(ranks), **extra) for ranks in rank_lists]
+    me = dist.get_rank()
+    _prove([g for g, ranks in zip(groups, rank_lists) if me in ranks])
+    return groups
+
+
+def new_device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """torch's ``init_device_mesh`` over the job, each dimension's group proven with the job's
+    secret (as ``new_groups``'); every process calls it alike."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    _prove([mesh.get_group(dim) for dim in range(len(shape))])
+    return mesh
+
+
+def _prove(groups: list[dist.ProcessGroup]) -> None:
+    """This process's new groups challenged in order (nothing where stratagem started no
+    connection, or adopted one without its secret)."""
+    job = live_connection()
+    for group in groups if job is not None else ():
+        job.prove_group(group)
 
 
 def connect(

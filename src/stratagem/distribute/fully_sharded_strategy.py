@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -38,19 +38,16 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
+from stratagem.cluster import ClusterResolver
 from stratagem.comm import Communicator, ReduceOp
-from stratagem.comm.process_group import Timeouts, without_backward_context
+from stratagem.comm.process_group import new_device_mesh, without_backward_context
 from stratagem.distribute.capabilities import DefersGradients
 from stratagem.distribute.communication_options import (
     CommunicationImplementation,
     CommunicationOptions,
 )
-from stratagem.distribute.machinery.worker_setup import (
-    broadcast_initial_values,
-    worker_communicator,
-    worker_device,
-)
+from stratagem.distribute.machinery.worker_job import WorkerJob
+from stratagem.distribute.machinery.worker_setup import broadcast_initial_values
 from stratagem.distribute.strategy import Strategy
 from stratagem.distribute.whole_modules import WholeModulesExtended
 from stratagem.dtensor import Mesh
@@ -143,24 +140,25 @@ class FullyShardedExtended(WholeModulesExtended, DefersGradients):
             )
         self._mp_policy = _mixed_precision_policy(mixed_precision, name)
         self._wrap = _check_wrap(wrap, name)
-        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
-        check_task_types(resolver.cluster_spec(), ("chief", "worker", "evaluator"), name)
-        device = worker_device(resolver)
-        timeouts = Timeouts.from_env(options.timeout_seconds)
+        job = WorkerJob.set_up(
+            name,
+            ("chief", "worker", "evaluator"),
+            cluster_resolver,
+            operation_timeout=options.timeout_seconds,
+        )
+        device = job.device
         nccl = device.torch_device.type == "cuda" and (
             options.implementation is not CommunicationImplementation.RING
         )
         # An evaluator, or a job of one, gets a local communicator: nothing to shard.
-        comm = worker_communicator(
-            resolver, lambda: "cpu:gloo,cuda:nccl" if nccl else "gloo", timeouts
-        )
+        comm = job.communicator("cpu:gloo,cuda:nccl" if nccl else "gloo")
         super().__init__(
             container,
             [device],
             comm=comm,
-            cluster_resolver=resolver,
+            cluster_resolver=job.resolver,
             gradient_aggregation=gradient_aggregation,
-            sync_timeout=timeouts.operation,
+            sync_timeout=job.timeouts.operation,
         )
         if cpu_offload and device.torch_device.type != "cuda":
             warnings.warn(
@@ -352,7 +350,7 @@ def _device_mesh(
     if mesh is None:
         if world == 1:
             return None
-        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+        return new_device_mesh(device.type, (world,), ("shard",))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(
             f"{name}: mesh must be a sg.dtensor.Mesh or a torch DeviceMesh, got "

@@ -16,13 +16,12 @@ the reduction when available.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from typing_extensions import override
 
 from stratagem.comm import LocalCommunicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
+from stratagem.comm.process_group import Timeouts
 from stratagem.distribute.machinery.devices import ReplicaDevice, default_devices, parse_devices
 from stratagem.distribute.machinery.mirrored_variables import MirroredVariables
 from stratagem.distribute.strategy import Strategy
@@ -76,7 +75,7 @@ class MirroredExtended(ThreadedReplicas):
             comm=LocalCommunicator(),
             cross_device_ops=cross_device_ops or _default_cross_device_ops(parsed),
             gradient_aggregation=gradient_aggregation,
-            sync_timeout=float(os.environ.get("STRATAGEM_OP_TIMEOUT", "60")),
+            sync_timeout=Timeouts.operation_from_env(),
         )
         self._cross_device_ops.check_devices(
             [d.torch_device for d in parsed], [d.name for d in parsed]

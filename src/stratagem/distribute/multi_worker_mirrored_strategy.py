@@ -24,11 +24,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
+from stratagem.cluster import ClusterResolver
 from stratagem.comm import ReduceOp
 from stratagem.comm.bucketing import ONE_PACK, GradientReducer
 from stratagem.comm.communicator import Communicator
-from stratagem.comm.process_group import Timeouts
 from stratagem.config.threading import usable_cpus
 from stratagem.distribute.capabilities import DefersGradients
 from stratagem.distribute.communication_options import (
@@ -36,11 +35,8 @@ from stratagem.distribute.communication_options import (
     CommunicationOptions,
 )
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.worker_setup import (
-    broadcast_initial_values,
-    worker_communicator,
-    worker_device,
-)
+from stratagem.distribute.machinery.worker_job import WorkerJob
+from stratagem.distribute.machinery.worker_setup import broadcast_initial_values
 from stratagem.distribute.strategy import Strategy
 
 
@@ -113,23 +109,22 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
                 "communication_options must be sg.distribute.experimental.CommunicationOptions, "
                 f"got {options!r}"
             )
-        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
-        check_task_types(
-            resolver.cluster_spec(), ("chief", "worker", "evaluator"), type(container).__name__
+        job = WorkerJob.set_up(
+            type(container).__name__,
+            ("chief", "worker", "evaluator"),
+            cluster_resolver,
+            operation_timeout=options.timeout_seconds,
         )
-        device = worker_device(resolver)
-        timeouts = Timeouts.from_env(options.timeout_seconds)
+        device = job.device
         # An evaluator, or a cluster of one, gets a local communicator.
-        comm = worker_communicator(
-            resolver, lambda: _backend(options, device.torch_device), timeouts
-        )
+        comm = job.communicator(lambda torch_device: _backend(options, torch_device))
         super().__init__(
             container,
             [device],
             comm=comm,
-            cluster_resolver=resolver,
+            cluster_resolver=job.resolver,
             gradient_aggregation=gradient_aggregation,
-            sync_timeout=timeouts.operation,
+            sync_timeout=job.timeouts.operation,
         )
         # bytes_per_pack=0, TF's "automatic": one pack where the processes fill one host's
         # cores, else DDP's overlapped buckets (comm.bucketing explains and measures).

@@ -27,15 +27,8 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 from typing_extensions import override
 
-from stratagem.cluster import (
-    ClusterResolver,
-    check_task_types,
-    collective_members,
-    is_coordinated,
-    resolve_cluster,
-)
+from stratagem.cluster import ClusterResolver, collective_members, is_coordinated
 from stratagem.cluster.roles import describe_jobs
-from stratagem.comm.process_group import Timeouts
 from stratagem.comm.rpc_world import RpcWorld
 from stratagem.distribute.capabilities import ChiefCoordination
 from stratagem.distribute.extended import StrategyExtended
@@ -46,6 +39,7 @@ from stratagem.distribute.machinery.input import (
     PerWorkerDistributedDataset,
     PerWorkerDistributedDatasetsFromFunction,
 )
+from stratagem.distribute.machinery.worker_job import WorkerJob
 from stratagem.distribute.partitioners import Partitioner, Shard
 from stratagem.distribute.ps import chief_reads
 from stratagem.distribute.ps.client import IndependentWorker, PsClient
@@ -75,10 +69,14 @@ class ParameterServerStrategy(Strategy):
         compression: str | None = None,
         _world: RpcWorld | None = None,
     ) -> None:
-        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+        job = WorkerJob.set_up(
+            type(self).__name__,
+            ("chief", "worker", "ps", "evaluator"),
+            cluster_resolver,
+            on_gpu=False,
+        )
+        resolver = job.resolver
         spec = resolver.cluster_spec()
-        if spec:
-            check_task_types(spec, ("chief", "worker", "ps", "evaluator"), type(self).__name__)
         num_ps = spec.num_tasks("ps") if spec and "ps" in spec.jobs else 0
         if num_ps == 0:
             raise ValueError(
@@ -113,20 +111,29 @@ class ParameterServerStrategy(Strategy):
             compression=compression,
         )
         if resolver.task_type == "ps":
-            PsTaskServer(resolver).join()
+            PsTaskServer(job=job).join()
             raise SystemExit(0)  # the job is done: the rest of the script is the workers'
-        extended = ParameterServerExtended(self, resolver, variable_partitioner, rule, _world)
+        extended = ParameterServerExtended(self, job, variable_partitioner, rule, _world)
         super().__init__(extended)
         self.mode = mode
+        self._ps_extended = extended
         self._client = extended.client
         # The chief of a cluster with a chief coordinates (TF2: ClusterCoordinator, fit
         # schedules); without one every worker runs the loop (between-graph, TF1).
         self.coordinated = extended.coordinating
-        self.cluster_coordinator: Any = None  # the one ClusterCoordinator, once made
+
+    @property
+    def cluster_coordinator(self) -> Any:
+        """The one ClusterCoordinator of this strategy, once made (None before)."""
+        return self._ps_extended.cluster_coordinator
+
+    @cluster_coordinator.setter
+    def cluster_coordinator(self, coordinator: Any) -> None:
+        # Kept by the extended, which refreshes the chief's copies through it.
+        self._ps_extended.cluster_coordinator = coordinator
 
     def __repr__(self) -> str:
-        e = self.extended
-        assert isinstance(e, ParameterServerExtended)
+        e = self._ps_extended
         return (
             f"ParameterServerStrategy(mode={self.mode!r}, workers={e.num_workers}, "
             f"ps={len(self._client.ps_names)}, worker={e.worker_index})"
@@ -151,12 +158,12 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
     def __init__(
         self,
         container: Strategy,
-        resolver: ClusterResolver,
+        job: WorkerJob,
         partitioner: Partitioner | None,
         rule: UpdateRule,
         world: RpcWorld | None = None,
     ) -> None:
-        timeouts = Timeouts.from_env()
+        resolver, timeouts = job.resolver, job.timeouts
         # A coordinator's worker task (``sg.distribute.Server``) has joined the world already
         # and says goodbye to the ps itself when the chief is done.
         serving = world is not None
@@ -176,6 +183,7 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
             timeout=timeouts.operation,
         )
         self.world = world
+        self.cluster_coordinator: Any = None  # the one ClusterCoordinator, once made
         # A coordinator's worker task: checks, before each push, that the scheduled function
         # that steps was not cancelled (``CoordinatorSeam.guard_steps``).
         self.step_guard: Callable[[], None] = lambda: None
@@ -195,7 +203,7 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
             self.num_workers = spec.num_tasks("worker")
         super().__init__(
             container,
-            ["cpu:0"],
+            [job.device],
             comm=IndependentWorker(resolver.is_chief, world.describe(world.rank)),
             cluster_resolver=resolver,
         )
@@ -245,9 +253,8 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
     def refresh_chief_copies(self) -> None:
         """The coordinating chief, before a module of its scope is read: its copies of the
         variables as the ps has them now (a no-op until a coordinator ran a function)."""
-        coordinator = getattr(self._container, "cluster_coordinator", None)
-        if coordinator is not None:
-            coordinator.refresh()
+        if self.cluster_coordinator is not None:
+            self.cluster_coordinator.refresh()
 
     @override
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:

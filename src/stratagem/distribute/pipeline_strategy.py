@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,11 +24,12 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
-from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
-from stratagem.comm import Communicator, LocalCommunicator, ReduceOp
-from stratagem.comm.process_group import Timeouts, connect, live_connection
+from stratagem.cluster import ClusterResolver
+from stratagem.comm import ReduceOp
+from stratagem.comm.process_group import new_groups
 from stratagem.distribute.capabilities import DefersGradients, PipelinedSteps
 from stratagem.distribute.extended import StrategyExtended
+from stratagem.distribute.machinery.worker_job import WorkerJob
 from stratagem.distribute.strategy import Strategy
 from stratagem.pipeline.pipedream import Recorder
 from stratagem.pipeline.schedules import SYNCHRONOUS
@@ -80,109 +80,52 @@ class PipelineStrategy(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         timeout_seconds: float | None = None,
     ) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
-        if (
-            isinstance(num_microbatches, bool)
-            or not isinstance(num_microbatches, int)
-            or num_microbatches < 1
-        ):
-            raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
-        if not drain_each_step and schedule != "PipeDream":
-            raise ValueError(
-                f"drain_each_step=False needs schedule='PipeDream' (got {schedule!r}, a "
-                "synchronous schedule, which drains at the end of every step by definition)"
-            )
-        if stages_per_rank is None:
-            stages_per_rank = 2 if schedule == "Interleaved1F1B" else 1
-        if stages_per_rank != 1 and schedule != "Interleaved1F1B":
-            raise ValueError(
-                f"stages_per_rank={stages_per_rank} needs schedule='Interleaved1F1B' (got "
-                f"{schedule!r}, which runs one stage per process)"
-            )
-        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
-        check_task_types(resolver.cluster_spec(), ("chief", "worker"), type(self).__name__)
-        world = resolver.world_size if resolver.rank is not None else 1
-        if num_stages is None:
-            if not isinstance(num_replicas, int) or num_replicas < 1 or world % num_replicas:
-                raise ValueError(
-                    f"num_replicas={num_replicas!r} does not divide the job's {world} processes"
-                )
-            num_stages = world // num_replicas
-        layout = PipelineLayout(num_stages, num_replicas, stages_per_rank)
-        layout.check_world(world)
-        if schedule in ("1F1B", "Interleaved1F1B") and num_microbatches < num_stages:
-            raise ValueError(
-                f"schedule={schedule!r} needs num_microbatches >= num_stages, got "
-                f"num_microbatches={num_microbatches} for {num_stages} stages (use 'GPipe', or "
-                "more micro-batches)"
-            )
-        self._layout = layout
-        self._split_points = split_points
-        timeouts = Timeouts.from_env(timeout_seconds)
-        comm: Communicator
-        if world == 1:
-            comm = LocalCommunicator()
-        else:
-            comm = connect(resolver, backend="gloo", timeouts=timeouts)
-        super().__init__(PipelineExtended(self, layout, schedule, comm, resolver))
-        self.rank = comm.rank
-        self._comm = comm
-        pipeline_group = replica_group = None
-        if world > 1 and layout.num_replicas > 1:
-            # Every rank creates every group, in the same order (torch.distributed's rule).
-            for r in range(layout.num_replicas):
-                group = dist.new_group(layout.pipeline_ranks(r))
-                if r == layout.replica_of(self.rank):
-                    pipeline_group = group
-            for s in range(layout.num_stages):
-                group = dist.new_group(layout.replica_ranks(s))
-                if s == layout.stage_of(self.rank):
-                    replica_group = group
-            # New groups open new gloo connections: each proves the job's secret.
-            job = live_connection()
-            if job is not None:
-                job.prove_group(pipeline_group)
-                job.prove_group(replica_group)
-        self._settings = PipelineSettings(
-            layout=layout,
+        extended = PipelineExtended(
+            self,
+            num_stages,
             schedule=schedule,
             num_microbatches=num_microbatches,
+            split_points=split_points,
+            num_replicas=num_replicas,
+            stages_per_rank=stages_per_rank,
             weight_stashing=weight_stashing,
             drain_each_step=drain_each_step,
-            timeout=timeouts.operation,
-            pipeline_group=pipeline_group,
-            replica_group=replica_group,
+            cluster_resolver=cluster_resolver,
+            timeout_seconds=timeout_seconds,
         )
-        # Groups of the stages that share parameters, by their ranks: made once, kept for every
-        # model this strategy cuts alike.
-        self._shared_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        super().__init__(extended)
+        self._pipeline = extended
 
     # ------------------------------------------------------------------ properties
 
     @property
+    def rank(self) -> int:
+        """This process's rank in the job (its stage and replica: ``layout``)."""
+        return self._pipeline.communicator.rank
+
+    @property
     def num_stages(self) -> int:
-        return self._layout.num_stages
+        return self._pipeline.layout.num_stages
 
     @property
     def stage_index(self) -> int:
-        return self._layout.stage_of(self.rank)
+        return self._pipeline.layout.stage_of(self.rank)
 
     @property
     def replica_index(self) -> int:
-        return self._layout.replica_of(self.rank)
+        return self._pipeline.layout.replica_of(self.rank)
 
     @property
     def layout(self) -> PipelineLayout:
-        return self._layout
+        return self._pipeline.layout
 
     @property
     def schedule(self) -> str:
-        return self._settings.schedule
+        return self._pipeline.settings.schedule
 
     @property
     def num_microbatches(self) -> int:
-        return self._settings.num_microbatches
+        return self._pipeline.num_microbatches
 
     def __repr__(self) -> str:
         return (
@@ -201,12 +144,7 @@ class PipelineStrategy(Strategy):
     ) -> list[int]:
         """The layer indices where the chunks after the first start, for this ``nn.Sequential``
         (``split_points``: instead of the strategy's)."""
-        spec = split_points if split_points is not None else self._split_points
-        points = resolve_split_points(model, self._layout.num_chunks, spec, sample_input)
-        if self._comm.world_size > 1 and spec == "time":
-            # Timings differ between processes; every rank must cut the same way: rank 0's.
-            points = self._comm.all_gather_object(points, what="the measured split points")[0]
-        return points
+        return self._pipeline.split_points_for(model, sample_input, split_points)
 
     def pipeline(
         self,
@@ -226,24 +164,153 @@ class PipelineStrategy(Strategy):
         micro-batch of inputs: the tracer runs the model on it). ``sample_input`` is needed
         with ``split_points="time"`` too.
         """
+        return self._pipeline.pipeline(
+            model, loss_fn, sample_input, recorder=recorder, split_points=split_points
+        )
+
+
+class PipelineExtended(StrategyExtended, PipelinedSteps, DefersGradients):
+    """Stages on processes: no replicas of one model to ``run`` on (see
+    ``replica_steps_refused``); whole models whose checkpoints gather the stages. Builds the
+    layout and the groups, splits and traces models, and keeps the groups of stages that share
+    parameters."""
+
+    def __init__(
+        self,
+        container: Strategy,
+        num_stages: int | None,
+        *,
+        schedule: str,
+        num_microbatches: int,
+        split_points: SplitPoints,
+        num_replicas: int,
+        stages_per_rank: int | None,
+        weight_stashing: bool,
+        drain_each_step: bool,
+        cluster_resolver: ClusterResolver | None,
+        timeout_seconds: float | None,
+    ) -> None:
+        stages_per_rank = _check_arguments(
+            schedule, num_microbatches, stages_per_rank, drain_each_step
+        )
+        job = WorkerJob.set_up(
+            type(container).__name__,
+            ("chief", "worker"),
+            cluster_resolver,
+            operation_timeout=timeout_seconds,
+            on_gpu=False,
+        )
+        layout = _layout(job.world_size, num_stages, num_replicas, stages_per_rank)
+        if schedule in ("1F1B", "Interleaved1F1B") and num_microbatches < layout.num_stages:
+            raise ValueError(
+                f"schedule={schedule!r} needs num_microbatches >= num_stages, got "
+                f"num_microbatches={num_microbatches} for {layout.num_stages} stages (use "
+                "'GPipe', or more micro-batches)"
+            )
+        comm = job.communicator("gloo")
+        # One CPU device per process; gradients are averaged over replicas (each micro-batch's
+        # loss is a mean), which Model.compute_loss reads from gradient_aggregation.
+        super().__init__(
+            container,
+            [job.device],
+            comm=comm,
+            cluster_resolver=job.resolver,
+            gradient_aggregation=ReduceOp.MEAN,
+        )
+        self._layout = layout
+        self._split_points = split_points
+        pipeline_group, replica_group = _stage_groups(layout, comm.rank, comm.world_size)
+        self._settings = PipelineSettings(
+            layout=layout,
+            schedule=schedule,
+            num_microbatches=num_microbatches,
+            weight_stashing=weight_stashing,
+            drain_each_step=drain_each_step,
+            timeout=job.timeouts.operation,
+            pipeline_group=pipeline_group,
+            replica_group=replica_group,
+        )
+        # Groups of the stages that share parameters, by their ranks: made once, kept for every
+        # model this strategy cuts alike.
+        self._shared_groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        # id(module) -> (the whole module, its pipeline): models whose checkpoints gather stages.
+        self._whole_models: dict[int, tuple[nn.Module, PipelineModel]] = {}
+
+    @property
+    def layout(self) -> PipelineLayout:
+        """Which stage and replica each rank runs."""
+        return self._layout
+
+    @property
+    def settings(self) -> PipelineSettings:
+        """How this strategy's pipelines run: the schedule, its options and the groups."""
+        return self._settings
+
+    @property
+    @override
+    def num_replicas_in_sync(self) -> int:
+        """Data-parallel copies of the pipeline (1 without data parallelism)."""
+        return self._layout.num_replicas
+
+    @override
+    def describe(self) -> dict[str, Any]:
+        return {
+            **super().describe(),
+            "num_stages": self._layout.num_stages,
+            "schedule": self._settings.schedule,
+        }
+
+    # ------------------------------------------------------------------ the pipeline
+
+    @property
+    @override
+    def num_microbatches(self) -> int:
+        return self._settings.num_microbatches
+
+    def split_points_for(
+        self,
+        model: nn.Module,
+        sample_input: torch.Tensor | None = None,
+        split_points: SplitPoints = None,
+    ) -> list[int]:
+        """``PipelineStrategy.split_points_for``: where this ``nn.Sequential``'s chunks after
+        the first start."""
+        spec = split_points if split_points is not None else self._split_points
+        points = resolve_split_points(model, self._layout.num_chunks, spec, sample_input)
+        if self._comm.world_size > 1 and spec == "time":
+            # Timings differ between processes; every rank must cut the same way: rank 0's.
+            points = self._comm.all_gather_object(points, what="the measured split points")[0]
+        return points
+
+    @override
+    def pipeline(
+        self,
+        module: nn.Module,
+        loss_fn: LossFn,
+        sample_input: torch.Tensor | None = None,
+        *,
+        recorder: Recorder | None = None,
+        split_points: SplitPoints = None,
+    ) -> PipelineModel:
+        """``PipelineStrategy.pipeline``: ``module`` split, this process's stage(s) kept."""
         layout = self._layout
         pieces: StagePieces
         points: list[int] | list[str]
-        if isinstance(model, nn.Sequential):
-            points = self.split_points_for(model, sample_input, split_points)
-            chunks = split_sequential(model, points)
+        if isinstance(module, nn.Sequential):
+            points = self.split_points_for(module, sample_input, split_points)
+            chunks = split_sequential(module, points)
             # Found on the whole model, by identity: after the split each stage sees its own uses.
-            shared = find_shared_parameters(model, points, layout)
+            shared = find_shared_parameters(module, points, layout)
             check_schedule(shared, self._settings.schedule)
-            stage = layout.stage_of(self.rank)
+            stage = layout.stage_of(self._comm.rank)
             pieces = SequentialPieces([(c, chunks[c]) for c in layout.chunks_of(stage)])
         else:
             spec = split_points if split_points is not None else self._split_points
-            points, pieces, shared = self._traced(model, spec, sample_input)
+            points, pieces, shared = self._traced(module, spec, sample_input)
         return PipelineModel(
             pieces,
             self._settings,
-            rank=self.rank,
+            rank=self._comm.rank,
             comm=self._comm,
             loss_fn=loss_fn,
             split_points=points,
@@ -278,7 +345,7 @@ class PipelineStrategy(Strategy):
                 f"{name} is not an nn.Sequential, so it is traced (torch.export) to be split "
                 "at module paths, which runs it: pass sample_input= (one micro-batch of inputs)"
             )
-        stage = layout.stage_of(self.rank)
+        stage = layout.stage_of(self._comm.rank)
         pieces = TracedPieces(
             model,
             points,
@@ -293,70 +360,23 @@ class PipelineStrategy(Strategy):
     ) -> dict[Holders, dist.ProcessGroup | None]:
         """For each set of stages that hold copies of a shared parameter, the group of their
         ranks in this rank's replica (None: the whole job). Every rank creates every replica's
-        groups, in the same order (torch.distributed's rule), then proves its own."""
-        layout, world = self._layout, self._comm.world_size
-        mine: dict[Holders, dist.ProcessGroup | None] = {}
-        new: list[dist.ProcessGroup] = []
-        for stages in dict.fromkeys(s.stages for s in shared):
-            for r in range(layout.num_replicas):
-                ranks = tuple(layout.rank_of(s, r) for s in stages)
-                if len(ranks) < world and ranks not in self._shared_groups:
-                    timeout = datetime.timedelta(seconds=self._settings.timeout)
-                    group = dist.new_group(list(ranks), timeout=timeout)
-                    self._shared_groups[ranks] = group
-                    if self.rank in ranks:
-                        new.append(group)
-                if self.rank in ranks:
-                    mine[stages] = self._shared_groups.get(ranks)
-        # New groups open new gloo connections: each proves the job's secret.
-        job = live_connection()
-        for group in new if job is not None else ():
-            job.prove_group(group)
-        return mine
-
-
-class PipelineExtended(StrategyExtended, PipelinedSteps, DefersGradients):
-    """Stages on processes: no replicas of one model to ``run`` on (see ``_refuse``); whole
-    models whose checkpoints gather the stages."""
-
-    def __init__(
-        self,
-        container: Strategy,
-        layout: PipelineLayout,
-        schedule: str,
-        comm: Communicator,
-        resolver: ClusterResolver,
-    ) -> None:
-        # One CPU device per process; gradients are averaged over replicas (each micro-batch's
-        # loss is a mean), which Model.compute_loss reads from gradient_aggregation.
-        super().__init__(
-            container,
-            ["cpu:0"],
-            comm=comm,
-            cluster_resolver=resolver,
-            gradient_aggregation=ReduceOp.MEAN,
-        )
-        self._layout = layout
-        self._schedule = schedule
-        # id(module) -> (the whole module, its pipeline): models whose checkpoints gather stages.
-        self._whole_models: dict[int, tuple[nn.Module, PipelineModel]] = {}
-
-    @property
-    @override
-    def num_replicas_in_sync(self) -> int:
-        """Data-parallel copies of the pipeline (1 without data parallelism)."""
-        return self._layout.num_replicas
-
-    @override
-    def describe(self) -> dict[str, Any]:
-        return {
-            **super().describe(),
-            "num_stages": self._layout.num_stages,
-            "schedule": self._schedule,
-        }
+        groups, in the same order (torch.distributed's rule)."""
+        layout, rank, world = self._layout, self._comm.rank, self._comm.world_size
+        wanted = [
+            (stages, tuple(layout.rank_of(s, r) for s in stages))
+            for stages in dict.fromkeys(s.stages for s in shared)
+            for r in range(layout.num_replicas)
+        ]
+        new = [
+            ranks
+            for ranks in dict.fromkeys(ranks for _, ranks in wanted)
+            if len(ranks) < world and ranks not in self._shared_groups
+        ]
+        if new:
+            self._shared_groups.update(zip(new, new_groups(new, timeout=self._settings.timeout)))
+        return {stages: self._shared_groups.get(ranks) for stages, ranks in wanted if rank in ranks}
 
     # ------------------------------------------------------------------ whole models
-
     @override
     def register_whole_model(self, module: nn.Module, pipe: PipelineModel) -> None:
         """Checkpoints of ``module`` (the whole model, kept on every process) will first gather
@@ -403,20 +423,6 @@ class PipelineExtended(StrategyExtended, PipelinedSteps, DefersGradients):
             "strategy.pipeline(module, loss_fn) and its train_step"
         )
 
-    @property
-    @override
-    def num_microbatches(self) -> int:
-        return self._pipeline_strategy().num_microbatches
-
-    @override
-    def pipeline(self, module: nn.Module, loss_fn: Any, sample_input: Any = None) -> PipelineModel:
-        return self._pipeline_strategy().pipeline(module, loss_fn, sample_input=sample_input)
-
-    def _pipeline_strategy(self) -> PipelineStrategy:
-        strategy = self.strategy
-        assert isinstance(strategy, PipelineStrategy)
-        return strategy
-
     @override
     def defer_gradient_reduction(self, defer: bool) -> None:
         if defer:
@@ -436,3 +442,59 @@ class PipelineExtended(StrategyExtended, PipelinedSteps, DefersGradients):
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Nothing: the schedule combines the gradients (micro-batches, replicas, shared
         parameters) before it returns."""
+
+
+def _check_arguments(
+    schedule: str, num_microbatches: int, stages_per_rank: int | None, drain_each_step: bool
+) -> int:
+    """The schedule's options checked, each error naming the value received; returns the
+    stages per rank (2 for ``"Interleaved1F1B"`` unless given, else 1)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: expected one of {SCHEDULES}")
+    if (
+        isinstance(num_microbatches, bool)
+        or not isinstance(num_microbatches, int)
+        or num_microbatches < 1
+    ):
+        raise ValueError(f"num_microbatches must be an int >= 1, got {num_microbatches!r}")
+    if not drain_each_step and schedule != "PipeDream":
+        raise ValueError(
+            f"drain_each_step=False needs schedule='PipeDream' (got {schedule!r}, a "
+            "synchronous schedule, which drains at the end of every step by definition)"
+        )
+    if stages_per_rank is None:
+        stages_per_rank = 2 if schedule == "Interleaved1F1B" else 1
+    if stages_per_rank != 1 and schedule != "Interleaved1F1B":
+        raise ValueError(
+            f"stages_per_rank={stages_per_rank} needs schedule='Interleaved1F1B' (got "
+            f"{schedule!r}, which runs one stage per process)"
+        )
+    return stages_per_rank
+
+
+def _layout(
+    world: int, num_stages: int | None, num_replicas: int, stages_per_rank: int
+) -> PipelineLayout:
+    """Stages and replicas over the job's ``world`` processes (checked to fill it)."""
+    if num_stages is None:
+        if not isinstance(num_replicas, int) or num_replicas < 1 or world % num_replicas:
+            raise ValueError(
+                f"num_replicas={num_replicas!r} does not divide the job's {world} processes"
+            )
+        num_stages = world // num_replicas
+    layout = PipelineLayout(num_stages, num_replicas, stages_per_rank)
+    layout.check_world(world)
+    return layout
+
+
+def _stage_groups(
+    layout: PipelineLayout, rank: int, world: int
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's pipeline group (its replica's stages) and replica group (its stage's
+    replicas): None without data parallelism. Every rank creates every group, in order."""
+    if world == 1 or layout.num_replicas == 1:
+        return None, None
+    pipelines = [layout.pipeline_ranks(r) for r in range(layout.num_replicas)]
+    replicas = [layout.replica_ranks(s) for s in range(layout.num_stages)]
+    groups = new_groups([*pipelines, *replicas])
+    return groups[layout.replica_of(rank)], groups[len(pipelines) + layout.stage_of(rank)]

@@ -137,16 +137,9 @@ def create_mesh(
             f"process{'es' if world != 1 else ''} (one device per process); expected mesh "
             f"dimensions whose sizes multiply to {world}"
         )
-    from torch.distributed.device_mesh import init_device_mesh
+    from stratagem.comm.process_group import new_device_mesh
 
-    from stratagem.comm.process_group import live_connection
-
-    device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    job = live_connection()
-    if job is not None:
-        # Each dimension's group opens gloo connections of its own: each proves the secret.
-        for dim in range(len(shape)):
-            job.prove_group(device_mesh.get_group(dim))
+    device_mesh = new_device_mesh(device_type, shape, names)
     return Mesh(device_mesh, devices)
 
 

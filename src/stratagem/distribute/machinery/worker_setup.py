@@ -10,41 +10,14 @@ of one dtype, a lone contiguous tensor in place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from stratagem.cluster import ClusterResolver
-from stratagem.comm import Communicator, LocalCommunicator
-from stratagem.comm.process_group import Timeouts, connect
-from stratagem.distribute.machinery.devices import ReplicaDevice
+from stratagem.comm import Communicator
 from stratagem.errors import RendezvousError
 
 BROADCAST_BUCKET_BYTES = 4 << 20
 
 Signature = list[tuple[tuple[int, ...], str]]
-
-
-def worker_device(resolver: ClusterResolver) -> ReplicaDevice:
-    """This worker's device: its local rank's GPU where there are GPUs, else the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-        index = resolver.local_rank % torch.cuda.device_count()
-        # The current device must be this worker's before the NCCL group starts: NCCL's
-        # communicator, FSDP2's shards and every tensor made with device="cuda" (DDP's, the
-        # user's) use it, and it is cuda:0 in every process until set.
-        torch.cuda.set_device(index)
-        return ReplicaDevice(f"cuda:{index}", torch.device("cuda", index))
-    return ReplicaDevice("cpu:0", torch.device("cpu"))
-
-
-def worker_communicator(
-    resolver: ClusterResolver, backend: Callable[[], str], timeouts: Timeouts
-) -> Communicator:
-    """This worker's connection to the job (``backend()`` names the process group's backend);
-    a local one for an evaluator or a job of one, which has no peer to meet."""
-    if resolver.rank is None or resolver.world_size == 1:
-        return LocalCommunicator()
-    return connect(resolver, backend=backend(), timeouts=timeouts)
 
 
 def broadcast_initial_values(

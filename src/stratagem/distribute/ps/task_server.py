@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from stratagem.cluster import ClusterResolver, collective_members, resolve_cluster
-from stratagem.comm.process_group import Timeouts
+from stratagem.cluster import ClusterResolver, collective_members
 from stratagem.comm.rpc_world import rpc_members, rpc_name, serve_and_join
+from stratagem.distribute.machinery.worker_job import WorkerJob
 from stratagem.distribute.ps.server import ShardStore, methods
 from stratagem.errors import CollectiveTimeoutError
 
@@ -24,13 +24,17 @@ class PsTaskServer:
     never returns; here the ps can exit cleanly when the job is done).
     """
 
-    def __init__(self, cluster_resolver: ClusterResolver | None = None) -> None:
-        resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+    def __init__(
+        self, cluster_resolver: ClusterResolver | None = None, *, job: WorkerJob | None = None
+    ) -> None:
+        # ``job``: set up already (by ParameterServerStrategy on a ps task); else set up here.
+        if job is None:
+            job = WorkerJob.set_up("sg.distribute.Server", None, cluster_resolver, on_gpu=False)
+        resolver, timeouts = job.resolver, job.timeouts
         if resolver.task_type != "ps":
             raise ValueError(
                 f"sg.distribute.Server serves a ps task; this process is {resolver.describe()}"
             )
-        timeouts = Timeouts.from_env()
         # Creating the first torch optimizer imports torch._dynamo (seconds); do it now, while
         # the workers start, rather than inside the first push they wait on.
         torch.optim.SGD([torch.zeros(1, requires_grad=True)])
