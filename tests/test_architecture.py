@@ -10,6 +10,9 @@ Over every ``.py`` under ``src/stratagem/``:
    private member that stratagem defines only in other modules;
 4. no two modules import each other, directly or through others (an import circle), counting
    every import as rule 1 does, except the circles ALLOWED_CIRCLES lists.
+5. no two classes share a name, and no two modules a file name, but those the SHARED_* tables
+   list with their reasons; every module docstring is at most 15 lines; no strategy's extended
+   object reads or calls its strategy.
 
 The checker is plain functions over source text; the last tests feed it snippets, so that it
 cannot pass by reporting nothing.
@@ -1094,6 +1097,57 @@ def test_checker_reports_classes_that_share_a_name():
         "SHARED_CLASS_NAMES lists Gone, which 0 class(es) define, not several: remove the entry",
     ], found
     assert duplicate_class_problems(sources, {"Inner": "", "Listed": "", "Shard": ""}) == []
+
+
+# --- file names ----------------------------------------------------------------------------------
+
+# File names that several packages may share, each with the reason. Every other module's file
+# name is unique under src/stratagem/, so that it says what the file holds wherever it is read
+# (a traceback's last line, an editor's tab, a log).
+SHARED_FILE_NAMES: dict[str, str] = {
+    "__init__.py": "a package",
+    "experimental.py": "TF's `experimental` namespaces (sg.distribute.experimental, ...)",
+    "errors.py": "a package's own error classes (sg.errors, sg.dtensor's, sg.tune's)",
+    "metrics.py": "the public namespaces sg.keras.metrics and sg.dtensor.metrics",
+}
+
+
+def duplicate_file_problems(sources: tuple[Source, ...], shared: dict[str, str]) -> list[str]:
+    """File names of more than one module, unless ``shared`` lists them; and stale entries."""
+    paths: dict[str, list[str]] = {}
+    for source in sources:
+        paths.setdefault(PurePosixPath(source.path).name, []).append(source.path)
+    problems = [
+        f"{name}: {', '.join(where)}"
+        for name, where in sorted(paths.items())
+        if len(where) > 1 and name not in shared
+    ]
+    problems += [
+        f"SHARED_FILE_NAMES lists {name}, which {len(paths.get(name, []))} module(s) have, not "
+        "several: remove the entry"
+        for name in sorted(shared)
+        if len(paths.get(name, [])) < 2
+    ]
+    return problems
+
+
+def test_no_two_modules_share_a_file_name():
+    found = duplicate_file_problems(load_sources(), SHARED_FILE_NAMES)
+    assert not found, _report(
+        "file names used by several modules (name each for what it holds, or list it in "
+        "SHARED_FILE_NAMES)",
+        found,
+    )
+
+
+def test_checker_reports_modules_that_share_a_file_name():
+    sources = _sources({"data/values": "", "comm/values": "", "comm/kept": "", "data/kept": ""})
+    found = duplicate_file_problems(sources, {"kept.py": "why", "gone.py": "why"})
+    assert found == [
+        "values.py: src/stratagem/data/values.py, src/stratagem/comm/values.py",
+        "SHARED_FILE_NAMES lists gone.py, which 0 module(s) have, not several: remove the entry",
+    ], found
+    assert duplicate_file_problems(sources, {"kept.py": "", "values.py": ""}) == []
 
 
 # --- module docstrings ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch.futures import Future
 
 from cluster_utils import free_ports
 from stratagem.comm.messages import Connection, Later, MessageServer
-from stratagem.distribute.ps.server import ShardStore, UpdateRule, methods, pairs
+from stratagem.distribute.ps.shard_store import ShardStore, UpdateRule, methods, pairs
 from stratagem.errors import CollectiveTimeoutError, PeerLostError, RendezvousError
 
 SECRET = b"a-secret-of-the-test-0123456789"

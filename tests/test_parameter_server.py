@@ -22,7 +22,7 @@ from stratagem.distribute.partitioners import (
     plan_shards,
     shard_rows,
 )
-from stratagem.distribute.ps.server import ShardStore, UpdateRule
+from stratagem.distribute.ps.shard_store import ShardStore, UpdateRule
 from workers.common import global_batches, reference_training
 
 # --- partitioners and placement --------------------------------------------------------------

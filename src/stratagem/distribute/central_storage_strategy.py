@@ -19,7 +19,11 @@ import torch
 from typing_extensions import override
 
 from stratagem.comm.cross_device_ops import ReductionToOneDevice
-from stratagem.distribute.machinery.devices import ReplicaDevice, default_devices, parse_device
+from stratagem.distribute.machinery.replica_devices import (
+    ReplicaDevice,
+    default_devices,
+    parse_device,
+)
 from stratagem.distribute.mirrored_strategy import MirroredExtended
 from stratagem.distribute.strategy import Strategy
 

@@ -16,7 +16,7 @@ from typing_extensions import override
 from stratagem.comm import LocalCommunicator
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery import context
-from stratagem.distribute.machinery.devices import ReplicaDevice
+from stratagem.distribute.machinery.replica_devices import ReplicaDevice
 from stratagem.distribute.strategy import Strategy
 
 

@@ -32,7 +32,6 @@ from stratagem.comm.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from stratagem.distribute.capabilities import DefersGradients, MergesReplicas, PipelinedSteps
 from stratagem.distribute.machinery import context, scope_hooks
 from stratagem.distribute.machinery.context import ReplicaContext, StrategyLike
-from stratagem.distribute.machinery.devices import ReplicaDevice, parse_device
 from stratagem.distribute.machinery.input import (
     DistributedDataset,
     DistributedDatasetFromFunction,
@@ -48,6 +47,7 @@ from stratagem.distribute.machinery.per_replica import (
     select_replica,
 )
 from stratagem.distribute.machinery.reduction import gather_values, reduce_values
+from stratagem.distribute.machinery.replica_devices import ReplicaDevice, parse_device
 from stratagem.distribute.machinery.replica_random import ReplicaRandom, replica_generators
 from stratagem.distribute.machinery.replica_threads import ReplicaView
 

@@ -32,12 +32,12 @@ from stratagem.comm.process_group import (
     live_connection,
 )
 from stratagem.distribute.capabilities import DefersGradients
-from stratagem.distribute.machinery.devices import ReplicaDevice
 from stratagem.distribute.machinery.input import (
     chunk_sizes,
     record_global_batch_size,
     recorded_global_batch_size,
 )
+from stratagem.distribute.machinery.replica_devices import ReplicaDevice
 from stratagem.distribute.strategy import Strategy
 from stratagem.distribute.whole_modules import WholeModulesExtended
 from stratagem.dtensor import (

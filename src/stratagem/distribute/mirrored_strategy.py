@@ -22,8 +22,12 @@ from typing_extensions import override
 from stratagem.comm import LocalCommunicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, NcclAllReduce, ReductionToOneDevice
 from stratagem.comm.process_group import Timeouts
-from stratagem.distribute.machinery.devices import ReplicaDevice, default_devices, parse_devices
 from stratagem.distribute.machinery.mirrored_variables import MirroredVariables
+from stratagem.distribute.machinery.replica_devices import (
+    ReplicaDevice,
+    default_devices,
+    parse_devices,
+)
 from stratagem.distribute.strategy import Strategy
 from stratagem.distribute.threaded_replicas import ThreadedReplicas
 

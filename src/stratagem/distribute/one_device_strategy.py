@@ -11,7 +11,7 @@ from typing_extensions import override
 
 from stratagem.comm import LocalCommunicator
 from stratagem.distribute.extended import StrategyExtended
-from stratagem.distribute.machinery.devices import parse_device
+from stratagem.distribute.machinery.replica_devices import parse_device
 from stratagem.distribute.strategy import Strategy
 
 

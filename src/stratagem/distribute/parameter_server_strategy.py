@@ -7,7 +7,7 @@
    placed on the ps tasks, balanced by bytes (``partitioners.plan_shards``); the chief's initial
    values create them, the other workers pull them. Each worker computes on local copies.
 3. ``optimizer.step()`` pushes each ps its shards' gradients and gets back their new values;
-   the update runs on the ps (``ps/server.py``). Modes: ``async`` (bounded staleness, a
+   the update runs on the ps (``ps/shard_store.py``). Modes: ``async`` (bounded staleness, a
    staleness policy), ``sync`` (the mean of ``replicas_to_aggregate`` pushes), and sync with
    ``backup_workers``.
 4. Each worker trains at its own pace: ``num_replicas_in_sync`` is 1, and ``reduce`` and metrics
@@ -43,7 +43,7 @@ from stratagem.distribute.machinery.worker_job import WorkerJob
 from stratagem.distribute.partitioners import Partitioner, Shard
 from stratagem.distribute.ps import chief_reads
 from stratagem.distribute.ps.client import IndependentWorker, PsClient
-from stratagem.distribute.ps.server import UpdateRule
+from stratagem.distribute.ps.shard_store import UpdateRule
 from stratagem.distribute.ps.task_server import PsTaskServer
 from stratagem.distribute.strategy import Strategy
 

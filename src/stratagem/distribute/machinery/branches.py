@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from stratagem.distribute.machinery import device_scope, placement_log
-from stratagem.distribute.machinery.devices import ReplicaDevice, parse_device
+from stratagem.distribute.machinery.replica_devices import ReplicaDevice, parse_device
 from stratagem.errors import DeviceError
 
 

@@ -26,7 +26,7 @@ from torch.nn.modules.module import (
 
 from stratagem.distribute.machinery import context
 from stratagem.distribute.machinery.context import StrategyLike
-from stratagem.distribute.machinery.devices import ReplicaDevice, parse_device
+from stratagem.distribute.machinery.replica_devices import ReplicaDevice, parse_device
 from stratagem.errors import DeviceError
 
 _local = threading.local()

@@ -20,7 +20,7 @@ import torch
 
 from stratagem.comm.cross_device_ops import CrossDeviceOps
 from stratagem.comm.reduce_op import ReduceOp
-from stratagem.distribute.machinery.devices import ReplicaDevice
+from stratagem.distribute.machinery.replica_devices import ReplicaDevice
 from stratagem.distribute.machinery.replica_threads import MIRROR_KEY
 
 

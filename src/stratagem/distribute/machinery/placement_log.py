@@ -25,7 +25,7 @@ from torch.nn.modules.module import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from stratagem.distribute.machinery import device_scope
-from stratagem.distribute.machinery.devices import ReplicaDevice
+from stratagem.distribute.machinery.replica_devices import ReplicaDevice
 
 logger = logging.getLogger("stratagem.device_placement")
 

@@ -19,7 +19,7 @@ import torch
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator
 from stratagem.comm.process_group import Timeouts, connect
-from stratagem.distribute.machinery.devices import ReplicaDevice
+from stratagem.distribute.machinery.replica_devices import ReplicaDevice
 
 CPU = ReplicaDevice("cpu:0", torch.device("cpu"))
 

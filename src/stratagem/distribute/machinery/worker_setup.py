@@ -1,6 +1,5 @@
-"""What a strategy of one replica per process sets up first, written once for
-MultiWorkerMirroredStrategy and FullyShardedStrategy: the device this worker computes on, its
-connection to the job, and the chief's initial values on every worker.
+"""The chief's initial values on every worker, for the strategies of one replica per process
+(MultiWorkerMirroredStrategy, FullyShardedStrategy); the job's set-up is ``worker_job``.
 
 Every worker builds the model itself (from its own seed, perhaps), so the chief's values must
 reach the others before the first step: the shapes are compared first (a worker that built

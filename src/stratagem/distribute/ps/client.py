@@ -2,7 +2,7 @@
 
 ``PsClient`` holds this worker's view of the variables (the local copies it computes on and how
 each is cut into shards on which ps), and talks to the ps tasks over ``comm.messages`` (one
-connection to each ps, asking for the methods of ``server.methods``): create or fetch the
+connection to each ps, asking for the methods of ``shard_store.methods``): create or fetch the
 initial values, push gradients and take back new values, pull, move optimizer state for
 checkpoints, and say goodbye at exit. ``IndependentWorker`` is a
 worker's communicator: workers never meet each other, only the ps.
@@ -22,7 +22,7 @@ from stratagem.comm import LocalCommunicator
 from stratagem.comm.messages import Connection
 from stratagem.comm.rpc_world import RpcWorld
 from stratagem.distribute.partitioners import Partitioner, Shard, plan_shards
-from stratagem.distribute.ps import server
+from stratagem.distribute.ps import shard_store
 from stratagem.errors import CollectiveTimeoutError, PeerLostError
 
 
@@ -49,7 +49,7 @@ class PsClient:
     def __init__(
         self,
         world: RpcWorld,
-        rule: server.UpdateRule,
+        rule: shard_store.UpdateRule,
         partitioner: Partitioner | None,
         *,
         worker_index: int,
@@ -76,7 +76,7 @@ class PsClient:
         # that write. The chief's calls are numbered (``begin_call``); a copy written during
         # call n holds the ps's values as of some time after call n was sent.
         self._call = 0
-        self._written_in: dict[server.ShardKey, int] = {}
+        self._written_in: dict[shard_store.ShardKey, int] = {}
         self._version_after: dict[int, int] = {}  # variable id -> its version then
         self._ps_ranks = world.ranks("ps")
         self._connections: list[Connection] = []
@@ -113,7 +113,7 @@ class PsClient:
             self._partitioner,
             len(self._ps_names),
         )
-        per_ps: list[dict[server.ShardKey, torch.Tensor]] = [{} for _ in self._ps_names]
+        per_ps: list[dict[shard_store.ShardKey, torch.Tensor]] = [{} for _ in self._ps_names]
         for offset, (p, shards) in enumerate(zip(params, plan)):
             shards = [
                 Shard(first + offset, s.index, s.start, s.rows, s.nbytes, s.ps) for s in shards
@@ -127,7 +127,7 @@ class PsClient:
             self._ask(
                 "create",
                 "the creation of the variables",
-                lambda i: [rule, first, server.pairs(per_ps[i])],
+                lambda i: [rule, first, shard_store.pairs(per_ps[i])],
             )
         else:
             fetched = self._ask(
@@ -165,7 +165,7 @@ class PsClient:
         self._shards[id(p)] = list(shards)
         return p, True
 
-    def _write(self, keys: list[server.ShardKey], values: list[torch.Tensor]) -> None:
+    def _write(self, keys: list[shard_store.ShardKey], values: list[torch.Tensor]) -> None:
         """Copy shard values pulled from a ps into the local parameters (those received
         straight into them, ``_homes``, are there already)."""
         with torch.no_grad():
@@ -180,7 +180,7 @@ class PsClient:
                 self._written_in[(variable, index)] = self._call
                 self._version_after[variable] = p._version
 
-    def _homes(self, keys: Sequence[server.ShardKey]) -> list[torch.Tensor]:
+    def _homes(self, keys: Sequence[shard_store.ShardKey]) -> list[torch.Tensor]:
         """Where a reply's values for ``keys`` may be received: the parameters' own rows."""
         homes = []
         for variable, index in keys:
@@ -245,7 +245,7 @@ class PsClient:
         """Add ``(variable, change)``'s changes to the variables on the ps (TF's
         ``assign_add``): a coordinator's worker sends what a function changed of a variable it
         does not train, and concurrent changes from several workers all count."""
-        keys: list[list[server.ShardKey]] = [[] for _ in self._ps_names]
+        keys: list[list[shard_store.ShardKey]] = [[] for _ in self._ps_names]
         deltas: list[list[torch.Tensor]] = [[] for _ in self._ps_names]
         for p, change in changes:
             for s in self._shards[id(p)]:
@@ -292,9 +292,9 @@ class PsClient:
         for mine, values in zip(keys, pulled):
             self._write(mine, values)
 
-    def _keys_per_ps(self, params: Iterable[torch.Tensor]) -> list[list[server.ShardKey]]:
+    def _keys_per_ps(self, params: Iterable[torch.Tensor]) -> list[list[shard_store.ShardKey]]:
         """The keys of these parameters' shards, ps by ps."""
-        keys: list[list[server.ShardKey]] = [[] for _ in self._ps_names]
+        keys: list[list[shard_store.ShardKey]] = [[] for _ in self._ps_names]
         for p in params:
             for s in self._shards.get(id(p), ()):
                 keys[s.ps].append((s.variable, s.index))
@@ -365,7 +365,7 @@ class PsClient:
         self._ask(
             "load",
             "the restored values",
-            lambda i: [server.pairs(values[i]), server.pairs(states[i])],
+            lambda i: [shard_store.pairs(values[i]), shard_store.pairs(states[i])],
         )
 
     # ------------------------------------------------------------------ the job

@@ -13,7 +13,7 @@ import torch
 from stratagem.cluster import ClusterResolver, collective_members
 from stratagem.comm.rpc_world import rpc_members, rpc_name, serve_and_join
 from stratagem.distribute.machinery.worker_job import WorkerJob
-from stratagem.distribute.ps.server import ShardStore, methods
+from stratagem.distribute.ps.shard_store import ShardStore, methods
 from stratagem.errors import CollectiveTimeoutError
 
 
