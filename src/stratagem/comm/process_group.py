@@ -654,6 +654,18 @@ def default_backend(device_type: str) -> str:
     return "gloo"
 
 
+def use_local_gpu(resolver: Resolver) -> int | None:
+    """Make this process's local rank's GPU the current device and return its index; None where
+    there is no GPU. It must be set before an NCCL group starts: NCCL's communicator, FSDP2's
+    shards and every tensor made with ``device="cuda"`` use it, and it is cuda:0 in every
+    process until set."""
+    if not (torch.cuda.is_available() and torch.cuda.device_count() > 0):
+        return None
+    index = resolver.local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return index
+
+
 def live_connection() -> ProcessGroupCommunicator | None:
     """The connection ``connect`` opened in this process, while it is open."""
     return _live

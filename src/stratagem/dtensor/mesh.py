@@ -190,7 +190,7 @@ def _ensure_process_group(device_type: str) -> int:
     if dist.is_initialized():
         return dist.get_world_size()
     from stratagem.cluster import resolve_cluster
-    from stratagem.comm.process_group import connect, default_backend
+    from stratagem.comm.process_group import connect, default_backend, use_local_gpu
 
     resolver = resolve_cluster()
     if resolver.rank is None:
@@ -199,7 +199,7 @@ def _ensure_process_group(device_type: str) -> int:
             "cluster take part in collectives"
         )
     if device_type == "cuda":
-        torch.cuda.set_device(resolver.local_rank % torch.cuda.device_count())
+        use_local_gpu(resolver)
     connect(resolver, backend=default_backend(device_type))
     if not dist.is_initialized():
         # Alone, without a cluster: a one-process group, so that DTensor still runs.

@@ -18,7 +18,7 @@ import torch
 
 from stratagem.cluster import ClusterResolver, check_task_types, resolve_cluster
 from stratagem.comm import Communicator, LocalCommunicator
-from stratagem.comm.process_group import Timeouts, connect
+from stratagem.comm.process_group import Timeouts, connect, use_local_gpu
 from stratagem.distribute.machinery.replica_devices import ReplicaDevice
 
 CPU = ReplicaDevice("cpu:0", torch.device("cpu"))
@@ -74,11 +74,5 @@ class WorkerJob:
 
 def _local_gpu(resolver: ClusterResolver) -> ReplicaDevice | None:
     """This process's local rank's GPU, made the current device; None where there is none."""
-    if not (torch.cuda.is_available() and torch.cuda.device_count() > 0):
-        return None
-    index = resolver.local_rank % torch.cuda.device_count()
-    # The current device must be this worker's before the NCCL group starts: NCCL's
-    # communicator, FSDP2's shards and every tensor made with device="cuda" (DDP's, the
-    # user's) use it, and it is cuda:0 in every process until set.
-    torch.cuda.set_device(index)
-    return ReplicaDevice(f"cuda:{index}", torch.device("cuda", index))
+    index = use_local_gpu(resolver)
+    return None if index is None else ReplicaDevice(f"cuda:{index}", torch.device("cuda", index))
