@@ -1059,17 +1059,27 @@ def class_definitions(sources: tuple[Source, ...]) -> dict[str, list[str]]:
 
 def duplicate_class_problems(sources: tuple[Source, ...], shared: dict[str, str]) -> list[str]:
     """Names of more than one class, unless ``shared`` lists them; and stale ``shared`` entries."""
-    defined = class_definitions(sources)
+    return shared_name_problems(
+        class_definitions(sources), shared, "SHARED_CLASS_NAMES", "class(es)"
+    )
+
+
+def shared_name_problems(
+    places: dict[str, list[str]], shared: dict[str, str], table: str, what: str
+) -> list[str]:
+    """The names with several ``places`` that ``shared`` does not list, then the entries of
+    ``shared`` (the table named ``table``) that fewer than two places bear: a ``what`` of
+    that name was renamed or removed, and the entry must go too."""
     problems = [
-        f"{name}: {', '.join(places)}"
-        for name, places in sorted(defined.items())
-        if len(places) > 1 and name not in shared
+        f"{name}: {', '.join(where)}"
+        for name, where in sorted(places.items())
+        if len(where) > 1 and name not in shared
     ]
     problems += [
-        f"SHARED_CLASS_NAMES lists {name}, which {len(defined.get(name, []))} class(es) define, "
-        "not several: remove the entry"
+        f"{table} lists {name}, which {len(places.get(name, []))} {what} bear, not several: "
+        "remove the entry"
         for name in sorted(shared)
-        if len(defined.get(name, [])) < 2
+        if len(places.get(name, [])) < 2
     ]
     return problems
 
@@ -1094,7 +1104,7 @@ def test_checker_reports_classes_that_share_a_name():
     assert found == [
         "Inner: src/stratagem/data/x.py:6, src/stratagem/data/y.py:2",
         "Shard: src/stratagem/data/x.py:1, src/stratagem/comm/z.py:1",
-        "SHARED_CLASS_NAMES lists Gone, which 0 class(es) define, not several: remove the entry",
+        "SHARED_CLASS_NAMES lists Gone, which 0 class(es) bear, not several: remove the entry",
     ], found
     assert duplicate_class_problems(sources, {"Inner": "", "Listed": "", "Shard": ""}) == []
 
@@ -1117,18 +1127,7 @@ def duplicate_file_problems(sources: tuple[Source, ...], shared: dict[str, str])
     paths: dict[str, list[str]] = {}
     for source in sources:
         paths.setdefault(PurePosixPath(source.path).name, []).append(source.path)
-    problems = [
-        f"{name}: {', '.join(where)}"
-        for name, where in sorted(paths.items())
-        if len(where) > 1 and name not in shared
-    ]
-    problems += [
-        f"SHARED_FILE_NAMES lists {name}, which {len(paths.get(name, []))} module(s) have, not "
-        "several: remove the entry"
-        for name in sorted(shared)
-        if len(paths.get(name, [])) < 2
-    ]
-    return problems
+    return shared_name_problems(paths, shared, "SHARED_FILE_NAMES", "module(s)")
 
 
 def test_no_two_modules_share_a_file_name():
@@ -1145,7 +1144,7 @@ def test_checker_reports_modules_that_share_a_file_name():
     found = duplicate_file_problems(sources, {"kept.py": "why", "gone.py": "why"})
     assert found == [
         "values.py: src/stratagem/data/values.py, src/stratagem/comm/values.py",
-        "SHARED_FILE_NAMES lists gone.py, which 0 module(s) have, not several: remove the entry",
+        "SHARED_FILE_NAMES lists gone.py, which 0 module(s) bear, not several: remove the entry",
     ], found
     assert duplicate_file_problems(sources, {"kept.py": "", "values.py": ""}) == []
 
