@@ -177,7 +177,10 @@ def test_a_plain_object_holding_what_cannot_travel_is_a_named_error():
     # The program's and stratagem's classes opt in (Portable) or stay here.
     for obj, why in (
         (Plain(), "its class is the program's own"),
-        (sg.distribute.InputContext(), "it is stratagem's, which travel only if they derive"),
+        (
+            sg.distribute.InputContext(),
+            "it is one of stratagem's own classes, and of those only Keras",
+        ),
     ):
         with pytest.raises(TypeError, match=f"does not travel by its attributes: {why}"):
             shipping.Describer(root=HERE).value(obj, owner="f", name="x")
