@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster_utils import CLUSTER_VARS
 
 # Every coordinator a test starts (its jobs inherit this) describes each function again where
-# it kept the last description, and fails if the two differ (ClusterCoordinator.schedule).
+# it kept the last description, and fails if the two differ (shipping.KeptDescriptions).
 os.environ["STRATAGEM_CHECK_KEPT_DESCRIPTIONS"] = "1"
 
 
