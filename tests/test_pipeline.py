@@ -319,15 +319,22 @@ def _tied_reference(tie_mlp: bool) -> tuple[list[float], dict[str, torch.Tensor]
     """The unsplit tied model, one process, 3 steps on the whole global batches."""
     torch.manual_seed(0)
     model = build_tied_model(tie_mlp)
-    opt = make_optimizer("sgd", model.parameters())
+    losses = _steps_by_hand(model, make_optimizer("sgd", model.parameters()), token_batches(3))
+    return losses, _every_name(model)
+
+
+def _steps_by_hand(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list
+) -> list[float]:
+    """One plain torch step per ``(x, y)`` batch, on its mean cross-entropy; each step's loss."""
     losses = []
-    for x, y in token_batches(3):
-        opt.zero_grad()
+    for x, y in batches:
+        optimizer.zero_grad()
         loss = F.cross_entropy(model(x), y)
         loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, _every_name(model)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 def _assert_trained_as_the_unsplit_model(per_rank: list[dict], tie_mlp: bool) -> None:
@@ -409,13 +416,7 @@ def test_fit_of_a_tied_model_on_two_stages_equals_a_single_process_loop(two_stag
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, eps=1e-7)
     epoch_losses = []
     for _ in range(2):
-        losses = []
-        for x, y in token_batches(2):
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses = _steps_by_hand(model, optimizer, token_batches(2))
         epoch_losses.append(sum(losses) / len(losses))  # equal batches: the examples' mean
     assert model.wte.weight is model.lm_head.weight
     ref = _every_name(model)
