@@ -175,11 +175,15 @@ class ErrorChunk:
 Chunk = IndexChunk | ValueChunk | ErrorChunk
 
 
-def source_chunks(source: Source) -> Iterator[Chunk]:
-    """All of ``source``'s elements, in order, as index chunks of at most ``BLOCK``."""
+def source_chunks(source: Source, at: dict[str, int] | None = None) -> Iterator[Chunk]:
+    """``source``'s elements, in order, as index chunks of at most ``BLOCK``: all of them, or
+    from ``at["position"]`` on, which is kept up to date (the index of the next chunk's first)."""
+    at = {"position": 0} if at is None else at
     n = len(source)
-    for start in range(0, n, BLOCK):
-        yield IndexChunk(source, np.arange(start, min(start + BLOCK, n), dtype=np.int64))
+    while at["position"] < n:
+        start = at["position"]
+        at["position"] = end = min(start + BLOCK, n)
+        yield IndexChunk(source, np.arange(start, end, dtype=np.int64))
 
 
 def concat(chunks: list[Chunk]) -> Chunk:

@@ -16,7 +16,7 @@ import torch
 
 from stratagem.data import _structure
 from stratagem.data._chunks import Chunk, ValueChunk
-from stratagem.data._nodes import UNKNOWN, Node
+from stratagem.data._nodes import UNKNOWN, Node, Pass, PassState
 from stratagem.data.spec import TensorSpec, as_dtype, string
 from stratagem.errors import InputError
 
@@ -95,9 +95,23 @@ class Generated(Node):
     def element_spec(self) -> Any:
         return self.spec
 
-    def open(self) -> Iterator[Chunk]:
+    def open(self, state: PassState | None = None) -> Pass:
+        if state is not None:
+            raise InputError(self._unsaveable())
         iterator = iter(self.generator(*self.args))
-        return self._elements(iterator)
+        return Pass(self._elements(iterator), self._refuse_state)
+
+    def _refuse_state(self) -> PassState:
+        raise InputError(self._unsaveable())
+
+    def _unsaveable(self) -> str:
+        # As TF, which refuses to checkpoint a dataset with a py_function source.
+        return (
+            f"cannot checkpoint the position of an iterator over {self.describe()}: where a "
+            "Python generator stands cannot be saved, and starting it over would repeat its "
+            "elements; make the data a from_tensor_slices or range source (a generator's "
+            "elements can be listed first), or leave the iterator out of the checkpoint"
+        )
 
     def _elements(self, iterator: Iterator[Any]) -> Iterator[Chunk]:
         # One element a chunk: a generator may be slow or endless, so never read ahead of need.

@@ -1,13 +1,15 @@
 """The index-only pipeline stages behind ``Dataset``: each turns its upstream's chunks into its own.
 
 A node is immutable apart from per-pass bookkeeping (a shuffle's pass counter, a cache's kept
-pass). ``open()`` starts a pass: its eager part runs at ``iter()`` time (so seeds are drawn
-then), and the generator it returns does the work lazily.
+pass: ``node_state``). ``open()`` starts a pass: its eager part runs at ``iter()`` time (so seeds
+are drawn then), and the ``Pass`` it returns does the work lazily and can say where it stands
+(``Pass.state``); ``open(state)`` resumes a pass there, which is what an iterator's checkpoint is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from stratagem.data import _structure
@@ -25,14 +27,106 @@ from stratagem.data._chunks import (
 INFINITE = -1
 UNKNOWN = -2
 
+# Where a pass stands: plain data, tensors and chunks (``_saved_state`` encodes the chunks).
+PassState = dict[str, Any]
+
+
+class Pass:
+    """One pass of a stage: its chunks in order, and ``state()``, where it stands after the last
+    chunk handed out (what its node's ``open(state)`` resumes from). Stages keep their position
+    in a dict their generator updates before each ``yield``, so a suspended pass is always
+    consistent."""
+
+    __slots__ = ("_chunks", "_state")
+
+    def __init__(self, chunks: Iterator[Chunk], state: Callable[[], PassState]) -> None:
+        self._chunks = chunks
+        self._state = state
+
+    def __iter__(self) -> Pass:
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._chunks)
+
+    def state(self) -> PassState:
+        return self._state()
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+
+
+class Unread:
+    """The part of an upstream chunk a stage has not used yet (``rest`` is in its state)."""
+
+    __slots__ = ("chunk", "offset")
+
+    def __init__(self) -> None:
+        self.chunk: Chunk | None = None
+        self.offset = 0
+
+    def set(self, chunk: Chunk) -> None:
+        self.chunk, self.offset = chunk, 0
+
+    def elements(self) -> Iterator[Any]:
+        """The chunk's elements one by one, each counted as used when handed out."""
+        assert self.chunk is not None
+        for element in self.chunk.elements():
+            self.offset += 1
+            yield element
+        self.chunk = None
+
+    def take(self, n: int) -> Chunk | None:
+        """The next ``n`` elements (fewer at the chunk's end), or None when all are used."""
+        if self.chunk is None or self.offset >= len(self.chunk):
+            self.chunk = None
+            return None
+        part = self.chunk.select(slice(self.offset, self.offset + n))
+        self.offset += len(part)
+        return part
+
+    def rest(self) -> Chunk | None:
+        if self.chunk is None or self.offset >= len(self.chunk):
+            return None
+        return self.chunk.select(slice(self.offset, None))
+
+
+def with_rest(state: PassState | None, up: Pass) -> Iterator[Chunk]:
+    """A resumed stage's input: the rest of the chunk it was in (``state["rest"]``), then
+    ``up``."""
+    rest = None if state is None else state["rest"]
+    return itertools.chain([] if rest is None else [rest], up)
+
+
+def empty_pass() -> Pass:
+    return Pass(iter(()), dict)
+
+
+def upstream_state(state: PassState | None) -> PassState | None:
+    return None if state is None else state["up"]
+
 
 class Node:
     """One stage of a pipeline; ``upstream`` is the stage it reads (None for a source)."""
 
     upstream: Node | None = None
 
-    def open(self) -> Iterator[Chunk]:
+    def open(self, state: PassState | None = None) -> Pass:
+        """A new pass, or (``state``) a pass resumed where ``Pass.state`` said it stood."""
         raise NotImplementedError
+
+    def node_state(self) -> dict[str, Any]:
+        """The bookkeeping this node keeps across passes (none for most), for a checkpoint."""
+        return {}
+
+    def load_node_state(self, state: dict[str, Any]) -> None:
+        """Adopt ``node_state`` as a checkpoint saved it."""
+
+    def sources(self) -> list[Source]:
+        """The sources this node's chunks may index (a checkpoint names them by position)."""
+        return []
 
     def cardinality(self) -> int:
         raise NotImplementedError
@@ -75,8 +169,12 @@ class SourceNode(Node):
         self.source = source
         self.description = description
 
-    def open(self) -> Iterator[Chunk]:
-        return source_chunks(self.source)
+    def open(self, state: PassState | None = None) -> Pass:
+        position = {"position": 0 if state is None else int(state["position"])}
+        return Pass(source_chunks(self.source, position), lambda: dict(position))
+
+    def sources(self) -> list[Source]:
+        return [self.source]
 
     def cardinality(self) -> int:
         return len(self.source)
@@ -112,21 +210,26 @@ class Batch(Node):
         size = self.batch_size if self.drop_remainder else None
         return _structure.map_leaves(lambda s: s.with_leading(size), self.upstream.element_spec())
 
-    def open(self) -> Iterator[Chunk]:
-        return self._batches(self.upstream.open())
+    def open(self, state: PassState | None = None) -> Pass:
+        up = self.upstream.open(upstream_state(state))
+        kept = {"pending": [] if state is None else list(state["pending"])}
+        return Pass(
+            self._batches(up, kept), lambda: {"up": up.state(), "pending": list(kept["pending"])}
+        )
 
-    def _batches(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    def _batches(self, chunks: Iterator[Chunk], kept: dict[str, list[Chunk]]) -> Iterator[Chunk]:
         size = self.batch_size
-        pending: list[Chunk] = []
-        count = 0
+        pending: list[Chunk] = kept["pending"]  # the elements gathered for the next batch
+        count = sum(len(c) for c in pending)
         for chunk in chunks:
             if not len(chunk):
                 continue
             if isinstance(chunk, ErrorChunk):
                 # As TF's batch: the error is this batch's, and the elements gathered for it
                 # are dropped; the next batch starts with the next element.
-                yield chunk
                 pending, count = [], 0
+                kept["pending"] = pending
+                yield chunk
                 continue
             pending.append(chunk)
             count += len(chunk)
@@ -135,10 +238,12 @@ class Batch(Node):
             # Concatenate once per emitted group, not once per incoming chunk.
             merged = concat(pending)
             full = count // size * size
-            yield _group(merged.select(slice(0, full)), size)
             rest = merged.select(slice(full, None))
             pending, count = ([rest], len(rest)) if len(rest) else ([], 0)
+            kept["pending"] = pending
+            yield _group(merged.select(slice(0, full)), size)
         if count and not self.drop_remainder:
+            kept["pending"] = []
             yield _group(concat(pending), count)
 
 
@@ -169,23 +274,31 @@ class Repeat(Node):
     def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
         return Repeat(upstream, self.count)
 
-    def open(self) -> Iterator[Chunk]:
+    def open(self, state: PassState | None = None) -> Pass:
         if self.count == 0:
-            return iter(())
-        return self._passes(self.upstream.open())
+            return empty_pass()
+        at: dict[str, Any] = {
+            "pass": self.upstream.open(upstream_state(state)),
+            "done": 0 if state is None else int(state["done"]),
+            "produced": False if state is None else bool(state["produced"]),
+        }
 
-    def _passes(self, first: Iterator[Chunk]) -> Iterator[Chunk]:
-        chunks, done = first, 0
+        def where() -> PassState:
+            return {"up": at["pass"].state(), "done": at["done"], "produced": at["produced"]}
+
+        return Pass(self._passes(at), where)
+
+    def _passes(self, at: dict[str, Any]) -> Iterator[Chunk]:
         while True:
-            produced = False
-            for chunk in chunks:
-                produced = produced or len(chunk) > 0
+            for chunk in at["pass"]:
+                at["produced"] = at["produced"] or len(chunk) > 0
                 yield chunk
-            done += 1
+            at["done"] += 1
             # An empty pass would repeat emptily forever; TensorFlow stops there too.
-            if not produced or (self.count is not None and done >= self.count):
+            if not at["produced"] or (self.count is not None and at["done"] >= self.count):
                 return
-            chunks = self.upstream.open()  # a new pass: an upstream shuffle reshuffles
+            at["produced"] = False
+            at["pass"] = self.upstream.open()  # a new pass: an upstream shuffle reshuffles
 
 
 SHARD_HINT = -1  # shard(SHARD_HINT, SHARD_HINT): filled in by AutoShardPolicy.HINT
@@ -213,7 +326,7 @@ class ShardNode(Node):
     def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
         return ShardNode(upstream, self.num_shards, self.index)
 
-    def open(self) -> Iterator[Chunk]:
+    def open(self, state: PassState | None = None) -> Pass:
         if self.is_hint:
             raise ValueError(
                 "shard(SHARD_HINT, SHARD_HINT) is a placeholder: only "
@@ -222,15 +335,17 @@ class ShardNode(Node):
                 "replaces it with shard(num_workers, worker_index); this dataset was iterated "
                 "directly"
             )
-        return self._shard(self.upstream.open())
+        up = self.upstream.open(upstream_state(state))
+        # The position of the next chunk's first element in the upstream's order.
+        at = {"position": 0 if state is None else int(state["position"])}
+        return Pass(self._shard(up, at), lambda: {"up": up.state(), **at})
 
-    def _shard(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
-        position = 0  # of the chunk's first element in the upstream's order
+    def _shard(self, chunks: Iterator[Chunk], at: dict[str, int]) -> Iterator[Chunk]:
         for chunk in chunks:
-            start = (self.index - position) % self.num_shards
+            start = (self.index - at["position"]) % self.num_shards
+            at["position"] += len(chunk)
             if start < len(chunk):
                 yield chunk.select(slice(start, None, self.num_shards))
-            position += len(chunk)
 
 
 class Take(Node):
@@ -251,20 +366,24 @@ class Take(Node):
     def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
         return Take(upstream, self.count)
 
-    def open(self) -> Iterator[Chunk]:
+    def open(self, state: PassState | None = None) -> Pass:
         if self.count == -1:
-            return self.upstream.open()
+            return self.upstream.open(state)
         if self.count == 0:
-            return iter(())
-        return self._take(self.upstream.open())
+            return empty_pass()
+        up = self.upstream.open(upstream_state(state))
+        at = {"remaining": self.count if state is None else int(state["remaining"])}
+        return Pass(self._take(up, at), lambda: {"up": up.state(), **at})
 
-    def _take(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
-        remaining = self.count
+    def _take(self, chunks: Iterator[Chunk], at: dict[str, int]) -> Iterator[Chunk]:
+        if at["remaining"] <= 0:
+            return
         for chunk in chunks:
-            if len(chunk) >= remaining:
-                yield chunk.select(slice(0, remaining))
+            if len(chunk) >= at["remaining"]:
+                taken, at["remaining"] = at["remaining"], 0
+                yield chunk.select(slice(0, taken))
                 return  # stop pulling: the upstream may be infinite
-            remaining -= len(chunk)
+            at["remaining"] -= len(chunk)
             yield chunk
 
 
@@ -284,19 +403,21 @@ class Skip(Node):
     def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
         return Skip(upstream, self.count)
 
-    def open(self) -> Iterator[Chunk]:
+    def open(self, state: PassState | None = None) -> Pass:
         if self.count == -1:
-            return iter(())
-        return self._skip(self.upstream.open())
+            return empty_pass()
+        up = self.upstream.open(upstream_state(state))
+        at = {"remaining": self.count if state is None else int(state["remaining"])}
+        return Pass(self._skip(up, at), lambda: {"up": up.state(), **at})
 
-    def _skip(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
-        remaining = self.count
+    def _skip(self, chunks: Iterator[Chunk], at: dict[str, int]) -> Iterator[Chunk]:
         for chunk in chunks:
+            remaining = at["remaining"]
             if remaining >= len(chunk):
-                remaining -= len(chunk)
+                at["remaining"] -= len(chunk)
                 continue
+            at["remaining"] = 0
             yield chunk.select(slice(remaining, None)) if remaining else chunk
-            remaining = 0
 
 
 class WithOptions(Node):
@@ -314,5 +435,5 @@ class WithOptions(Node):
     def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
         return WithOptions(upstream, self.options)
 
-    def open(self) -> Iterator[Chunk]:
-        return self.upstream.open()
+    def open(self, state: PassState | None = None) -> Pass:
+        return self.upstream.open(state)

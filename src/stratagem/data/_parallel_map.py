@@ -12,6 +12,7 @@ the calls not started and waits for the running ones, so no thread outlives the 
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from typing import Any
 
 from stratagem.data import _structure
 from stratagem.data._chunks import Chunk, ErrorChunk, ValueChunk
-from stratagem.data._nodes import Node
+from stratagem.data._nodes import Node, Pass, PassState, Unread, upstream_state, with_rest
 from stratagem.data._values import Map, as_component, call_with_element
 
 
@@ -36,23 +37,44 @@ class ParallelMap(Map):
         assert upstream is not None
         return ParallelMap(upstream, self.fn, self.calls)
 
-    def _map(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    def open(self, state: PassState | None = None) -> Pass:
+        up = self.upstream.open(upstream_state(state))
+        unread = Unread()
+        # The calls made and not handed on yet, with their inputs: a checkpoint keeps the
+        # inputs, and a resumed pass makes those calls again first.
+        in_flight: deque[tuple[Chunk, Future[Any]]] = deque()
+
+        def where() -> PassState:
+            inputs = [element for element, _ in in_flight]
+            return {"up": up.state(), "rest": unread.rest(), "inputs": inputs}
+
+        restarted = [] if state is None else list(state["inputs"])
+        chunks = itertools.chain(restarted, with_rest(state, up))
+        return Pass(self._calls(chunks, unread, in_flight), where)
+
+    def _calls(
+        self,
+        chunks: Iterator[Chunk],
+        unread: Unread,
+        in_flight: deque[tuple[Chunk, Future[Any]]],
+    ) -> Iterator[Chunk]:
         own: set[int] = set()  # the pool's threads, as they start
         pool = ThreadPoolExecutor(
             self.calls, thread_name_prefix="stratagem-map", initializer=_record, initargs=(own,)
         )
-        in_flight: deque[Future[Any]] = deque()
         try:
             for chunk in chunks:
                 if isinstance(chunk, ErrorChunk):
-                    in_flight.append(_failed(chunk.error))  # in its place among the results
+                    in_flight.append((chunk, _failed(chunk.error)))  # in its place
                     continue
-                for element in chunk.elements():
-                    in_flight.append(pool.submit(_apply, self.fn, element))
+                unread.set(chunk)
+                for element in unread.elements():
+                    call = pool.submit(_apply, self.fn, element)
+                    in_flight.append((ValueChunk([element]), call))
                     if len(in_flight) >= self.calls:
-                        yield _result(in_flight.popleft())
+                        yield _result(in_flight.popleft()[1])
             while in_flight:
-                yield _result(in_flight.popleft())
+                yield _result(in_flight.popleft()[1])
         finally:
             # A pass dropped by a call of its own map (its last reference let go in one of the
             # pool's threads) is closed in that thread, which cannot wait for itself: the

@@ -17,14 +17,15 @@ every live one), so no thread outlives its iterator.
 from __future__ import annotations
 
 import atexit
-import queue
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from stratagem.data._chunks import Chunk, ErrorChunk, ValueChunk
-from stratagem.data._nodes import Node
+from stratagem.data._nodes import Node, Pass, PassState, Unread, upstream_state
+from stratagem.errors import InputError
 
 # TF's AUTOTUNE tunes the buffer while it runs; a fixed two elements keeps one ready while the
 # next is made, which is what overlapping one producer with one consumer needs.
@@ -65,15 +66,17 @@ class Prefetch(Node):
         assert upstream is not None
         return Prefetch(upstream, self.buffer_size, self.send, self.receive, self.description)
 
-    def open(self) -> Iterator[Chunk]:
-        chunks = self.upstream.open()  # now, in the caller: shuffle seeds are drawn at iter()
+    def open(self, state: PassState | None = None) -> Pass:
+        # Now, in the caller: shuffle seeds are drawn at iter().
+        up = self.upstream.open(upstream_state(state))
         if self.buffer_size == 0 and self.send is None:
-            return chunks
-        worker = Prefetcher(chunks, max(1, self.buffer_size), self.send)
+            return Pass(up, lambda: {"up": up.state(), "made": []})
+        made = [] if state is None else list(state["made"])
+        worker = Prefetcher(up, made, max(1, self.buffer_size), self.send)
         drained = _drain(worker, self.receive)
         # A pass dropped before its first next() never runs the generator's finally.
         weakref.finalize(drained, worker.stop)
-        return drained
+        return Pass(drained, worker.state)
 
 
 def _drain(worker: Prefetcher, receive: Transfer | None) -> Iterator[Chunk]:
@@ -94,59 +97,102 @@ def _drain(worker: Prefetcher, receive: Transfer | None) -> Iterator[Chunk]:
 
 
 class Prefetcher:
-    """The background thread of one pass and its bounded queue of ``(kind, value)``."""
+    """The background thread of one pass and its bounded buffer of ``(kind, value)``.
 
-    def __init__(self, chunks: Iterator[Chunk], buffer_size: int, send: Transfer | None) -> None:
-        self._queue: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=buffer_size)
+    The thread makes one element at a time while holding ``_making``, and puts it in the
+    buffer; ``state`` takes that lock too, so it sees the upstream's position and the elements
+    made from it (the buffer's, and the rest of the chunk being read) at one moment: elements
+    made ahead are kept in a checkpoint, not lost.
+    """
+
+    def __init__(
+        self, up: Pass, made: list[Chunk], buffer_size: int, send: Transfer | None
+    ) -> None:
+        self._up = up
+        self._restored: deque[Chunk] = deque(made)  # a resumed pass's made elements, first
+        self._unread = Unread()
+        self._size = buffer_size
+        self._ready: deque[tuple[str, Any, Any]] = deque()  # (kind, element as made, as sent)
+        self._changed = threading.Condition()
+        self._making = threading.Lock()
         self._stopping = threading.Event()
         self._send = send
-        self.thread = threading.Thread(
-            target=self._fill, args=(chunks,), name="stratagem-prefetch", daemon=True
-        )
+        self.thread = threading.Thread(target=self._fill, name="stratagem-prefetch", daemon=True)
         _live.add(self)
         self.thread.start()
 
-    def _fill(self, chunks: Iterator[Chunk]) -> None:
+    def _fill(self) -> None:
         try:
-            for chunk in chunks:
-                if isinstance(chunk, ErrorChunk):
-                    if not self._put(_FAILED, chunk.error):
+            while self._wait_for_room():
+                with self._making:
+                    item = self._make()
+                    if item is None:
+                        self._put((_END, None, None))
                         return
-                    continue
-                for element in chunk.elements():
-                    if not self._put(_ITEM, element):
-                        return
-            self._put(_END, None)
+                    self._put(item)
         except BaseException as exc:  # handed to the consumer, which raises it at its step
-            self._put(_ERROR, exc)
+            self._put((_ERROR, exc, exc))
         finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                close()  # an upstream parallel map shuts its pool down, here, in its thread
+            self._up.close()  # an upstream parallel map shuts its pool down, here, in its thread
 
-    def _put(self, kind: str, value: Any) -> bool:
-        """Queue an element unless stopping. Checking before every put is what lets ``stop``
-        wake a blocked producer by emptying the queue once: at most one put follows it."""
-        if self._stopping.is_set():
-            return False
-        if kind == _ITEM and self._send is not None:
-            value = self._send(value)
-        self._queue.put((kind, value))
-        return True
+    def _make(self) -> tuple[str, Any, Any] | None:
+        """The next element as ``(kind, value, value sent)``; None at the end of the pass."""
+        while True:
+            part = self._unread.take(1)
+            if part is not None:
+                element = next(part.elements())
+                sent = element if self._send is None else self._send(element)
+                return (_ITEM, element, sent)
+            chunk = self._restored.popleft() if self._restored else next(self._up, None)
+            if chunk is None:
+                return None
+            if isinstance(chunk, ErrorChunk):
+                return (_FAILED, chunk.error, chunk.error)
+            self._unread.set(chunk)
+
+    def _wait_for_room(self) -> bool:
+        with self._changed:
+            while len(self._ready) >= self._size and not self._stopping.is_set():
+                self._changed.wait()
+        return not self._stopping.is_set()
+
+    def _put(self, item: tuple[str, Any, Any]) -> None:
+        with self._changed:
+            self._ready.append(item)
+            self._changed.notify_all()
 
     def get(self) -> tuple[str, Any]:
-        return self._queue.get()
+        with self._changed:
+            while not self._ready:
+                self._changed.wait()
+            kind, _, sent = self._ready.popleft()
+            self._changed.notify_all()
+        return kind, sent
+
+    def state(self) -> PassState:
+        """Where the pass stands for the consumer: the upstream's position, and every element
+        made from it that the consumer has not taken, in order."""
+        with self._making, self._changed:
+            made: list[Chunk] = []
+            for kind, element, _ in self._ready:
+                if kind == _ITEM:
+                    made.append(ValueChunk([element]))
+                elif kind == _FAILED:
+                    made.append(ErrorChunk(element))
+                elif kind == _ERROR:
+                    raise InputError(
+                        "cannot save the position of a prefetch whose upstream raised "
+                        f"{type(element).__name__}: {element}"
+                    )
+            rest = self._unread.rest()
+            made.extend(([rest] if rest is not None else []) + list(self._restored))
+            return {"up": self._up.state(), "made": made}
 
     def stop(self) -> None:
         """Stop the thread and wait for it (it finishes the element it is making)."""
         self._stopping.set()
-        # Empty the queue so that a producer blocked on a full one wakes; it then sees the flag
-        # before making another element, so at most one more put follows, into free space.
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
+        with self._changed:
+            self._changed.notify_all()
         if threading.current_thread() is not self.thread:
             self.thread.join()
         _live.discard(self)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from stratagem.data._chunks import BLOCK, Chunk, ErrorChunk, IndexChunk, Source, ValueChunk
-from stratagem.data._nodes import Node
+from stratagem.data._nodes import Node, Pass, PassState, upstream_state
 
 _MASK64 = (1 << 64) - 1
 # Domain tags keep the seeds seed_scope and reseeded derive apart from each other.
@@ -79,7 +80,7 @@ class Shuffle(Node):
         self.buffer_size = buffer_size
         self.seed = seed  # None: drawn from torch at iter() time
         self.reshuffle = reshuffle
-        self._passes = itertools.count()  # iter() calls so far: pass e uses seed (seed, e)
+        self._passes = 0  # iter() calls so far: pass e uses seed (seed, e)
         self._drawn: int | None = None  # the one seed of an unseeded non-reshuffling shuffle
 
     def cardinality(self) -> int:
@@ -92,17 +93,30 @@ class Shuffle(Node):
         own = self.seed if self.seed is not None else derive_seed(seed, _TAG_RESEED, position)
         return Shuffle(upstream, self.buffer_size, own, self.reshuffle)
 
-    def open(self) -> Iterator[Chunk]:
-        rng = self._pass_generator()
+    def node_state(self) -> dict[str, Any]:
+        # The seed too: a distributed job reseeds its copy with a seed drawn anew at each start,
+        # and a resumed job must go on with the order of the job that saved.
+        return {"seed": self.seed, "passes": self._passes, "drawn": self._drawn}
+
+    def load_node_state(self, state: dict[str, Any]) -> None:
+        self.seed, self._passes, self._drawn = state["seed"], state["passes"], state["drawn"]
+
+    def open(self, state: PassState | None = None) -> Pass:
+        if state is None:
+            rng = self._pass_generator()
+        else:
+            rng = np.random.default_rng()
+            rng.bit_generator.state = state["rng"]
+        up = self.upstream.open(upstream_state(state))
         n = self.upstream.cardinality()
-        chunks = self.upstream.open()
         if 0 <= n <= self.buffer_size:
-            return _permuted(chunks, rng)  # what a buffer holding everything amounts to
-        return _streaming(chunks, self.buffer_size, rng)
+            return _Permuted(up, rng, state).as_pass()  # what a buffer holding everything is
+        return _Streaming(up, self.buffer_size, rng, state).as_pass()
 
     def _pass_generator(self) -> np.random.Generator:
         if self.seed is not None:
-            epoch = next(self._passes) if self.reshuffle else 0
+            epoch = self._passes if self.reshuffle else 0
+            self._passes += 1
             return np.random.default_rng([self.seed & _MASK64, epoch])
         if self.reshuffle:
             return np.random.default_rng(_torch_seed())
@@ -145,63 +159,140 @@ class _Handles:
         self.counter += len(chunk)
         return handles
 
+    def encode_all(self, chunks: list[Chunk]) -> np.ndarray:
+        arrays = [self.encode(c) for c in chunks if len(c)]
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+
     def decode(self, handles: np.ndarray) -> Iterator[Chunk]:
+        """The elements of ``handles``, which leave the buffer."""
+        yield from self.peek(handles)
+        if self.direct is None:
+            for h in handles.tolist():
+                del self.parked[h]
+
+    def peek(self, handles: np.ndarray) -> list[Chunk]:
+        """The elements of ``handles`` as chunks, left where they are (for a checkpoint)."""
         if self.direct is not None:
-            yield IndexChunk(self.direct, handles)
-            return
-        parked = [self.parked.pop(h) for h in handles.tolist()]
+            return [IndexChunk(self.direct, handles.copy())] if len(handles) else []
+        parked = [self.parked[h] for h in handles.tolist()]
         if any(isinstance(p, IndexChunk) for p in parked):
-            yield from parked
-        else:
-            yield ValueChunk(parked)
+            return parked
+        return [ValueChunk(parked)] if parked else []
 
 
-def _permuted(chunks: Iterator[Chunk], rng: np.random.Generator) -> Iterator[Chunk]:
-    handles = _Handles()
-    encoded = []
-    for chunk in chunks:
-        if isinstance(chunk, ErrorChunk):
-            yield chunk  # as TF's shuffle: an input's error is raised while the buffer fills
-        elif len(chunk):
-            encoded.append(handles.encode(chunk))
-    if encoded:
-        everything = np.concatenate(encoded)
-        yield from handles.decode(everything[rng.permutation(len(everything))])
+class _Permuted:
+    """A shuffle whose buffer holds the whole pass: gather everything, emit a permutation."""
+
+    def __init__(self, up: Pass, rng: np.random.Generator, state: PassState | None) -> None:
+        self.up, self.rng = up, rng
+        self.gathered: list[Chunk] = [] if state is None else list(state["gathered"])
+        self.out: deque[Chunk] | None = None
+        if state is not None and state["out"] is not None:
+            self.out = deque(state["out"])
+
+    def as_pass(self) -> Pass:
+        return Pass(self._chunks(), self._state)
+
+    def _state(self) -> PassState:
+        return {
+            "up": self.up.state(),
+            "rng": self.rng.bit_generator.state,
+            "gathered": list(self.gathered),
+            "out": None if self.out is None else list(self.out),
+        }
+
+    def _chunks(self) -> Iterator[Chunk]:
+        if self.out is None:
+            for chunk in self.up:
+                if isinstance(chunk, ErrorChunk):
+                    yield chunk  # as TF's shuffle: an input's error is raised as the buffer fills
+                elif len(chunk):
+                    self.gathered.append(chunk)
+            handles = _Handles()
+            everything = handles.encode_all(self.gathered)
+            order = everything[self.rng.permutation(len(everything))]
+            self.out, self.gathered = deque(handles.decode(order)), []
+        while self.out:
+            yield self.out.popleft()
 
 
-def _streaming(chunks: Iterator[Chunk], size: int, rng: np.random.Generator) -> Iterator[Chunk]:
+class _Streaming:
     """tf.data's shuffle: fill a buffer of ``size``, then each step emit a random slot's element
     and put the next input element in that slot; at the end, emit what is left in random order.
 
     The steps are vectorized over a block of inputs ``u`` with slot draws ``j``: step k emits
     ``u[t]`` for the latest earlier step t of the block that drew the same slot, else the slot's
     content at the block's start. Same distribution as the one-by-one loop, at numpy speed.
+    Its state: the buffer's elements in slot order, the inputs not yet stepped, the outputs not
+    yet handed on, and the generator's state.
     """
-    handles = _Handles()
-    filling: list[np.ndarray] = []
-    filled = 0
-    buffer: np.ndarray | None = None
-    for chunk in chunks:
-        if isinstance(chunk, ErrorChunk):
-            yield chunk  # as TF's shuffle: an input's error is raised when it arrives
-            continue
-        if not len(chunk):
-            continue
-        incoming = handles.encode(chunk)
-        if buffer is None:
-            need = size - filled
-            filling.append(incoming[:need])
-            filled += len(filling[-1])
-            incoming = incoming[need:]
-            if filled < size:
+
+    def __init__(
+        self, up: Pass, size: int, rng: np.random.Generator, state: PassState | None
+    ) -> None:
+        self.up, self.size, self.rng = up, size, rng
+        self.handles = _Handles()
+        self.buffer: np.ndarray | None = None
+        self.filling: list[np.ndarray] = []
+        self.incoming = np.zeros(0, dtype=np.int64)  # received, not stepped yet
+        self.out: deque[Chunk] = deque()
+        if state is not None:
+            if state["buffer"] is not None:
+                self.buffer = self.handles.encode_all(state["buffer"])
+            self.filling = [self.handles.encode_all(state["filling"])]
+            self.incoming = self.handles.encode_all(state["incoming"])
+            self.out = deque(state["out"])
+
+    def as_pass(self) -> Pass:
+        return Pass(self._chunks(), self._state)
+
+    def _state(self) -> PassState:
+        peek = self.handles.peek
+        return {
+            "up": self.up.state(),
+            "rng": self.rng.bit_generator.state,
+            "buffer": None if self.buffer is None else peek(self.buffer),
+            "filling": [c for f in self.filling for c in peek(f)],
+            "incoming": peek(self.incoming),
+            "out": list(self.out),
+        }
+
+    def _chunks(self) -> Iterator[Chunk]:
+        yield from self._drain()  # what a restored pass had made and not handed on
+        yield from self._step()
+        for chunk in self.up:
+            if isinstance(chunk, ErrorChunk):
+                yield chunk  # as TF's shuffle: an input's error is raised when it arrives
                 continue
-            buffer = np.concatenate(filling)
-        for start in range(0, len(incoming), BLOCK):
-            out = _steps(buffer, incoming[start : start + BLOCK], rng)
-            yield from handles.decode(out)
-    rest = buffer if buffer is not None else np.concatenate(filling) if filling else None
-    if rest is not None and len(rest):
-        yield from handles.decode(rest[rng.permutation(len(rest))])
+            if len(chunk):
+                self.incoming = self.handles.encode(chunk)
+                yield from self._step()
+        if self.buffer is not None:
+            rest = self.buffer
+        else:
+            rest = np.concatenate(self.filling) if self.filling else np.zeros(0, dtype=np.int64)
+        self.buffer, self.filling = None, []
+        if len(rest):
+            self.out.extend(self.handles.decode(rest[self.rng.permutation(len(rest))]))
+        yield from self._drain()
+
+    def _step(self) -> Iterator[Chunk]:
+        while len(self.incoming):
+            if self.buffer is None:
+                filled = sum(len(f) for f in self.filling)
+                need = self.size - filled
+                self.filling.append(self.incoming[:need])
+                self.incoming = self.incoming[need:]
+                if filled + len(self.filling[-1]) == self.size:
+                    self.buffer, self.filling = np.concatenate(self.filling), []
+                continue
+            block, self.incoming = self.incoming[:BLOCK], self.incoming[BLOCK:]
+            self.out.extend(self.handles.decode(_steps(self.buffer, block, self.rng)))
+            yield from self._drain()
+
+    def _drain(self) -> Iterator[Chunk]:
+        while self.out:
+            yield self.out.popleft()
 
 
 def _steps(buffer: np.ndarray, inputs: np.ndarray, rng: np.random.Generator) -> np.ndarray:

@@ -7,6 +7,7 @@ indices.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +23,17 @@ from stratagem.data._chunks import (
     source_chunks,
     stack_values,
 )
-from stratagem.data._nodes import INFINITE, UNKNOWN, Node, fresh_copy
+from stratagem.data._nodes import (
+    INFINITE,
+    UNKNOWN,
+    Node,
+    Pass,
+    PassState,
+    Unread,
+    fresh_copy,
+    upstream_state,
+    with_rest,
+)
 from stratagem.data.spec import TensorSpec, spec_of
 from stratagem.errors import InputError
 
@@ -60,10 +71,15 @@ class Map(Node):
             "and the function has to run once to show what it returns"
         )
 
-    def open(self) -> Iterator[Chunk]:
-        return self._map(self.upstream.open())
+    def open(self, state: PassState | None = None) -> Pass:
+        up = self.upstream.open(upstream_state(state))
+        unread = Unread()
+        return Pass(
+            self._map(with_rest(state, up), unread),
+            lambda: {"up": up.state(), "rest": unread.rest()},
+        )
 
-    def _map(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+    def _map(self, chunks: Iterator[Chunk], unread: Unread) -> Iterator[Chunk]:
         # One result at a time, as tf.data's map: a consumer (a prefetch thread, the step) gets
         # each element as soon as it is made, and an error comes after the elements before it,
         # as that element's: the next() that asks for it raises, the next one goes on.
@@ -71,7 +87,8 @@ class Map(Node):
             if isinstance(chunk, ErrorChunk):
                 yield chunk
                 continue
-            for element in chunk.elements():
+            unread.set(chunk)
+            for element in unread.elements():
                 try:
                     result = call_with_element(self.fn, element)
                 except Exception as e:
@@ -121,17 +138,30 @@ class Filter(Node):
     def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
         return Filter(upstream, self.predicate)
 
-    def open(self) -> Iterator[Chunk]:
-        return self._filter(self.upstream.open())
+    def open(self, state: PassState | None = None) -> Pass:
+        up = self.upstream.open(upstream_state(state))
+        unread = Unread()
+        out: deque[Chunk] = deque([] if state is None else state["out"])
 
-    def _filter(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        def where() -> PassState:
+            return {"up": up.state(), "rest": unread.rest(), "out": list(out)}
+
+        return Pass(self._filter(with_rest(state, up), unread, out), where)
+
+    def _filter(
+        self, chunks: Iterator[Chunk], unread: Unread, out: deque[Chunk]
+    ) -> Iterator[Chunk]:
+        while out:
+            yield out.popleft()
         for chunk in chunks:
             if isinstance(chunk, ErrorChunk):
                 yield chunk  # the failed element's error, in its place
                 continue
-            for start in range(0, len(chunk), _VALUE_GROUP):
-                part = chunk.select(slice(start, start + _VALUE_GROUP))
-                yield from _kept(part, [self._outcome(e) for e in part.elements()])
+            unread.set(chunk)
+            while (part := unread.take(_VALUE_GROUP)) is not None:
+                out.extend(_kept(part, [self._outcome(e) for e in part.elements()]))
+                while out:
+                    yield out.popleft()
 
     def _outcome(self, element: Any) -> bool | Exception:
         try:
@@ -173,6 +203,7 @@ class Cache(Node):
     def __init__(self, upstream: Node) -> None:
         self.upstream = upstream
         self._kept: list[Chunk] | None = None
+        self._stacked: Any = None  # the kept values as tensors, where they were stacked
 
     def cardinality(self) -> int:
         return self.upstream.cardinality()
@@ -183,43 +214,79 @@ class Cache(Node):
     def rebuilt(self, upstream: Node | None, seed: int, position: int) -> Node:
         return Cache(upstream)
 
-    def open(self) -> Iterator[Chunk]:
-        if self._kept is not None:
-            return iter(self._kept)
-        if self.upstream.cardinality() == INFINITE:
-            return self.upstream.open()  # an endless pass cannot be kept
-        return self._record(self.upstream.open())
+    def node_state(self) -> dict[str, Any]:
+        if self._kept is None:
+            return {"kept": None}
+        if self._stacked is not None:
+            return {"kept": "stacked", "stacked": self._stacked}
+        return {"kept": "chunks", "chunks": list(self._kept)}
 
-    def _record(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
-        seen: list[Chunk] = []
-        failed = False
+    def load_node_state(self, state: dict[str, Any]) -> None:
+        if state["kept"] == "stacked":
+            self._keep_stacked(state["stacked"])
+        else:
+            self._kept, self._stacked = state.get("chunks"), None
+
+    def sources(self) -> list[Any]:
+        return [] if self._stacked is None else [self._kept_source]
+
+    def open(self, state: PassState | None = None) -> Pass:
+        mode = None if state is None else state["mode"]
+        if mode == "replay" or (mode is None and self._kept is not None):
+            assert self._kept is not None
+            at = {"mode": "replay", "index": 0 if state is None else int(state["index"])}
+            return Pass(_replay(self._kept, at), lambda: dict(at))
+        up = self.upstream.open(upstream_state(state))
+        if mode == "through" or (mode is None and self.upstream.cardinality() == INFINITE):
+            return Pass(up, lambda: {"mode": "through", "up": up.state()})  # endless: not kept
+        seen: list[Chunk] = [] if state is None else list(state["seen"])
+        failed = {"failed": False if state is None else bool(state["failed"])}
+
+        def where() -> PassState:
+            return {"mode": "record", "up": up.state(), "seen": list(seen), **failed}
+
+        return Pass(self._record(up, seen, failed), where)
+
+    def _record(
+        self, chunks: Iterator[Chunk], seen: list[Chunk], failed: dict[str, bool]
+    ) -> Iterator[Chunk]:
         for chunk in chunks:
-            failed = failed or isinstance(chunk, ErrorChunk)
+            failed["failed"] = failed["failed"] or isinstance(chunk, ErrorChunk)
             seen.append(chunk)
             yield chunk
         # Reached only when the pass completes; an abandoned pass keeps nothing, as in TF, and
         # neither does one with a failed element (the next pass computes it again).
-        if not failed:
-            self._kept = _compact(seen)
+        if not failed["failed"]:
+            self._keep(seen)
+
+    def _keep(self, chunks: list[Chunk]) -> None:
+        """Keep a pass in its cheapest replayable form.
+
+        Index chunks are kept as they are (8 bytes an element). Computed values (after ``map``)
+        are stacked into tensors when they allow it, so later passes read them with vectorized
+        indices again, like data given to ``from_tensor_slices``.
+        """
+        chunks = [c for c in chunks if len(c)]
+        self._kept, self._stacked = chunks, None
+        if not chunks or not all(isinstance(c, ValueChunk) for c in chunks):
+            return
+        values = [v for c in chunks for v in c.values]  # type: ignore[union-attr]
+        try:
+            stacked = stack_values(values)
+        except (InputError, RuntimeError, TypeError):  # ragged or not tensors: replay them as is
+            return
+        self._keep_stacked(stacked)
+
+    def _keep_stacked(self, stacked: Any) -> None:
+        self._stacked = stacked
+        self._kept_source = TensorSlices(stacked, _structure.flatten(stacked))
+        self._kept = list(source_chunks(self._kept_source))
 
 
-def _compact(chunks: list[Chunk]) -> list[Chunk]:
-    """A kept pass in its cheapest replayable form.
-
-    Index chunks are kept as they are (8 bytes an element). Computed values (after ``map``) are
-    stacked into tensors when they allow it, so later passes read them with vectorized indices
-    again, like data given to ``from_tensor_slices``.
-    """
-    chunks = [c for c in chunks if len(c)]
-    if not chunks or not all(isinstance(c, ValueChunk) for c in chunks):
-        return chunks
-    values = [v for c in chunks for v in c.values]
-    try:
-        stacked = stack_values(values)
-    except (InputError, RuntimeError, TypeError):  # ragged or not tensors: replay them as is
-        return chunks
-    source = TensorSlices(stacked, _structure.flatten(stacked))
-    return list(source_chunks(source))
+def _replay(kept: list[Chunk], at: dict[str, Any]) -> Iterator[Chunk]:
+    while at["index"] < len(kept):
+        at["index"] += 1
+        yield kept[at["index"] - 1]
 
 
 class Enumerate(Node):
@@ -240,18 +307,19 @@ class Enumerate(Node):
     def element_spec(self) -> Any:
         return (TensorSpec((), torch.int64), self.upstream.element_spec())
 
-    def open(self) -> Iterator[Chunk]:
-        return self._enumerate(self.upstream.open())
+    def open(self, state: PassState | None = None) -> Pass:
+        up = self.upstream.open(upstream_state(state))
+        at = {"count": self.start if state is None else int(state["count"])}
+        return Pass(self._enumerate(up, at), lambda: {"up": up.state(), **at})
 
-    def _enumerate(self, chunks: Iterator[Chunk]) -> Iterator[Chunk]:
-        count = self.start
+    def _enumerate(self, chunks: Iterator[Chunk], at: dict[str, int]) -> Iterator[Chunk]:
         for chunk in chunks:
             if not len(chunk):
                 continue
+            count = at["count"]
+            at["count"] += len(chunk)
             if isinstance(chunk, ErrorChunk):
                 yield chunk  # as TF's zip with a range: the failed element takes its number
-                count += 1
                 continue
             numbers = torch.arange(count, count + len(chunk), dtype=torch.int64)
             yield ValueChunk(list(zip(numbers.unbind(), chunk.elements())))
-            count += len(chunk)

@@ -408,7 +408,7 @@ class Dataset:
 
     def __iter__(self) -> DatasetIterator:
         # open() runs now, not at the first next(): shuffle seeds are drawn at iter() time.
-        return DatasetIterator(self._node.open(), self._node.element_spec)
+        return DatasetIterator(self._node)
 
     def as_numpy_iterator(self) -> Iterator[Any]:
         """The elements with numpy arrays in place of tensors, as in TensorFlow (string
