@@ -152,9 +152,10 @@ class FitData:
     torch's generator on the chief and broadcast. So every worker has the same order (slicing
     the global batch shards each pass exactly once), and a fit that seeks to a saved position
     sees the same order again: resuming mid-pass trains on exactly the batches an uninterrupted
-    run would have. A dataset, DataLoader or iterable of the user's is iterated as given, and
-    seeking to batch k of a pass skips its first k batches: exact when the dataset's order
-    repeats (no shuffle, or seeded shuffles), the rest of a reshuffled pass otherwise.
+    run would have. An ``sg.data.Dataset`` of the user's is iterated as given, and its
+    iterator's state (``iterator_state``) restores its exact position. Another iterable (a
+    DataLoader) has none: seeking to batch k of a pass skips its first k batches, exact when its
+    order repeats (no shuffle, or seeded shuffles), the rest of a reshuffled pass otherwise.
     """
 
     def __init__(
@@ -178,11 +179,29 @@ class FitData:
         self.position = DataPosition(seed=0 if seed is None else int(seed.item()))
         self.empty_pass = False  # whether the last pass to end had no batch at all
         self._iterator: Iterator[Any] | None = None
+        self._restored_state: dict[str, Any] | None = None
+        self._ended: Iterator[Any] | None = None  # the last pass's iterator, once it ended
 
-    def seek(self, position: DataPosition) -> None:
-        """Go on from ``position`` (a saved one) at the next ``next_batch``."""
+    def seek(self, position: DataPosition, iterator_state: dict[str, Any] | None = None) -> None:
+        """Go on from ``position`` (a saved one) at the next ``next_batch``; for an
+        ``sg.data.Dataset``, exactly where ``iterator_state`` (``iterator_state()``'s) stood."""
         self.position = position
-        self._iterator = None
+        self._iterator = self._ended = None
+        self._restored_state = iterator_state
+
+    def iterator_state(self) -> dict[str, Any] | None:
+        """Where an ``sg.data.Dataset`` of the user's stands: the state of the pass under way
+        (its distributed iterator's ``state_dict``), or of the last pass to end (its seeds and
+        pass counters: the next pass goes on from them). None for arrays (``position`` says it
+        all) and other iterables (a seek skips batches). Raises ``InputError`` for a dataset
+        whose position cannot be saved (a ``from_generator`` source)."""
+        if not isinstance(self._source, sg_data.Dataset):
+            return None
+        if self._iterator is not None:
+            return {"pass_ended": False, "iterator": self._iterator.state_dict()}  # type: ignore[attr-defined]
+        if self._ended is not None:
+            return {"pass_ended": True, "iterator": self._ended.state_dict()}  # type: ignore[attr-defined]
+        return self._restored_state  # no pass since the seek
 
     def next_batch(self) -> Any | None:
         """The next global batch of the pass under way (starting one if none is), or None when
@@ -196,7 +215,7 @@ class FitData:
         if batch is None:
             self.empty_pass = p.batch == 0
             self.position = DataPosition(p.seed, p.pass_index + 1, 0)
-            self._iterator = None
+            self._ended, self._iterator = self._iterator, None
             return None
         self.position = DataPosition(p.seed, p.pass_index, p.batch + 1)
         return batch
@@ -221,6 +240,14 @@ class FitData:
         if self._examples is None:
             assert self._distributed is not None
             iterator = iter(self._distributed)
+            restored, self._restored_state = self._restored_state, None
+            if restored is not None:
+                iterator.load_state_dict(restored["iterator"])  # type: ignore[attr-defined]
+                if not restored["pass_ended"]:
+                    return iterator
+                iterator = iter(self._distributed)  # the next pass, from the restored counters
+                self._ended = None
+                return iterator
             for _ in range(p.batch):  # a saved position in the user's pass: skip what was done
                 next(iterator, None)
             return iterator

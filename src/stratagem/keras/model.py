@@ -591,6 +591,9 @@ class Model(Portable):
             progress["optimizer_iterations"] = torch.tensor([self.optimizer.iterations])
         for i, metric in enumerate(self.metrics):
             progress[f"metric_{i}"] = metric.global_state()
+        iterator = self._fit_data.iterator_state()
+        if iterator is not None:
+            progress["data_iterator"] = iterator  # type: ignore[assignment]
         return progress
 
     def resume_fit(self, progress: dict[str, torch.Tensor]) -> None:
@@ -601,7 +604,7 @@ class Model(Portable):
             raise RuntimeError("resume_fit is for on_train_begin of a fit; none is under way")
         epoch, step, seed, pass_index, batch = (int(v) for v in progress["position"])
         self._initial_epoch, self._initial_step = epoch, step
-        self._fit_data.seek(DataPosition(seed, pass_index, batch))
+        self._fit_data.seek(DataPosition(seed, pass_index, batch), progress.get("data_iterator"))
         iterations = progress.get("optimizer_iterations")  # absent from older backups
         if iterations is not None and self.optimizer is not None:
             self.optimizer.iterations = int(iterations[0])

@@ -246,6 +246,7 @@ class _AgreedIterator:
         self._comm = extended.communicator
         self._ahead: tuple[Any, torch.Tensor, PendingOp] | None = None
         self._done = False
+        self._restored: list[Any] = []  # a restored iterator's batch read ahead, handed out first
 
     def _produce(self) -> Any:
         """This worker's next raw batch, or ``_END``."""
@@ -320,6 +321,51 @@ class _AgreedIterator:
 
     def _element_spec(self) -> Any:
         raise NotImplementedError
+
+    # -- checkpoints (``sg.train.Checkpoint(iterator=it)``) --------------------------------
+
+    def _stateful_source(self) -> Any:
+        """The iterator of global batches whose position is this iterator's; raises
+        ``InputError`` where the position is not one stream that every worker shares."""
+        raise InputError(
+            f"cannot checkpoint the position of this distributed iterator "
+            f"({type(self).__name__}): each worker reads its own stream there, so no one "
+            "position is the job's; distribute an sg.data.Dataset with "
+            "experimental_distribute_dataset under AutoShardPolicy.AUTO or DATA, whose workers "
+            "share one global stream (saved once, restored on any number of workers)"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this iterator stands: its source's position and the global batch it read
+        ahead. Every worker reads the same global stream, so the chief's state is the job's,
+        and a restore on another number of workers goes on with the next global batch."""
+        source = self._stateful_source()
+        ahead = self._restored[0] if self._restored else None
+        if self._ahead is not None and self._ahead[0] is not _END:
+            ahead = self._ahead[0]
+        return {
+            "format": DISTRIBUTED_STATE_FORMAT,
+            "source": source.state_dict(),
+            "ahead": ahead,
+            "done": self._done,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on where the iterator that saved ``state`` stood (on any number of workers)."""
+        source = self._stateful_source()
+        if not isinstance(state, dict) or state.get("format") != DISTRIBUTED_STATE_FORMAT:
+            raise InputError(f"not a saved {DISTRIBUTED_STATE_FORMAT} state: {str(state)[:200]}")
+        if self._ahead is not None:
+            # The 'is there another batch' agreement under way: every worker waits for it, so
+            # the collectives stay in step, and its batch is dropped for the restored one.
+            self._ahead[2].wait()
+            self._ahead = None
+        source.load_state_dict(state["source"])
+        self._restored = [] if state["ahead"] is None else [state["ahead"]]
+        self._done = bool(state["done"])
+
+
+DISTRIBUTED_STATE_FORMAT = "stratagem distributed iterator"
 
 
 class DistributedDataset:
@@ -537,8 +583,22 @@ class _SplittingIterator(_AgreedIterator):
         return self._spec()
 
     def _produce(self) -> Any:
+        if self._restored:
+            return self._restored.pop()
         batch = next(self._source, _END)
         return batch if batch is _END else _as_tensors(batch)
+
+    def _stateful_source(self) -> Any:
+        if not (
+            callable(getattr(self._source, "state_dict", None))
+            and callable(getattr(self._source, "load_state_dict", None))
+        ):
+            raise InputError(
+                f"cannot checkpoint the position of a distributed iterator over a "
+                f"{type(self._source).__name__}: it has no state_dict()/load_state_dict(); an "
+                "sg.data.Dataset's iterator has (so has torchdata's StatefulDataLoader)"
+            )
+        return self._source
 
     def _deliver(self, batch: Any, examples: int | None) -> Any:
         if not self._split:

@@ -1,0 +1,87 @@
+"""Exact resume on another number of workers: a job stopped after step 7 of 20 and resumed on
+fewer or more workers ends with the weights of an uninterrupted run, every example seen exactly
+as often as in it (a ledger of the ids each worker consumed), for a custom loop that checkpoints
+its distributed iterator and for ``fit`` with ``BackupAndRestore(save_freq=3)`` on an
+``sg.data.Dataset``."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+import stratagem as sg
+from cluster_utils import WORKERS, run_cluster
+from workers.resume_data import EPOCHS, EXAMPLES, STOP, Ledgered, dataset
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = WORKERS / "resume_checks.py"
+FIT_BACKUP_STEP = 6  # the last backup of save_freq=3 before the stop after batch 7
+
+
+def _run(workdir, phase: str, workers: int) -> list[dict]:
+    for i, r in enumerate(run_cluster(SCRIPT, workers, workdir, args=[phase], timeout=240)):
+        r.check(f"{phase} on {workers} worker(s), worker {i}")
+    return [torch.load(workdir / f"{phase}-{i}.pt") for i in range(workers)]
+
+
+def _steps(outs: list[dict], loop: str, keep: int | None = None) -> list[list[int]]:
+    """The ids of each step over all workers (worker by worker), the first ``keep`` steps."""
+    per_worker = [o[loop]["seen"][:keep] for o in outs]
+    assert len({len(s) for s in per_worker}) == 1, "workers ran different numbers of steps"
+    return [sorted(i for seen in step for i in seen) for step in zip(*per_worker)]
+
+
+def _uninterrupted() -> tuple[list[list[int]], dict, dict]:
+    """One process, no strategy, never stopped: the global batches' ids, and the final weights
+    of the custom loop (plain torch on the global batch) and of fit."""
+    torch.manual_seed(0)
+    model = Ledgered()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = []
+    for features, labels in dataset():
+        batches.append(sorted(features[:, -1].long().tolist()))
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+    custom = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+    torch.manual_seed(0)
+    keras_model = sg.keras.Model(Ledgered())
+    keras_model.compile(
+        sg.keras.optimizers.SGD(0.1, momentum=0.9),
+        sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    keras_model.fit(dataset(), epochs=1, verbose=0)
+    fit = {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
+    return batches, custom, fit
+
+
+def _assert_equal_weights(actual: dict, expected: dict, what: str) -> None:
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-6, atol=1e-7, msg=what + name)
+
+
+def test_a_job_resumed_on_another_number_of_workers_ends_as_an_uninterrupted_one(tmp_path):
+    batches, custom_reference, fit_reference = _uninterrupted()
+    assert Counter(i for b in batches for i in b) == {i: EPOCHS for i in range(EXAMPLES)}
+    for first_workers, second_workers in [(2, 1), (2, 3), (1, 2)]:
+        first_dir = tmp_path / f"first-on-{first_workers}"
+        if not first_dir.exists():
+            first_dir.mkdir()
+            _run(first_dir, "first", first_workers)
+        work = tmp_path / f"{first_workers}-to-{second_workers}"
+        shutil.copytree(first_dir, work)
+        first = [torch.load(work / f"first-{i}.pt") for i in range(first_workers)]
+        second = _run(work, "second", second_workers)
+        case = f"{first_workers} then {second_workers} workers: "
+        for loop, kept, reference in [
+            ("custom", STOP, custom_reference),
+            ("fit", FIT_BACKUP_STEP, fit_reference),
+        ]:
+            # The ledger: step by step, the examples of the uninterrupted run's global batch.
+            ledger = _steps(first, loop, kept) + _steps(second, loop)
+            assert ledger == batches, f"{case}{loop}: the steps saw other examples"
+            _assert_equal_weights(second[0][loop]["final"], reference, f"{case}{loop}: ")

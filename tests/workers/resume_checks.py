@@ -1,0 +1,94 @@
+"""Exact resume on another number of workers, under MultiWorkerMirroredStrategy.
+
+``first``: a custom loop trains STOP steps and writes a checkpoint of the model, the optimizer
+and the distributed iterator; then ``fit`` with ``BackupAndRestore(save_freq=3)`` is stopped
+after STOP batches (its last backup after batch 6). ``second`` (on any number of workers):
+the custom loop restores and trains to the end; ``fit`` with the same backup directory resumes
+and finishes. Both read an ``sg.data`` pipeline (streaming shuffle, map, batch, repeat,
+prefetch) whose examples carry their id in a last column, which the model drops and records:
+the ledger of what each worker consumed. Writes ``<phase>-<task>.pt``.
+"""
+
+import sys
+
+import torch
+
+import stratagem as sg
+from workers.resume_data import STOP, Ledgered, dataset
+
+phase = sys.argv[1]
+
+
+strategy = sg.distribute.MultiWorkerMirroredStrategy()
+task = strategy.cluster_resolver.task_id or 0
+result = {"workers": strategy.num_replicas_in_sync}
+
+# -- the custom loop -------------------------------------------------------------------------
+torch.manual_seed(0)
+with strategy.scope():
+    model = Ledgered()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+iterator = iter(strategy.experimental_distribute_dataset(dataset()))
+step = torch.zeros((), dtype=torch.int64)
+checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, iterator=iterator, step=step)
+if phase == "second":
+    checkpoint.restore("custom/ckpt")
+
+
+def train(batch):
+    features, labels = batch
+    per_example = torch.nn.functional.cross_entropy(model(features), labels, reduction="none")
+    loss = sg.nn.compute_average_loss(per_example)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+for batch in iterator:
+    strategy.run(train, args=(batch,))
+    step += 1
+    if phase == "first" and int(step) == STOP:
+        checkpoint.write("custom/ckpt")
+        break
+result["custom"] = {
+    "steps": int(step),
+    "seen": model.seen,
+    "final": {k: v.detach().clone() for k, v in model.net.state_dict().items()},
+}
+
+
+# -- fit ---------------------------------------------------------------------------------------
+class Interrupted(Exception):
+    pass
+
+
+class StopAfter(sg.keras.callbacks.Callback):
+    def __init__(self) -> None:
+        super().__init__()
+        self.done = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.done += 1
+        if self.done == STOP:
+            raise Interrupted  # every worker at the same batch: as a job stopped there
+
+
+torch.manual_seed(0)
+with strategy.scope():
+    keras_model = sg.keras.Model(Ledgered())
+keras_model.compile(
+    sg.keras.optimizers.SGD(0.1, momentum=0.9),
+    sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+)
+callbacks = [sg.keras.callbacks.BackupAndRestore("fit-backup", save_freq=3)]
+if phase == "first":
+    callbacks.append(StopAfter())
+try:
+    keras_model.fit(dataset(), epochs=1, verbose=0, callbacks=callbacks)
+except Interrupted:
+    pass
+result["fit"] = {
+    "seen": keras_model.module.seen,
+    "final": {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()},
+}
+torch.save(result, f"{phase}-{task}.pt")
