@@ -14,7 +14,7 @@ import torch
 
 import stratagem as sg
 from cluster_utils import WORKERS, run_cluster
-from workers.resume_data import EPOCHS, EXAMPLES, STOP, Ledgered, dataset
+from workers.resume_data import EPOCHS, EXAMPLES, GLOBAL_BATCH, STOP, Ledgered, dataset
 
 pytestmark = pytest.mark.multiprocess
 
@@ -85,3 +85,8 @@ def test_a_job_resumed_on_another_number_of_workers_ends_as_an_uninterrupted_one
             ledger = _steps(first, loop, kept) + _steps(second, loop)
             assert ledger == batches, f"{case}{loop}: the steps saw other examples"
             _assert_equal_weights(second[0][loop]["final"], reference, f"{case}{loop}: ")
+            # Restored, not replayed: the resumed pipeline maps only examples not yet made
+            # (replaying the stopped run's steps would map their examples again).
+            left = (len(batches) - kept) * GLOBAL_BATCH
+            calls = second[0][loop]["map_calls"]
+            assert calls <= left, f"{case}{loop}: {calls} map calls for {left} examples left"

@@ -14,7 +14,7 @@ import sys
 import torch
 
 import stratagem as sg
-from workers.resume_data import STOP, Ledgered, dataset
+from workers.resume_data import MAP_CALLS, STOP, Ledgered, dataset
 
 phase = sys.argv[1]
 
@@ -24,6 +24,7 @@ task = strategy.cluster_resolver.task_id or 0
 result = {"workers": strategy.num_replicas_in_sync}
 
 # -- the custom loop -------------------------------------------------------------------------
+MAP_CALLS[0] = 0
 torch.manual_seed(0)
 with strategy.scope():
     model = Ledgered()
@@ -53,6 +54,7 @@ for batch in iterator:
 result["custom"] = {
     "steps": int(step),
     "seen": model.seen,
+    "map_calls": MAP_CALLS[0],
     "final": {k: v.detach().clone() for k, v in model.net.state_dict().items()},
 }
 
@@ -73,6 +75,7 @@ class StopAfter(sg.keras.callbacks.Callback):
             raise Interrupted  # every worker at the same batch: as a job stopped there
 
 
+MAP_CALLS[0] = 0
 torch.manual_seed(0)
 with strategy.scope():
     keras_model = sg.keras.Model(Ledgered())
@@ -89,6 +92,7 @@ except Interrupted:
     pass
 result["fit"] = {
     "seen": keras_model.module.seen,
+    "map_calls": MAP_CALLS[0],
     "final": {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()},
 }
 torch.save(result, f"{phase}-{task}.pt")

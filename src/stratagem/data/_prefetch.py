@@ -117,9 +117,10 @@ class Prefetcher:
         self._making = threading.Lock()
         self._stopping = threading.Event()
         self._send = send
+        # Started by the first get(), as TF's prefetch starts at the first GetNext: an iterator
+        # made and then restored from a checkpoint has made nothing in vain.
         self.thread = threading.Thread(target=self._fill, name="stratagem-prefetch", daemon=True)
         _live.add(self)
-        self.thread.start()
 
     def _fill(self) -> None:
         try:
@@ -162,6 +163,8 @@ class Prefetcher:
             self._changed.notify_all()
 
     def get(self) -> tuple[str, Any]:
+        if self.thread.ident is None:
+            self.thread.start()
         with self._changed:
             while not self._ready:
                 self._changed.wait()
@@ -193,7 +196,9 @@ class Prefetcher:
         self._stopping.set()
         with self._changed:
             self._changed.notify_all()
-        if threading.current_thread() is not self.thread:
+        if self.thread.ident is None:
+            self._up.close()  # never started: nothing else will close the upstream
+        elif threading.current_thread() is not self.thread:
             self.thread.join()
         _live.discard(self)
 
