@@ -18,6 +18,17 @@ from stratagem.data._chunks import ErrorChunk, IndexChunk, Source, ValueChunk
 from stratagem.errors import InputError
 
 _CHUNK = "__chunk__"
+_ENCODED = "__encoded__"
+
+
+class Encoded:
+    """A state already encoded against other sources (an inner iterator's ``state_dict``):
+    kept as it is, and handed back as it is by ``decode``."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
 
 
 def encode(state: Any, sources: list[Source]) -> Any:
@@ -31,6 +42,8 @@ def encode(state: Any, sources: list[Source]) -> Any:
         return {_CHUNK: "values", "values": [_value(e) for e in state.elements()]}
     if isinstance(state, ValueChunk):
         return {_CHUNK: "values", "values": [_value(v) for v in state.values]}
+    if isinstance(state, Encoded):
+        return {_ENCODED: state.state}
     if isinstance(state, ErrorChunk):
         error = state.error
         return {_CHUNK: "error", "type": type(error).__name__, "message": str(error)}
@@ -47,6 +60,8 @@ def encode(state: Any, sources: list[Source]) -> Any:
 
 def decode(saved: Any, sources: list[Source]) -> Any:
     """The state ``encode`` made ``saved`` from, its chunks over ``sources``."""
+    if isinstance(saved, dict) and _ENCODED in saved:
+        return saved[_ENCODED]
     if isinstance(saved, dict) and _CHUNK in saved:
         kind = saved[_CHUNK]
         if kind == "index":

@@ -18,6 +18,7 @@ from stratagem.config.threading import usable_cpus
 from stratagem.data import _structure
 from stratagem.data._chunks import RangeSource, TensorSlices
 from stratagem.data._generator import Generated, signature
+from stratagem.data._interleave import Interleave
 from stratagem.data._nodes import (
     INFINITE,
     SHARD_HINT,
@@ -47,7 +48,7 @@ RECIPE_SOURCES = frozenset({"from_tensor_slices", "from_tensors", "from_generato
 RECIPE_STEPS = frozenset(
     {
         "shuffle", "batch", "repeat", "shard", "take", "skip", "map", "enumerate", "filter",
-        "prefetch", "cache", "with_options",
+        "prefetch", "cache", "with_options", "interleave",
     }
 )  # fmt: skip
 
@@ -305,6 +306,34 @@ class Dataset:
             return self._made(Map(self._node, map_func), "map", map_func)
         return self._made(ParallelMap(self._node, map_func, calls), "map", map_func, calls)
 
+    def interleave(
+        self,
+        map_func: Callable[..., Dataset],
+        cycle_length: int | None = None,
+        block_length: int | None = None,
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+        name: str | None = None,
+    ) -> Dataset:
+        """The elements of the datasets ``map_func`` makes from this one's elements,
+        interleaved as tf.data's ``interleave``: ``cycle_length`` of them are open at once
+        (``None`` or ``AUTOTUNE``: one per usable core, as TF), read ``block_length`` elements
+        (default 1) at a time in turn; an exhausted one is replaced by the dataset of the next
+        input element. ``num_parallel_calls`` and ``deterministic`` are accepted for porting;
+        the datasets are read in this thread, in TF's deterministic order.
+        """
+        _require_callable("interleave", map_func)
+        cycle = AUTOTUNE if cycle_length is None else _integer("cycle_length", cycle_length)
+        cycle = usable_cpus() if cycle == AUTOTUNE else cycle
+        block = 1 if block_length is None else _integer("block_length", block_length)
+        if cycle < 1 or block < 1:
+            raise InputError(
+                f"interleave needs cycle_length >= 1 (or AUTOTUNE) and block_length >= 1; got "
+                f"cycle_length={cycle_length!r}, block_length={block_length!r}"
+            )
+        node = Interleave(self._node, map_func, cycle, block, _iterator_of)
+        return self._made(node, "interleave", map_func, cycle, block)
+
     def enumerate(self, start: int = 0, name: str | None = None) -> Dataset:
         """``(index, element)`` pairs, ``index`` an int64 scalar counting from ``start``, as in
         TensorFlow. Runs element by element, as ``map`` does."""
@@ -520,6 +549,13 @@ class Dataset:
 
 # TF's kPassThroughOps of compute_batch_size: stages that never change a batch's size.
 _KEEP_BATCH_SIZE = (Prefetch, WithOptions, Cache, Filter, Repeat, ShardNode, Shuffle, Skip, Take)
+
+
+def _iterator_of(dataset: Any) -> DatasetIterator:
+    """An interleaved dataset's iterator; TypeError for anything but a Dataset."""
+    if not isinstance(dataset, Dataset):
+        raise TypeError(type(dataset).__name__)
+    return iter(dataset)
 
 
 def appended(dataset: Dataset, stage: Callable[[Node], Node]) -> Dataset:
