@@ -1,0 +1,187 @@
+"""Iterator checkpoints, as TF's: an ``sg.data`` iterator saved after k elements and restored
+(from the bytes ``torch.load(weights_only=True)`` reads, in this process or a fresh one) yields
+exactly the rest of an uninterrupted pass, through every transformation and their chains, k at
+an epoch edge, inside a partial batch, inside a shuffle buffer and with elements prefetched."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import stratagem as sg
+from cluster_utils import REPO, child_env
+
+D = sg.data.Dataset
+X = np.arange(40, dtype=np.float32).reshape(20, 2)
+Y = np.arange(20)
+
+
+def _plain(element):
+    if isinstance(element, torch.Tensor):
+        return element.tolist()
+    if isinstance(element, tuple | list):
+        return [_plain(e) for e in element]
+    if isinstance(element, dict):
+        return {k: _plain(v) for k, v in element.items()}
+    return element
+
+
+# Every transformation, alone and chained; each maker builds the same pipeline anew.
+PIPELINES = {
+    "range": lambda: D.range(25),
+    "streaming_shuffle": lambda: D.range(30).shuffle(7, seed=3),
+    "whole_shuffle": lambda: D.range(30).shuffle(100, seed=3),
+    "repeat_reshuffles": lambda: D.range(10).shuffle(4, seed=1).repeat(3),
+    "batch_partial": lambda: D.from_tensor_slices((X, Y)).batch(3),
+    "map_then_batch": lambda: D.from_tensor_slices((X, Y)).map(lambda a, b: (a * 2, b)).batch(4),
+    "parallel_map": lambda: D.range(33).map(lambda v: v + 1, num_parallel_calls=3).batch(5),
+    "filter": lambda: D.range(200).filter(lambda v: v % 3 == 0),
+    "take_skip_shard": lambda: D.range(100).skip(7).take(50).shard(3, 1),
+    "prefetch": lambda: D.range(50).map(lambda v: v * 3).prefetch(4),
+    "shuffle_batch_prefetch": lambda: D.range(50).shuffle(8, seed=2).batch(4).prefetch(2),
+    "cache_of_map": lambda: D.range(12).map(lambda v: v * v).cache().repeat(3),
+    "cache_then_shuffle": lambda: D.range(12).cache().shuffle(5, seed=9).repeat(2),
+    "enumerate": lambda: D.range(15).enumerate(5).batch(2),
+    "dict_drop_remainder": lambda: (
+        D.from_tensor_slices({"a": X, "b": Y}).shuffle(6, seed=0).batch(4, True).repeat(2)
+    ),
+    "shuffle_after_map": lambda: (
+        D.range(40).map(lambda v: (v, v * 2)).shuffle(9, seed=5).batch(3).prefetch(3)
+    ),
+    "shuffled_batches": lambda: D.range(40).batch(3).shuffle(5, seed=5),
+    "interleave": lambda: (
+        D.range(1, 6).interleave(lambda x: D.from_tensors(x).repeat(6), cycle_length=2, block_length=4)
+    ),
+    "interleave_chain": lambda: (
+        D.range(8)
+        .shuffle(4, seed=1)
+        .interleave(lambda x: D.range(x).map(lambda v: v * 10 + x).batch(2), cycle_length=3)
+        .prefetch(2)
+    ),
+}
+
+
+def _saved(iterator) -> dict:
+    """The iterator's state as a checkpoint file holds it: written, and read back as data."""
+    buffer = io.BytesIO()
+    torch.save(iterator.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_a_restored_iterator_yields_the_rest_of_an_uninterrupted_pass(name):
+    make = PIPELINES[name]
+    whole = [_plain(e) for e in make()]
+    for k in range(len(whole) + 1):  # every position: epoch edges, partial batches, buffers
+        iterator = iter(make())
+        head = [_plain(next(iterator)) for _ in range(k)]
+        state = _saved(iterator)
+        restored = iter(make())
+        restored.load_state_dict(state)
+        rest = [_plain(e) for e in restored]
+        assert head + rest == whole, f"{name}: restored after {k} elements"
+        # Saving does not disturb the iterator that was saved.
+        assert [_plain(e) for e in iterator] == rest
+
+
+def test_tf_interleave_example_order():
+    """TF's ``Dataset.interleave`` docstring example (cycle_length=2, block_length=4)."""
+    dataset = D.range(1, 6).interleave(
+        lambda x: D.from_tensors(x).repeat(6), cycle_length=2, block_length=4
+    )
+    assert [int(v) for v in dataset] == [
+        1, 1, 1, 1, 2, 2, 2, 2, 1, 1, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 3, 3, 4, 4, 5, 5, 5, 5, 5, 5
+    ]  # fmt: skip
+
+
+def test_elements_prefetched_before_the_save_are_kept_not_made_again():
+    made: list[int] = []
+    ahead = threading.Event()
+
+    def counted(v):
+        made.append(int(v))
+        if len(made) == 5:  # the first element, then the four the prefetch makes ahead
+            ahead.set()
+        return v * 2
+
+    def pipeline():
+        return D.range(30).map(counted).prefetch(4)
+
+    iterator = iter(pipeline())
+    assert int(next(iterator)) == 0
+    assert ahead.wait(60), "the prefetch never made four elements ahead"
+    state = _saved(iterator)
+    made.clear()
+    restored = iter(pipeline())
+    restored.load_state_dict(state)
+    assert [int(v) for v in restored] == [2 * v for v in range(1, 30)]
+    assert made == list(range(5, 30)), "the prefetched elements 1..4 were made again (or lost)"
+
+
+def test_a_generator_source_is_a_named_error_at_save():
+    def numbers():
+        yield from range(5)
+
+    iterator = iter(D.from_generator(numbers, output_types=torch.int64).batch(2))
+    next(iterator)
+    with pytest.raises(sg.errors.InputError, match=r"from_generator\(numbers\).*cannot be saved"):
+        iterator.state_dict()
+    checkpoint = sg.train.Checkpoint(iterator=iterator)
+    with pytest.raises(sg.errors.InputError, match="from_generator"):
+        checkpoint.write("unused/ckpt")
+
+
+def test_restoring_into_another_pipeline_is_a_named_error():
+    iterator = iter(D.range(10).batch(2))
+    next(iterator)
+    other = iter(D.range(10).shuffle(3).batch(2))
+    with pytest.raises(sg.errors.InputError, match=r"stages \['SourceNode', 'Batch'\]"):
+        other.load_state_dict(_saved(iterator))
+
+
+RESTORE_IN_A_FRESH_PROCESS = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+import test_iterator_checkpoints as t
+out = {}
+for name in t.PIPELINES:
+    restored = iter(t.PIPELINES[name]())
+    restored.load_state_dict(torch.load(f"{sys.argv[2]}/{name}.pt", weights_only=True))
+    out[name] = [t._plain(e) for e in restored]
+print(json.dumps(out))
+"""
+
+
+def test_a_checkpoint_restored_in_a_fresh_process_continues_the_pass(tmp_path):
+    expected = {}
+    for name, make in PIPELINES.items():
+        whole = [_plain(e) for e in make()]
+        iterator = iter(make())
+        k = len(whole) // 2 + 1
+        for _ in range(k):
+            next(iterator)
+        checkpoint = sg.train.Checkpoint(iterator=iterator, step=torch.tensor(k))
+        checkpoint.write(str(tmp_path / name / "ckpt"))
+        torch.save(iterator.state_dict(), tmp_path / f"{name}.pt")
+        expected[name] = whole[k:]
+    done = subprocess.run(
+        [sys.executable, "-c", RESTORE_IN_A_FRESH_PROCESS, str(REPO / "tests"), str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=child_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == expected
+    # sg.train.Checkpoint(iterator=...) restores the same position.
+    for name, make in PIPELINES.items():
+        restored = iter(make())
+        sg.train.Checkpoint(iterator=restored, step=torch.tensor(0)).restore(
+            str(tmp_path / name / "ckpt")
+        )
+        assert [_plain(e) for e in restored] == expected[name], name
