@@ -56,8 +56,8 @@ PIPELINES = {
         D.range(40).map(lambda v: (v, v * 2)).shuffle(9, seed=5).batch(3).prefetch(3)
     ),
     "shuffled_batches": lambda: D.range(40).batch(3).shuffle(5, seed=5),
-    "interleave": lambda: (
-        D.range(1, 6).interleave(lambda x: D.from_tensors(x).repeat(6), cycle_length=2, block_length=4)
+    "interleave": lambda: D.range(1, 6).interleave(
+        lambda x: D.from_tensors(x).repeat(6), cycle_length=2, block_length=4
     ),
     "interleave_chain": lambda: (
         D.range(8)
