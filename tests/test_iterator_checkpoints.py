@@ -185,3 +185,48 @@ def test_a_checkpoint_restored_in_a_fresh_process_continues_the_pass(tmp_path):
             str(tmp_path / name / "ckpt")
         )
         assert [_plain(e) for e in restored] == expected[name], name
+
+
+class _Preempted(Exception):
+    pass
+
+
+def _consume_until_preempted(directory, stop_after: int | None) -> list:
+    """A custom loop over a shuffled, mapped, batched, prefetched pipeline under a
+    ``PreemptionCheckpointHandler`` whose checkpoint tracks the iterator; a notice after
+    ``stop_after`` steps saves and 'exits'. Returns the batches this run consumed."""
+    iterator = iter(PIPELINES["shuffle_after_map"]())
+    step = torch.zeros((), dtype=torch.int64)
+    manager = sg.train.CheckpointManager(
+        sg.train.Checkpoint(iterator=iterator, step=step), str(directory), max_to_keep=1
+    )
+
+    def preempted() -> None:
+        raise _Preempted
+
+    config = sg.train.TerminationConfig(
+        termination_watcher_fn=lambda: stop_after is not None and int(step) == stop_after,
+        exit_fn=preempted,
+        signals=(),
+    )
+    handler = sg.train.PreemptionCheckpointHandler(None, manager, termination_config=config)
+    consumed = []
+
+    def train_step(batch) -> None:
+        consumed.append(_plain(batch))
+        step.add_(1)
+
+    try:
+        for batch in iterator:
+            handler.run(train_step, batch)
+    except _Preempted:
+        pass
+    return consumed
+
+
+def test_preemption_checkpoint_handler_saves_and_restores_the_input_position(tmp_path):
+    whole = [_plain(e) for e in PIPELINES["shuffle_after_map"]()]
+    before = _consume_until_preempted(tmp_path, stop_after=5)
+    after = _consume_until_preempted(tmp_path, stop_after=None)  # restored at construction
+    assert len(before) == 5
+    assert before + after == whole
