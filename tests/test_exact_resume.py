@@ -14,7 +14,15 @@ import torch
 
 import stratagem as sg
 from cluster_utils import WORKERS, run_cluster
-from workers.resume_data import EPOCHS, EXAMPLES, GLOBAL_BATCH, STOP, Ledgered, dataset
+from workers.resume_data import (
+    EPOCHS,
+    EXAMPLES,
+    GLOBAL_BATCH,
+    STOP,
+    Ledgered,
+    dataset,
+    uninterrupted,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -35,19 +43,8 @@ def _steps(outs: list[dict], loop: str, keep: int | None = None) -> list[list[in
     return [sorted(i for seen in step for i in seen) for step in zip(*per_worker)]
 
 
-def _uninterrupted() -> tuple[list[list[int]], dict, dict]:
-    """One process, no strategy, never stopped: the global batches' ids, and the final weights
-    of the custom loop (plain torch on the global batch) and of fit."""
-    torch.manual_seed(0)
-    model = Ledgered()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    batches = []
-    for features, labels in dataset():
-        batches.append(sorted(features[:, -1].long().tolist()))
-        optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(features), labels).backward()
-        optimizer.step()
-    custom = {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+def _uninterrupted_fit() -> dict:
+    """One process, no strategy, never stopped: fit's final weights."""
     torch.manual_seed(0)
     keras_model = sg.keras.Model(Ledgered())
     keras_model.compile(
@@ -55,8 +52,7 @@ def _uninterrupted() -> tuple[list[list[int]], dict, dict]:
         sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     keras_model.fit(dataset(), epochs=1, verbose=0)
-    fit = {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
-    return batches, custom, fit
+    return {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
 
 
 def _assert_equal_weights(actual: dict, expected: dict, what: str) -> None:
@@ -65,7 +61,8 @@ def _assert_equal_weights(actual: dict, expected: dict, what: str) -> None:
 
 
 def test_a_job_resumed_on_another_number_of_workers_ends_as_an_uninterrupted_one(tmp_path):
-    batches, custom_reference, fit_reference = _uninterrupted()
+    batches, custom_reference = uninterrupted()
+    fit_reference = _uninterrupted_fit()
     assert Counter(i for b in batches for i in b) == {i: EPOCHS for i in range(EXAMPLES)}
     for first_workers, second_workers in [(2, 1), (2, 3), (1, 2)]:
         first_dir = tmp_path / f"first-on-{first_workers}"

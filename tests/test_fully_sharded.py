@@ -16,6 +16,7 @@ import torch
 
 import stratagem as sg
 from cluster_utils import WORKERS, run_cluster
+from workers.resume_data import uninterrupted
 
 WORKER = WORKERS / "fsdp_checks.py"
 TOLERANCE = 1e-6
@@ -201,6 +202,26 @@ def test_a_checkpoint_saved_on_4_processes_restores_on_2(four, two_and_restore):
         assert max(r["restored_diffs"].values()) == 0.0, r["restored_diffs"]
         assert r["restored_epoch"] == 3
         assert r["restored_local_shapes"]["2.weight"] == [16, 32]
+
+
+def test_a_loop_stopped_on_4_processes_ends_on_2_as_an_uninterrupted_one(four, two_and_restore):
+    """The 4 processes stop after step 7 of 20 and checkpoint the model, the optimizer and the
+    distributed iterator (resharded through DCP, the iterator's position as plain data); the 2
+    processes restore and finish: the uninterrupted run's examples step by step and weights."""
+    _, restored = two_and_restore
+    batches, reference = uninterrupted()
+    first = [r["seen"] for r in _resume_first(four)]
+    second = [r["resumed_seen"] for r in restored]
+    ledger = [sorted(i for seen in step for i in seen) for step in zip(*first)]
+    ledger += [sorted(i for seen in step for i in seen) for step in zip(*second)]
+    assert ledger == batches
+    for name, value in reference.items():
+        got = torch.tensor(restored[0]["resumed_final"][name])
+        torch.testing.assert_close(got, value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _resume_first(four: list[dict]) -> list[dict]:
+    return [r["resume_first"] for r in four]
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

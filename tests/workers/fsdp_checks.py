@@ -23,6 +23,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import stratagem as sg
 from workers.common import keras_data
+from workers.resume_data import custom_loop
 
 MODE, OUT = sys.argv[1], sys.argv[2]
 GLOBAL_BATCH = 24
@@ -472,6 +473,9 @@ def four() -> None:
             expected[f"{n}/{slot}"] = full(value)
     if rank == 0:
         torch.save(expected, os.path.join(OUT, "expected.pt"))
+    # Stopped after step 7 of 20 with the iterator in the checkpoint; restore_two goes on.
+    stopped = custom_loop(strategy, "first", os.path.join(OUT, "resume", "ckpt"))
+    result["resume_first"] = {"seen": stopped.seen}
     # HSDP: replicate across the 2 "hosts", shard within each.
     mesh = sg.dtensor.create_mesh([("replicate", 2), ("shard", 2)], devices=["cpu:0"] * 4)
     hsdp, _, _ = train(FSDP(mesh=mesh), "adam")
@@ -499,9 +503,12 @@ def restore_two() -> None:
         name, _, slot = key.partition("/")
         got = optimizer.state[params[name]][slot] if slot else params[name]
         diffs[key] = float((full(got).float() - value.float()).abs().max())
+    resumed = custom_loop(strategy, "second", os.path.join(OUT, "resume", "ckpt"))
     write(
         {
             "rank": rank,
+            "resumed_seen": resumed.seen,
+            "resumed_final": {n: full(p).tolist() for n, p in resumed.net.named_parameters()},
             "restored_path": path,
             "restored_diffs": diffs,
             "restored_epoch": int(epoch),

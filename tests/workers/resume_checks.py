@@ -14,7 +14,7 @@ import sys
 import torch
 
 import stratagem as sg
-from workers.resume_data import MAP_CALLS, STOP, Ledgered, dataset
+from workers.resume_data import MAP_CALLS, STOP, Ledgered, custom_loop, dataset
 
 phase = sys.argv[1]
 
@@ -24,35 +24,8 @@ task = strategy.cluster_resolver.task_id or 0
 result = {"workers": strategy.num_replicas_in_sync}
 
 # -- the custom loop -------------------------------------------------------------------------
-MAP_CALLS[0] = 0
-torch.manual_seed(0)
-with strategy.scope():
-    model = Ledgered()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-iterator = iter(strategy.experimental_distribute_dataset(dataset()))
-step = torch.zeros((), dtype=torch.int64)
-checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, iterator=iterator, step=step)
-if phase == "second":
-    checkpoint.restore("custom/ckpt")
-
-
-def train(batch):
-    features, labels = batch
-    per_example = torch.nn.functional.cross_entropy(model(features), labels, reduction="none")
-    loss = sg.nn.compute_average_loss(per_example)
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
-
-
-for batch in iterator:
-    strategy.run(train, args=(batch,))
-    step += 1
-    if phase == "first" and int(step) == STOP:
-        checkpoint.write("custom/ckpt")
-        break
+model = custom_loop(strategy, phase, "custom/ckpt")
 result["custom"] = {
-    "steps": int(step),
     "seen": model.seen,
     "map_calls": MAP_CALLS[0],
     "final": {k: v.detach().clone() for k, v in model.net.state_dict().items()},

@@ -43,3 +43,51 @@ class Ledgered(torch.nn.Module):
         if self.training:
             self.seen.append(features[:, -1].long().tolist())
         return self.net(features[:, :-1])
+
+
+def custom_loop(strategy, phase: str, path: str) -> Ledgered:
+    """The custom loop of the checks: ``first`` trains STOP steps and writes a checkpoint of
+    the model, the optimizer and the distributed iterator at ``path``; ``second`` restores it
+    and trains to the end. Returns the model (its ``seen``: this process's ledger)."""
+    MAP_CALLS[0] = 0
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = Ledgered()
+    # After the scope: FullyShardedStrategy shards the model as its scope ends.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    iterator = iter(strategy.experimental_distribute_dataset(dataset()))
+    step = torch.zeros((), dtype=torch.int64)
+    checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, iterator=iterator, step=step)
+    if phase == "second":
+        checkpoint.restore(path)
+
+    def train(batch):
+        features, labels = batch
+        per_example = torch.nn.functional.cross_entropy(model(features), labels, reduction="none")
+        loss = sg.nn.compute_average_loss(per_example)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    for batch in iterator:
+        strategy.run(train, args=(batch,))
+        step += 1
+        if phase == "first" and int(step) == STOP:
+            checkpoint.write(path)
+            break
+    return model
+
+
+def uninterrupted() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+    """One process, no strategy, never stopped: each global batch's ids (sorted) and the final
+    weights of the custom loop (plain torch on the global batch)."""
+    torch.manual_seed(0)
+    model = Ledgered()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = []
+    for features, labels in dataset():
+        batches.append(sorted(features[:, -1].long().tolist()))
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(features), labels).backward()
+        optimizer.step()
+    return batches, {k: v.detach().clone() for k, v in model.net.state_dict().items()}

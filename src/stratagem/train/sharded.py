@@ -94,9 +94,38 @@ def _state(tracked: Tracked, root: Tracked) -> dict[str, Any]:
         elif isinstance(obj, torch.Tensor):
             state[name] = obj
         else:
-            state[name] = obj.state_dict()
+            state[name] = _tensors_only(obj.state_dict(), name)
     state["save_counter"] = tracked.save_counter
     return state
+
+
+_PLAIN = "__plain_data__"
+
+
+def _tensors_only(state: Any, name: str) -> Any:
+    """A trackable's state as DCP writes it without a pickle: as it is when it holds only
+    tensors (in dicts); else (an iterator's position: numbers, strings, lists) one uint8 tensor
+    of its plain-data frame (``comm.plain_data``), which a restore reads as a tensor and
+    decodes without unpickling anything."""
+    if _all_tensors(state):
+        return state
+    frame = plain_data.encode(state, what=f"the state of {name!r}")
+    return {_PLAIN: torch.frombuffer(bytearray(frame), dtype=torch.uint8)}
+
+
+def _all_tensors(state: Any) -> bool:
+    if isinstance(state, dict):
+        return all(isinstance(k, str) and _all_tensors(v) for k, v in state.items())
+    return isinstance(state, torch.Tensor)
+
+
+def _from_tensors_only(value: Any, name: str, path: str) -> Any:
+    if isinstance(value, dict) and set(value) == {_PLAIN}:
+        frame = value[_PLAIN].numpy().tobytes()
+        return plain_data.decode(
+            frame, sender=f"checkpoint {path!r}", what=f"the state of {name!r}"
+        )
+    return value
 
 
 def _ties(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, str]:
@@ -104,7 +133,9 @@ def _ties(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, str]:
     return {alias: name for alias, name in tied_names(module).items() if name in state}
 
 
-def _load(tracked: Tracked, root: Tracked, state: dict[str, Any], saved: dict[str, Any]) -> None:
+def _load(
+    tracked: Tracked, root: Tracked, state: dict[str, Any], saved: dict[str, Any], path: str
+) -> None:
     """Put the values DCP loaded into ``state`` back into the trackables."""
     from torch.distributed.checkpoint.state_dict import (
         set_model_state_dict,
@@ -116,7 +147,7 @@ def _load(tracked: Tracked, root: Tracked, state: dict[str, Any], saved: dict[st
             continue
         value = state[name]
         if isinstance(obj, Tracked):
-            _load(obj, root, value, saved[name].get("trackables", {}))
+            _load(obj, root, value, saved[name].get("trackables", {}), path)
         elif isinstance(obj, torch.nn.Module):
             # Each tied name gets the value read once for the tensor they share.
             set_model_state_dict(obj, with_aliases(value, _ties(obj, value), f"module {name!r}"))
@@ -126,7 +157,7 @@ def _load(tracked: Tracked, root: Tracked, state: dict[str, Any], saved: dict[st
             if value is not obj:
                 copy_into(obj, value)
         else:
-            obj.load_state_dict(value)
+            obj.load_state_dict(_from_tensors_only(value, name, path))
 
 
 def _from_process_0(value: Any, *, what: str) -> Any:
@@ -227,7 +258,7 @@ def restore(tracked: Tracked, path: str, meta: dict[str, Any]) -> LoadStatus:
         if unsafe is not None:
             raise unsafe from e
         raise CheckpointError(f"cannot restore sharded checkpoint {path!r}: {e}") from e
-    _load(tracked, tracked, state, saved)
+    _load(tracked, tracked, state, saved, path)
     unrestored = [name for name in tracked.objects if name not in saved]
     unused = [name for name in saved if name not in tracked.objects]
     return LoadStatus(path, unused, unrestored, len(saved) - len(unused))
