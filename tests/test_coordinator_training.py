@@ -252,6 +252,8 @@ def test_one_worker_in_order_trains_exactly_as_one_process(tmp_path):
         np.testing.assert_allclose(coordinated[key], local[key], rtol=1e-5)
     assert result["fit_iterations"] == 12
     np.testing.assert_allclose(*result["evaluate"], rtol=1e-5)
+    # TF's parameter-server tutorial's model: Dense(10), loss="mse", labels of shape (N,).
+    np.testing.assert_allclose(*result["tutorial_mse"], rtol=1e-5)
     # The chief's reads are the ps's values (TF's chief reads its variables there): a forward
     # and a state_dict right after functions ended, the parameters after join() and fetch().
     for how, (chief, reference) in result["reads"].items():

@@ -69,6 +69,88 @@ def test_a_rank_1_target_against_an_n_by_1_output_compares_row_by_row():
     assert float(mse.result()) == pytest.approx(4 / 3)
 
 
+def test_squeeze_or_expand_to_same_rank_shapes_as_keras():
+    """Keras 3's ``LossTest.test_squeeze_or_expand`` (keras/src/losses/loss_test.py), both
+    argument orders; then tf.keras's ``compile_utils.match_dtype_and_rank``: a rank-1 target
+    against rank-2 predictions gains a last axis whatever the predictions' width."""
+    for shorter, longer, both in (((3,), (3, 1), (3, 1)), ((3, 2), (3, 2, 1), (3, 2))):
+        a, b = L.match_rank(torch.ones(shorter), torch.ones(longer))
+        assert a.shape == b.shape == both
+        b, a = L.match_rank(torch.ones(longer), torch.ones(shorter))
+        assert a.shape == b.shape == both
+    y_true, y_pred = L.match_rank(torch.ones(4), torch.ones(4, 10))
+    assert (y_true.shape, y_pred.shape) == ((4, 1), (4, 10))
+    y_true, y_pred = L.match_rank(torch.ones(4, 10), torch.ones(4, 10, 3))  # rank 2: untouched
+    assert (y_true.shape, y_pred.shape) == ((4, 10), (4, 10, 3))
+
+
+_LABELS = torch.tensor([0.0, 1.0, 0.5, 0.25])  # (N,): one target per example
+_OUTPUTS = torch.tensor(  # (N, 3): a Dense(3) head, as TF's parameter-server tutorial's Dense(10)
+    [[0.1, 0.9, 0.3], [0.7, 0.2, 0.6], [0.5, 0.4, 0.8], [0.05, 0.35, 0.95]]
+)
+
+
+@pytest.mark.parametrize(
+    "loss, per_element",
+    [
+        (L.MeanSquaredError(), lambda t, p: (p - t) ** 2),
+        (L.MeanAbsoluteError(), lambda t, p: (p - t).abs()),
+        (L.Huber(), lambda t, p: torch.where((p - t).abs() <= 1, 0.5 * (p - t) ** 2,
+                                             (p - t).abs() - 0.5)),
+        (L.KLDivergence(), lambda t, p: t.clamp(1e-7, 1) * torch.log(t.clamp(1e-7, 1) / p)),
+        (L.BinaryCrossentropy(), lambda t, p: -(t * p.log() + (1 - t) * (1 - p).log())),
+    ],
+)  # fmt: skip
+def test_a_rank_1_target_is_compared_with_every_column_of_a_wider_output(loss, per_element):
+    """tf.keras's compiled loss (``compile_utils.match_dtype_and_rank``): ``(N,)`` labels
+    against ``(N, C)`` outputs become ``(N, 1)`` and meet each of the C columns; one value per
+    example, never an (N, C)-against-(N,) broadcast (an error, or a wrong table when N == C).
+    Reference: the per-element formula on the hand-expanded target (Keras's docstrings)."""
+    expected = per_element(_LABELS[:, None], _OUTPUTS)
+    expected = expected.sum(-1) if isinstance(loss, L.KLDivergence) else expected.mean(-1)
+    per_example = loss.call(_LABELS, _OUTPUTS)
+    assert per_example.shape == (4,)
+    torch.testing.assert_close(per_example, expected, rtol=1e-5, atol=1e-6)
+    assert float(loss(_LABELS, _OUTPUTS)) == pytest.approx(float(expected.mean()), rel=1e-5)
+    # A square batch (N == C) is no special case: the same rule, not a batch-by-batch table.
+    square = _OUTPUTS[:3]
+    torch.testing.assert_close(loss.call(_LABELS[:3], square), per_example[:3])
+
+
+def test_metrics_reconcile_ranks_as_their_losses():
+    """tf.keras's ``MeanMetricWrapper.update_state`` and the compiled metrics reconcile ranks
+    as the loss does: a metric of ``(N,)`` labels against ``(N, C)`` (or ``(N, 1)``) outputs is
+    the loss's mean; ``Accuracy`` of ``(N,)`` against ``(N, 1)`` compares row by row."""
+    mse = M.MeanSquaredError()
+    mse.update_state(_LABELS, _OUTPUTS)
+    assert float(mse.result()) == pytest.approx(float(L.MeanSquaredError()(_LABELS, _OUTPUTS)))
+    custom = M.get(lambda y_true, y_pred: (y_pred - y_true).abs().mean(-1))
+    custom.update_state(_LABELS, _OUTPUTS)
+    assert float(custom.result()) == pytest.approx(float(L.MeanAbsoluteError()(_LABELS, _OUTPUTS)))
+    accuracy = M.Accuracy()
+    accuracy.update_state(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([[1.0], [2.0], [0.0]]))
+    assert float(accuracy.result()) == pytest.approx(2 / 3)  # not 3 matches of 9 pairs
+    binary = M.BinaryAccuracy()
+    binary.update_state(torch.tensor([1.0, 0.0]), torch.tensor([[0.9, 0.2], [0.1, 0.7]]))
+    assert float(binary.result()) == pytest.approx(0.5)  # each label against both columns
+
+
+def test_fit_trains_a_dense_10_head_on_rank_1_labels_with_mse():
+    """TF's parameter-server tutorial compiles ``Dense(10)`` with ``loss="mse"`` on labels of
+    shape ``(N,)``: fit's logged loss is the mean over examples of each row's mean squared
+    error against its one label, computed here by hand on the same weights."""
+    torch.manual_seed(0)
+    x, y = torch.rand(40, 10), torch.rand(40)
+    module = torch.nn.Linear(10, 10)
+    with torch.no_grad():
+        expected = ((module(x) - y[:, None]) ** 2).mean()
+    model = sg.keras.Model(module)
+    model.compile(sg.keras.optimizers.SGD(0.0), loss="mse", metrics=["mse"])
+    history = model.fit(x, y, batch_size=40, epochs=1, shuffle=False, verbose=0)
+    assert history.history["loss"][0] == pytest.approx(float(expected), rel=1e-5)
+    assert history.history["mse"][0] == pytest.approx(float(expected), rel=1e-5)
+
+
 def test_metrics_match_keras_test_values():
     """metrics/regression_metrics_test.py, probabilistic_metrics_test.py, accuracy_metrics_test:
     the weighted means Keras computes."""

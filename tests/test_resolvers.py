@@ -514,7 +514,7 @@ def test_slurm_falls_back_to_job_variables():
         ({"SLURM_PROCID": None}, r"SLURM environment is incomplete: SLURM_PROCID not set"),
         (
             {"SLURM_NTASKS": None, "SLURM_STEP_TASKS_PER_NODE": None},
-            r"incomplete: SLURM_NTASKS or SLURM_STEP_NUM_TASKS not set",
+            r"incomplete: SLURM_STEP_NUM_TASKS or SLURM_NTASKS not set",
         ),
         ({"SLURM_STEP_NODELIST": None}, r"SLURM_STEP_NODELIST or SLURM_JOB_NODELIST"),
         (

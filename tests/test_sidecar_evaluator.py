@@ -372,3 +372,62 @@ def test_the_deprecated_experimental_name_only_warns_and_start_checks_what_it_wa
         evaluator = sg.keras.experimental.SidecarEvaluator(None, None, None)
     with pytest.raises(TypeError, match=r"needs an sg\.keras\.Model"):
         evaluator.start()
+
+
+def _summary_model(seed: int) -> sg.keras.Model:
+    """TF's ``_test_model_builder``: ``Dense(10)`` on 32 features, SGD, ``loss="mse"``,
+    categorical accuracy and mean squared error (TF's ``DictMetric`` is an mse too)."""
+    torch.manual_seed(seed)
+    model = sg.keras.Model(torch.nn.Linear(32, 10))
+    model.compile(
+        sg.keras.optimizers.SGD(),
+        loss="mse",
+        metrics=[sg.keras.metrics.CategoricalAccuracy(), sg.keras.metrics.MeanSquaredError()],
+    )
+    return model
+
+
+@pytest.mark.parametrize("saver", ["ModelCheckpoint", "BackupAndRestore"])
+def test_summaries_are_written_at_the_checkpoints_training_step(saver, tmp_path):
+    """TF's ``testSidecarEvaluatorOutputsSummarySavedWithCallback`` (keras/distribute/
+    sidecar_evaluator_test.py): one epoch of 1000 examples in batches of 32 saved by a callback
+    (``ModelCheckpoint(save_weights_only=True)``, or a ``BackupAndRestore`` backup), evaluated
+    once with a ``TensorBoard`` callback. The evaluator restores the weights and the step, 32
+    (= ceil(1000 / 32)), and ``validation/`` holds ``evaluation_<name>_vs_iterations`` for the
+    loss and each metric at that step, with the values the trained model itself evaluates to."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = torch.rand(1000, 32, generator=torch.Generator().manual_seed(0))
+    labels = torch.rand(1000, 10, generator=torch.Generator().manual_seed(1))
+    checkpoint_dir, log_dir = tmp_path / "checkpoints", tmp_path / "summary"
+    if saver == "ModelCheckpoint":
+        save = sg.keras.callbacks.ModelCheckpoint(
+            str(checkpoint_dir / "ckpt-{epoch}"), save_weights_only=True
+        )
+    else:
+        save = sg.keras.callbacks.BackupAndRestore(str(checkpoint_dir), delete_checkpoint=False)
+    model = _summary_model(seed=0)
+    model.fit(data, labels, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[save])
+    expected = model.evaluate(data, labels, batch_size=BATCH, verbose=0, return_dict=True)
+
+    eval_model = _summary_model(seed=1)
+    evaluator = sg.keras.utils.SidecarEvaluator(
+        eval_model,
+        data=(data, labels),
+        checkpoint_dir=checkpoint_dir,
+        max_evaluations=1,
+        callbacks=[sg.keras.callbacks.TensorBoard(log_dir=str(log_dir))],
+    )
+    evaluator.start()
+    for a, b in zip(model.module.parameters(), eval_model.module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert evaluator.evaluations[0].step == eval_model.optimizer.iterations == 32
+
+    events = EventAccumulator(str(log_dir / "validation"))
+    events.Reload()
+    written = {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
+    assert sorted(written) == [f"evaluation_{name}_vs_iterations" for name in sorted(expected)]
+    for name, value in expected.items():
+        (scalar,) = written[f"evaluation_{name}_vs_iterations"]
+        assert scalar.step == 32
+        assert scalar.value == pytest.approx(value, rel=1e-5)

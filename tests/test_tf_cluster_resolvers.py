@@ -263,6 +263,33 @@ def test_slurm_requested_tasks_must_match_assigned_ones():
         SlurmClusterResolver(jobs={"ps": 1, "worker": 5}, gpus_per_node=0, environ=_step())
 
 
+def test_slurm_a_step_with_more_tasks_than_the_job_requested_is_read_from_its_own_variables(
+    environ,
+):
+    """TF reads the step's variables only (SLURM_STEP_NUM_TASKS, SLURM_STEP_TASKS_PER_NODE,
+    SLURM_STEP_NODELIST): a step of 5 tasks, several per node, whose environment still says
+    the job asked for 2 (SLURM_NTASKS, from sbatch), is TF's ``testMultiTaskPerNodeRetrieval``
+    cluster, with its GPUs."""
+    environ(
+        SLURM_PROCID="1",
+        SLURM_NTASKS="2",
+        SLURM_STEP_NUM_TASKS="5",
+        SLURM_STEP_TASKS_PER_NODE="2(x2),1",
+        SLURM_STEP_NODELIST="t02n13,t02n41,t02n43",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    resolver = SlurmClusterResolver(jobs={"ps": 1, "worker": 4}, gpus_per_node=4, gpus_per_task=2)
+    verify_cluster_spec_equality(
+        resolver.cluster_spec(),
+        {
+            "ps": ["t02n13:8888"],
+            "worker": ["t02n13:8889", "t02n41:8888", "t02n41:8889", "t02n43:8888"],
+        },
+    )
+    assert resolver.get_task_info() == ("worker", 0)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
 def test_slurm_more_gpus_than_the_node_has_is_refused():
     """TF's check "Requested more GPUs per node then available": 2 tasks x 2 GPUs > 3."""
     with pytest.raises(

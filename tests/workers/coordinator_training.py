@@ -333,6 +333,23 @@ elif MODE == "same":
         fitted.evaluate(x_test, y_test, batch_size=50, verbose=0),
         local.evaluate(x_test, y_test, batch_size=50, verbose=0),
     ]
+
+    # TF's parameter-server tutorial: Dense(10) compiled with loss="mse" on labels of shape
+    # (N,), fit through the coordinator; its losses are compared with a local fit's.
+    def tutorial_model(strategy_scope):
+        torch.manual_seed(4)
+        with strategy_scope:
+            net = sg.keras.Model(torch.nn.Linear(64, 10))
+            net.compile(sg.keras.optimizers.SGD(0.05), loss="mse", steps_per_execution=2)
+        return net
+
+    targets = y_train.float() / 10  # (N,)
+    result["tutorial_mse"] = [
+        tutorial_model(scope)
+        .fit(x_train, targets, batch_size=40, epochs=2, steps_per_epoch=2, shuffle=False, verbose=0)
+        .history["loss"]
+        for scope in (strategy.scope(), sg.distribute.get_strategy().scope())
+    ]
     result["reads"] = chief_reads_see_the_ps(batches)
     result["sum_after_fetch"], result["ready_at_merge"] = metric_totals_before_fetch()
 else:

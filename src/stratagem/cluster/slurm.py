@@ -30,7 +30,9 @@ DEFAULT_PORT = 29500
 
 _NODELIST_VARIABLES = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 _TASKS_PER_NODE_VARIABLES = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-_NTASKS_VARIABLES = ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS")
+# The step's own count first, as TF reads it (SLURM_STEP_NUM_TASKS); SLURM_NTASKS may be the
+# job's request, inherited from sbatch/salloc, which a step can exceed.
+_NTASKS_VARIABLES = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS")
 _RANGE_RE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 _TASKS_RE = re.compile(r"([0-9]+)(?:\(x([0-9]+)\))?")
 # A guard against "node[0-99999999]" exhausting memory; no SLURM step is this large.

@@ -144,11 +144,16 @@ def _check_label_values(y_true: torch.Tensor, y_pred: torch.Tensor) -> None:
 _EPSILON = 1e-7  # keras.backend.epsilon()
 
 
-def same_rank(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keras's ``squeeze_or_expand_to_same_rank``: when the ranks differ by one and the longer
-    one ends in a dimension of 1, a rank-1 tensor gains that dimension and any other loses it,
-    so that a ``(N,)`` target against an ``(N, 1)`` output compares row by row instead of
-    broadcasting to ``(N, N)``."""
+def match_rank(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets and predictions of reconciled ranks, as tf.keras compares them in a compiled loss
+    or metric. First ``compile_utils.match_dtype_and_rank``: a rank-1 target against rank-2
+    predictions gains a last axis, so ``(N,)`` labels against a ``(N, C)`` output are compared
+    with each of the C columns (never broadcast to a batch-by-batch table). Then the loss
+    wrapper's rule (Keras 3's ``squeeze_or_expand_to_same_rank``): when the ranks differ by one
+    and the longer one ends in a dimension of 1, a rank-1 tensor gains that dimension and any
+    other loses it. Values are untouched; dtypes too."""
+    if y_true.dim() == 1 and y_pred.dim() == 2:
+        y_true = y_true.unsqueeze(-1)
     if y_true.dim() == y_pred.dim() + 1 and y_true.shape[-1] == 1:
         if y_pred.dim() == 1:
             y_pred = y_pred.unsqueeze(-1)
@@ -159,6 +164,13 @@ def same_rank(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor,
             y_true = y_true.unsqueeze(-1)
         else:
             y_pred = y_pred.squeeze(-1)
+    return y_true, y_pred
+
+
+def same_rank(y_true: torch.Tensor, y_pred: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``match_rank``, the target then cast to the predictions' dtype (what a loss computes
+    with)."""
+    y_true, y_pred = match_rank(y_true, y_pred)
     return y_true.to(y_pred.dtype), y_pred
 
 
@@ -218,11 +230,13 @@ class BinaryCrossentropy(Loss):
 
     def call(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
         y_true, y_pred = same_rank(y_true, y_pred)
-        if y_true.shape != y_pred.shape:
+        try:  # a (N, 1) target against (N, C) outputs labels every column, as in tf.keras
+            y_true = y_true.expand_as(y_pred)
+        except RuntimeError:
             raise ValueError(
                 f"BinaryCrossentropy takes one label per prediction; got labels "
                 f"{list(y_true.shape)} for predictions {list(y_pred.shape)}"
-            )
+            ) from None
         if self.label_smoothing:
             y_true = y_true * (1.0 - self.label_smoothing) + 0.5 * self.label_smoothing
         if self.from_logits:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from stratagem.distribute import ReduceOp, Strategy, current_replica, get_strategy
+from stratagem.keras.losses import match_rank, same_rank
 from stratagem.shipping.portable import Portable
 
 
@@ -216,7 +217,8 @@ class MeanMetricWrapper(Mean):
 
     def _accumulate(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:
         y_pred = torch.as_tensor(y_pred)
-        y_true = torch.as_tensor(y_true, device=y_pred.device)
+        # tf.keras's wrapper reconciles the ranks before the function sees them.
+        y_true, y_pred = match_rank(torch.as_tensor(y_true, device=y_pred.device), y_pred)
         values = self._fn(y_true, y_pred)
         if sample_weight is not None:
             sample_weight = torch.as_tensor(sample_weight, device=values.device)
@@ -327,8 +329,6 @@ class BinaryAccuracy(_MatchRate):
         self.threshold = threshold
 
     def _matches(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        from stratagem.keras.losses import same_rank
-
         y_true, y_pred = same_rank(y_true.to(y_pred.device), y_pred)
         matches = (y_pred > self.threshold).to(y_true.dtype) == y_true
         return matches.float().mean(dim=-1) if matches.dim() > 1 else matches
@@ -353,7 +353,8 @@ class Accuracy(_MatchRate):
     """How often predictions equal labels exactly."""
 
     def _matches(self, y_true: torch.Tensor, y_pred: torch.Tensor) -> torch.Tensor:
-        return y_pred == y_true.to(y_pred.device)
+        y_true, y_pred = match_rank(y_true.to(y_pred.device), y_pred)
+        return y_pred == y_true
 
 
 class _CompiledAccuracy(_MatchRate):

@@ -233,11 +233,17 @@ def _or_unknown(step: int | None) -> str:
 
 
 def _step_of(state: Mapping[str, Any]) -> int | None:
-    """The training step a checkpoint records: a top-level step tensor of a custom loop, else
-    its optimizer's step count (Adam's, RMSprop's: per parameter, all equal), looked for at the
+    """The training step a checkpoint records: a top-level step tensor of a custom loop (or
+    ``ModelCheckpoint``'s ``iterations``), a ``BackupAndRestore`` backup's, else its
+    optimizer's step count (Adam's, RMSprop's: per parameter, all equal), looked for at the
     top level and inside a Keras model's saved optimizer; None when it records none (SGD)."""
     for name in _STEP_NAMES:
         value = state.get(name)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return int(value.item())
+    progress = state.get("progress")  # BackupAndRestore's backup: fit's optimizer iterations
+    if isinstance(progress, Mapping):
+        value = progress.get("optimizer_iterations")
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             return int(value.item())
     model = state.get("model")

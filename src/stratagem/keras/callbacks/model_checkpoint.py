@@ -7,6 +7,8 @@ import math
 import os
 import warnings
 
+import torch
+
 from stratagem.keras.callbacks.callback import Logs, is_chief
 from stratagem.keras.callbacks.monitor import MonitorCallback
 from stratagem.keras.callbacks.save_schedule import BatchSchedule, check_save_freq
@@ -19,12 +21,13 @@ class ModelCheckpoint(MonitorCallback):
 
     ``filepath`` may hold ``{epoch}`` and ``{batch}`` (both from 1, as Keras) and log names,
     with format specs: ``"ckpt/weights-{epoch:02d}-{val_loss:.2f}"``. Each save is an
-    ``sg.train`` checkpoint directory (the module, and unless ``save_weights_only`` the
-    optimizer) recorded in its directory's index, so ``sg.train.latest_checkpoint(dir)`` and
-    ``model.load_weights(path)`` find it; Keras's ``.keras`` / ``.weights.h5`` suffixes are
-    neither required nor special. ``save_best_only`` keeps to saves where ``monitor`` improved
-    (``mode``) on the best so far, starting from ``initial_value_threshold``; when the logs
-    lack ``monitor`` it warns and skips the save, as TF's ``tf.keras`` (Keras 3 saves).
+    ``sg.train`` checkpoint directory (the module, the optimizer's ``iterations``, and unless
+    ``save_weights_only`` the optimizer) recorded in its directory's index, so
+    ``sg.train.latest_checkpoint(dir)`` and ``model.load_weights(path)`` find it; Keras's
+    ``.keras`` / ``.weights.h5`` suffixes are neither required nor special. ``save_best_only``
+    keeps to saves where ``monitor`` improved (``mode``) on the best so far, starting from
+    ``initial_value_threshold``; when the logs lack ``monitor`` it warns and skips the save, as
+    TF's ``tf.keras`` (Keras 3 saves).
     """
 
     def __init__(
@@ -53,9 +56,15 @@ class ModelCheckpoint(MonitorCallback):
 
     def _checkpoint(self) -> Checkpoint:
         assert self.model is not None
-        if self.save_weights_only or self.model.optimizer is None:
+        if self.model.optimizer is None:
             return Checkpoint(model=self.model.module)
-        return Checkpoint(model=self.model.module, optimizer=self.model.optimizer.torch_optimizer)
+        # The training step goes with every save, as TF's weights carry the optimizer's
+        # iterations: what a SidecarEvaluator writes its summaries at.
+        step = torch.tensor(self.model.optimizer.iterations)
+        if self.save_weights_only:
+            return Checkpoint(model=self.model.module, iterations=step)
+        optimizer = self.model.optimizer.torch_optimizer
+        return Checkpoint(model=self.model.module, optimizer=optimizer, iterations=step)
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         self._epoch = epoch
