@@ -87,3 +87,14 @@ def test_a_job_resumed_on_another_number_of_workers_ends_as_an_uninterrupted_one
             left = (len(batches) - kept) * GLOBAL_BATCH
             calls = second[0][loop]["map_calls"]
             assert calls <= left, f"{case}{loop}: {calls} map calls for {left} examples left"
+        # Positions of the workers' own streams: restored on as many workers, refused on others.
+        for i, out in enumerate(first):
+            went_on = out["per_worker"]["went_on"]
+            assert went_on and out["per_worker"]["restored"] == went_on, f"{case}worker {i}"
+        for out in second:
+            refused = out["per_worker"]["refused"]
+            assert (
+                refused is not None
+                and (f"is {first_workers} worker(s)' own streams; this job has {second_workers}")
+                in refused
+            ), refused

@@ -14,7 +14,14 @@ import sys
 import torch
 
 import stratagem as sg
-from workers.resume_data import MAP_CALLS, STOP, Ledgered, custom_loop, dataset
+from workers.resume_data import (
+    MAP_CALLS,
+    STOP,
+    Ledgered,
+    custom_loop,
+    dataset,
+    per_worker_positions,
+)
 
 phase = sys.argv[1]
 
@@ -68,4 +75,5 @@ result["fit"] = {
     "map_calls": MAP_CALLS[0],
     "final": {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()},
 }
+result["per_worker"] = per_worker_positions(strategy, phase, "per-worker/ckpt")
 torch.save(result, f"{phase}-{task}.pt")

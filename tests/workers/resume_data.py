@@ -91,3 +91,37 @@ def uninterrupted() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
         torch.nn.functional.cross_entropy(model(features), labels).backward()
         optimizer.step()
     return batches, {k: v.detach().clone() for k, v in model.net.state_dict().items()}
+
+
+def per_worker_positions(strategy, phase: str, path: str) -> dict:
+    """``distribute_datasets_from_function``: each worker reads its own shard, so the saved
+    position is every worker's. ``first``: save after 3 steps, then both the iterator that went
+    on and a fresh one restored from the save (on as many workers) read the rest; ``second``:
+    a restore on another number of workers, which must be refused by name."""
+
+    def dataset_fn(ctx):
+        return (
+            sg.data.Dataset.range(40)
+            .shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+            .shuffle(5)
+            .batch(ctx.get_per_replica_batch_size(12))
+        )
+
+    def ids(batch) -> list[int]:
+        return [int(v) for v in strategy.experimental_local_results(batch)[0]]
+
+    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    checkpoint = sg.train.Checkpoint(iterator=iterator)
+    if phase == "second":
+        try:
+            checkpoint.restore(path)
+        except sg.errors.CheckpointError as e:  # naming the iterator, the InputError's words
+            return {"refused": str(e)}
+        return {"refused": None}
+    for _ in range(3):
+        next(iterator)
+    checkpoint.write(path)
+    went_on = [ids(b) for b in iterator]
+    restored = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    sg.train.Checkpoint(iterator=restored).restore(path)
+    return {"went_on": went_on, "restored": [ids(b) for b in restored]}

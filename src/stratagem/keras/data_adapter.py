@@ -197,10 +197,10 @@ class FitData:
         whose position cannot be saved (a ``from_generator`` source)."""
         if not isinstance(self._source, sg_data.Dataset):
             return None
-        if self._iterator is not None:
-            return {"pass_ended": False, "iterator": self._iterator.state_dict()}  # type: ignore[attr-defined]
-        if self._ended is not None:
-            return {"pass_ended": True, "iterator": self._ended.state_dict()}  # type: ignore[attr-defined]
+        for ended, iterator in ((False, self._iterator), (True, self._ended)):
+            if iterator is not None:
+                iterator.prepare_checkpoint()  # type: ignore[attr-defined]
+                return {"pass_ended": ended, "iterator": iterator.state_dict()}  # type: ignore[attr-defined]
         return self._restored_state  # no pass since the seek
 
     def next_batch(self) -> Any | None:

@@ -235,6 +235,12 @@ class Checkpoint:
         if not os.path.basename(path):
             raise ValueError(f"checkpoint path {path!r} names a directory, expected a file name")
         extended = self._extended()
+        for obj in self._objects():
+            # Every process: state spread over the workers (each one's input position) is
+            # gathered before the chief writes.
+            prepare = getattr(obj, "prepare_checkpoint", None)
+            if callable(prepare):
+                prepare()
         tracked = self._tracked()
         if sharded.holds_dtensors(tracked):
             # Weights laid out on a mesh (sg.dtensor): every process writes its own shards.

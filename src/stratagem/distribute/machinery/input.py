@@ -247,6 +247,7 @@ class _AgreedIterator:
         self._ahead: tuple[Any, torch.Tensor, PendingOp] | None = None
         self._done = False
         self._restored: list[Any] = []  # a restored iterator's batch read ahead, handed out first
+        self._gathered: list[Any] | None = None  # every worker's position (prepare_checkpoint)
 
     def _produce(self) -> Any:
         """This worker's next raw batch, or ``_END``."""
@@ -323,38 +324,91 @@ class _AgreedIterator:
         raise NotImplementedError
 
     # -- checkpoints (``sg.train.Checkpoint(iterator=it)``) --------------------------------
+    #
+    # Where every worker reads one shared global stream, the chief's position is the job's and
+    # restores on any number of workers. Where each worker reads its own, every worker's
+    # position is gathered to the chief first (``prepare_checkpoint``, collective, called by
+    # the checkpoint on every process) and each worker restores its own: same number only.
 
     def _stateful_source(self) -> Any:
-        """The iterator of global batches whose position is this iterator's; raises
-        ``InputError`` where the position is not one stream that every worker shares."""
+        """The iterator of batches whose position is this iterator's (``InputError`` where it
+        cannot be saved)."""
         raise InputError(
             f"cannot checkpoint the position of this distributed iterator "
-            f"({type(self).__name__}): each worker reads its own stream there, so no one "
-            "position is the job's; distribute an sg.data.Dataset with "
-            "experimental_distribute_dataset under AutoShardPolicy.AUTO or DATA, whose workers "
-            "share one global stream (saved once, restored on any number of workers)"
+            f"({type(self).__name__}): its workers each re-cut their own stream; distribute an "
+            "sg.data.Dataset under AutoShardPolicy.AUTO or DATA (one global stream, restored "
+            "on any number of workers), or use distribute_datasets_from_function"
         )
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where this iterator stands: its source's position and the global batch it read
-        ahead. Every worker reads the same global stream, so the chief's state is the job's,
-        and a restore on another number of workers goes on with the next global batch."""
-        source = self._stateful_source()
+    def _shared_stream(self) -> bool:
+        """Whether every worker reads the same global batches (its position is the job's)."""
+        return False
+
+    def _worker_state(self) -> dict[str, Any]:
         ahead = self._restored[0] if self._restored else None
         if self._ahead is not None and self._ahead[0] is not _END:
             ahead = self._ahead[0]
         return {
-            "format": DISTRIBUTED_STATE_FORMAT,
-            "source": source.state_dict(),
+            "source": _source_state(self._stateful_source()),
             "ahead": ahead,
             "done": self._done,
+            **self._own_state(),
         }
 
+    def _own_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        pass
+
+    def prepare_checkpoint(self) -> None:
+        """On every process, before a save: gather each worker's position to every process
+        (a collective) where the workers read streams of their own."""
+        if self._shared_stream() or self._comm.world_size == 1:
+            return
+        self._gathered = self._comm.all_gather_object(
+            self._worker_state(), what="the input iterators' positions for a checkpoint"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this iterator stands: its source's position and the batch it read ahead;
+        one state for the job where the workers share one stream, else every worker's."""
+        if self._shared_stream():
+            return {"format": DISTRIBUTED_STATE_FORMAT, **self._worker_state()}
+        if self._comm.world_size == 1:
+            workers = [self._worker_state()]
+        else:
+            workers = self._gathered
+            if workers is None:
+                raise InputError(
+                    "the workers of this distributed iterator read their own streams: saving "
+                    "its position gathers every worker's, so save it through "
+                    "sg.train.Checkpoint (which calls prepare_checkpoint on every worker)"
+                )
+            self._gathered = None
+        return {"format": DISTRIBUTED_STATE_FORMAT, "per_worker": workers}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Go on where the iterator that saved ``state`` stood (on any number of workers)."""
-        source = self._stateful_source()
+        """Go on where the iterator that saved ``state`` stood: on any number of workers for
+        a shared stream; on as many as saved it for streams of their own."""
         if not isinstance(state, dict) or state.get("format") != DISTRIBUTED_STATE_FORMAT:
             raise InputError(f"not a saved {DISTRIBUTED_STATE_FORMAT} state: {str(state)[:200]}")
+        if "per_worker" in state:
+            workers = state["per_worker"]
+            if self._shared_stream() or len(workers) != self._comm.world_size:
+                raise InputError(
+                    f"the saved input position is {len(workers)} worker(s)' own streams; this "
+                    f"job has {self._comm.world_size} worker(s) "
+                    f"{'sharing one stream' if self._shared_stream() else 'reading their own'}:"
+                    " a position per worker restores only on as many workers reading their own"
+                )
+            state = workers[self._comm.rank]
+        elif not self._shared_stream():
+            raise InputError(
+                "the saved input position is one shared global stream's; this iterator's "
+                "workers read their own streams"
+            )
+        source = self._stateful_source()
         if self._ahead is not None:
             # The 'is there another batch' agreement under way: every worker waits for it, so
             # the collectives stay in step, and its batch is dropped for the restored one.
@@ -363,6 +417,20 @@ class _AgreedIterator:
         source.load_state_dict(state["source"])
         self._restored = [] if state["ahead"] is None else [state["ahead"]]
         self._done = bool(state["done"])
+        self._load_own_state(state)
+
+
+def _source_state(source: Any) -> Any:
+    if not (
+        callable(getattr(source, "state_dict", None))
+        and callable(getattr(source, "load_state_dict", None))
+    ):
+        raise InputError(
+            f"cannot checkpoint the position of a distributed iterator over a "
+            f"{type(source).__name__}: it has no state_dict()/load_state_dict(); an "
+            "sg.data.Dataset's iterator has (so has torchdata's StatefulDataLoader)"
+        )
+    return source.state_dict()
 
 
 DISTRIBUTED_STATE_FORMAT = "stratagem distributed iterator"
@@ -589,16 +657,10 @@ class _SplittingIterator(_AgreedIterator):
         return batch if batch is _END else _as_tensors(batch)
 
     def _stateful_source(self) -> Any:
-        if not (
-            callable(getattr(self._source, "state_dict", None))
-            and callable(getattr(self._source, "load_state_dict", None))
-        ):
-            raise InputError(
-                f"cannot checkpoint the position of a distributed iterator over a "
-                f"{type(self._source).__name__}: it has no state_dict()/load_state_dict(); an "
-                "sg.data.Dataset's iterator has (so has torchdata's StatefulDataLoader)"
-            )
         return self._source
+
+    def _shared_stream(self) -> bool:
+        return True
 
     def _deliver(self, batch: Any, examples: int | None) -> Any:
         if not self._split:
@@ -721,7 +783,18 @@ class _PerReplicaIterator(_AgreedIterator):
     def _element_spec(self) -> Any:
         return self._spec()
 
+    def _stateful_source(self) -> Any:
+        return self._source
+
+    def _own_state(self) -> dict[str, Any]:
+        return {"empty": self._empty}
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        self._empty = state["empty"]
+
     def _produce(self) -> Any:
+        if self._restored:
+            return self._restored.pop()
         # Local replicas take consecutive batches. At the end of the data, replicas left
         # without one get an empty batch shaped like the others' (TF's dummy batches).
         parts = []
