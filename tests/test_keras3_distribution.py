@@ -11,6 +11,8 @@ layout is its ``layout`` attribute (Keras's private ``_layout``).
 from __future__ import annotations
 
 import collections
+import functools
+import re
 import types
 import warnings
 
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import stratagem as sg
+from cluster_utils import REPO, run_cluster
 from stratagem import dtensor
 from stratagem.dtensor import UNSHARDED, Layout, LayoutError, MeshError
 from stratagem.keras import distribution as distribution_lib
@@ -438,11 +441,19 @@ def test_distribute_tensor_lays_out_and_relays():
     assert torch.equal(by_columns.full_tensor(), full)
 
 
-def fit_digits(strategy_scope, seed: int = 7) -> tuple[float, dict[str, torch.Tensor]]:
-    """One epoch of the seed's Model.fit on digits under ``strategy_scope``; test accuracy and
-    the trained weights."""
+@functools.cache
+def digits() -> tuple:
     (x_train, y_train), (x_test, y_test) = sg.data.datasets.load_digits(image_size=28)
-    x_train, x_test = x_train.astype(np.float32) / 255.0, x_test.astype(np.float32) / 255.0
+    return (x_train.astype(np.float32) / 255.0, y_train), (
+        x_test.astype(np.float32) / 255.0,
+        y_test,
+    )
+
+
+def fit_digits(strategy_scope, seed: int = 7) -> tuple[float, dict[str, torch.Tensor], dict]:
+    """One epoch of the seed's Model.fit on digits under ``strategy_scope``: test accuracy, the
+    trained weights and their layouts (None where not on a mesh)."""
+    (x_train, y_train), (x_test, y_test) = digits()
     torch.manual_seed(seed)
     with strategy_scope():
         model = sg.keras.Model(build_mlp())
@@ -457,7 +468,11 @@ def fit_digits(strategy_scope, seed: int = 7) -> tuple[float, dict[str, torch.Te
         name: (p.full_tensor() if isinstance(p, dtensor.DTensor) else p).detach().clone()
         for name, p in model.module.named_parameters()
     }
-    return accuracy, weights
+    layouts = {
+        name: dtensor.fetch_layout(p) if isinstance(p, dtensor.DTensor) else None
+        for name, p in model.module.named_parameters()
+    }
+    return accuracy, weights, layouts
 
 
 def test_the_seed_fit_with_keras3_names_trains_as_with_ours():
@@ -474,9 +489,11 @@ def test_the_seed_fit_with_keras3_names_trains_as_with_ours():
     keras = distribution_lib.ModelParallel(
         layout_map=keras_tensor_parallel_map(keras_mesh), batch_dim_name="batch"
     )
-    ours_accuracy, ours_weights = fit_digits(ours.scope)
-    keras_accuracy, keras_weights = fit_digits(keras.scope)
-    plain_accuracy, plain_weights = fit_digits(sg.distribute.get_strategy().scope)
+    ours_accuracy, ours_weights, ours_layouts = fit_digits(ours.scope)
+    keras_accuracy, keras_weights, keras_layouts = fit_digits(keras.scope)
+    plain_accuracy, plain_weights, _ = fit_digits(sg.distribute.get_strategy().scope)
+    assert keras_layouts == ours_layouts  # the same layouts, on the mesh
+    assert keras_layouts["d1.weight"] == Layout(["model", UNSHARDED], ours_mesh)
     assert keras_accuracy == ours_accuracy
     assert abs(keras_accuracy - plain_accuracy) < 1e-6, (keras_accuracy, plain_accuracy)
     assert keras_accuracy > 0.8, keras_accuracy  # it learnt: one epoch, 10 classes
@@ -544,3 +561,28 @@ def test_keras3_layout_map_names_silent_replication_too():
     expected = r"'d2.weight' \(parameter, shape \[10, 32\], 320"
     with pytest.raises(LayoutError, match=expected), distribution.scope():
         sg.keras.Model(build_mlp())
+
+
+# --- on 2 processes ---------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_the_keras3_example_on_two_processes_trains_as_meshstrategy_does(tmp_path):
+    """examples/keras3_distribution.py on 2 processes (a (1, 2) mesh from list_devices): the
+    seed's model, tensor-parallel with Keras 3's names, holds half of d1 on each process and
+    reaches the test accuracy of the same model under sg.dtensor's MeshStrategy."""
+    example = REPO / "examples" / "keras3_distribution.py"
+    results = run_cluster(example, 2, tmp_path, args=["--epochs", "1"], timeout=240)
+    for i, result in enumerate(results):
+        result.check(f"worker {i}")
+    found = dict(
+        re.findall(
+            r"(Keras 3 ModelParallel|sg.dtensor MeshStrategy): d1.weight local shape "
+            r"\(64, 784\), test accuracy: ([0-9.]+)",
+            results[0].stdout,
+        )
+    )
+    assert set(found) == {"Keras 3 ModelParallel", "sg.dtensor MeshStrategy"}, results[0].stdout
+    assert found["Keras 3 ModelParallel"] == found["sg.dtensor MeshStrategy"]
+    assert float(found["Keras 3 ModelParallel"]) > 0.5  # it learnt (chance is 0.1)
+    assert results[1].stdout == ""  # only rank 0 prints
