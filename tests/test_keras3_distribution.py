@@ -408,9 +408,8 @@ def test_set_distribution_lays_out_models_built_after_it():
     """ModelParallel's map lays a torch model out as sg.dtensor's map with the same layouts
     does; set_distribution enters the mesh strategy's scope, and None leaves it."""
     mesh = one_device_mesh()
-    distribution = distribution_lib.ModelParallel(
-        layout_map=keras_tensor_parallel_map(mesh), batch_dim_name="batch"
-    )
+    layout_map = keras_tensor_parallel_map(mesh)
+    distribution = distribution_lib.ModelParallel(layout_map=layout_map, batch_dim_name="batch")
     distribution_lib.set_distribution(distribution)
     assert distribution_lib.distribution() is distribution
     assert sg.distribute.get_strategy() is distribution.strategy
@@ -421,6 +420,9 @@ def test_set_distribution_lays_out_models_built_after_it():
     assert model.module.d1.bias.layout == Layout(["model"], backend)
     assert model.module.d2.weight.layout == Layout([UNSHARDED, "model"], backend)
     assert model.module.d2.bias.layout == Layout.replicated(backend, 1)
+    # As Keras reads its map at each variable's creation, an edit applies to later models.
+    layout_map["d2/bias"] = ("model",)
+    assert sg.keras.Model(build_mlp()).module.d2.bias.layout == Layout(["model"], backend)
     distribution_lib.set_distribution(None)
     assert distribution_lib.distribution() is None
     assert not sg.distribute.has_strategy()

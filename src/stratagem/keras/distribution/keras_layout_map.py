@@ -73,11 +73,13 @@ class LayoutMap(MutableMapping[str, TensorLayout]):
         if layout.device_mesh is None and self._device_mesh is not None:
             layout.device_mesh = self._device_mesh
         self._layout_map[key] = layout
-        self._backend = None
+        if self._backend is not None:  # a distribution already runs on it: keep it current
+            self._backend[key] = layout.backend_layout
 
     def __delitem__(self, key: str) -> None:
         self._layout_map.pop(key)
-        self._backend = None
+        if self._backend is not None:
+            del self._backend[key]
 
     def __len__(self) -> int:
         return len(self._layout_map)
@@ -91,7 +93,7 @@ class LayoutMap(MutableMapping[str, TensorLayout]):
 
     def backend_layout_map(self) -> dtensor.LayoutMap:
         """The same keys and layouts as an ``sg.dtensor.LayoutMap`` on the backend mesh, with
-        Keras 3's matching rule (one map per ``LayoutMap``, rebuilt after an edit)."""
+        Keras 3's matching rule: one per ``LayoutMap``, made on first use and edited with it."""
         if self._backend is None:
             backend = KerasKeyedLayoutMap(
                 self._device_mesh.backend_mesh,
