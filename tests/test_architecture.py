@@ -49,8 +49,19 @@ LAYERS: dict[str, set[str]] = {
     # drive the stages `PipelineStrategy.pipeline` returns (as torchtitan's trainer owns the
     # pipelined step): `pipeline`.
     # Its losses, metrics, optimizers and Model travel to a coordinator's workers by state:
-    # `shipping`'s protocol (`Portable`) only.
-    "keras": {"distribute", "pipeline", "train", "data", "nn", "recompute", "shipping", "errors"},
+    # `shipping`'s protocol (`Portable`) only. Keras 3's distribution API (meshes, layouts)
+    # is written over `dtensor`.
+    "keras": {
+        "distribute",
+        "dtensor",
+        "pipeline",
+        "train",
+        "data",
+        "nn",
+        "recompute",
+        "shipping",
+        "errors",
+    },
     # sg.nn: layers that are aware of the strategy in scope.
     "nn": {"distribute", "comm"},
     # Checkpoints: a strategy's public `strategy.extended` says whether this process writes.
@@ -1039,6 +1050,10 @@ SHARED_CLASS_NAMES: dict[str, str] = {
     "MeanAbsoluteError": "keras.losses and keras.metrics (Keras API)",
     "MeanSquaredError": "keras.losses and keras.metrics (Keras API)",
     "SparseCategoricalCrossentropy": "keras.losses and keras.metrics (Keras API)",
+    "LayoutMap": (
+        "dtensor (tf.keras.dtensor.experimental.LayoutMap) and keras.distribution (Keras 3's "
+        "keras.distribution.LayoutMap, TensorLayout values)"
+    ),
     "Mean": "keras.metrics and dtensor.metrics (tf.keras.metrics.Mean, with mesh= on DTensor)",
     "SparseCategoricalAccuracy": (
         "keras.metrics and dtensor.metrics (tf.keras.metrics.SparseCategoricalAccuracy, with "

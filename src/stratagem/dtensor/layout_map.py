@@ -4,13 +4,14 @@ A path is what ``module.named_parameters()`` calls a weight: attribute paths suc
 ``feature.weight`` for modules that assign their layers to attributes (the seed's subclassed
 model), and the children's names for ``nn.Sequential`` (``nn.Sequential(OrderedDict(feature=
 nn.Linear(...)))`` names its weight ``feature.weight``, as Keras names a layer ``feature``).
-A key matches a path when ``re.search`` finds it there (an exact key wins outright); a path that
-matches no key is replicated; one that matches two keys is an error naming both.
+A key matches a path when ``re.search`` finds it there (``key_matches``; an exact key wins
+outright); a path that matches no key is replicated, one that matches two is an error.
 
-``with layout_map.scope():`` lays out every module built inside it when the block ends (torch
-creates weights in the constructor, where Keras creates them at the first call, so the block's
-end is the first moment the full paths are known); ``apply_layout_map(module, layout_map)`` does
-the same for a module built earlier. Buffers (BatchNorm's statistics) follow the same map.
+``with layout_map.scope():`` lays out every module built inside it when the block ends (where
+the full paths are first known); ``apply_layout_map(module, layout_map)`` does the same for a
+module built earlier. Buffers (BatchNorm's statistics) follow the same map.
+Keys that match no weight, and weights of ``large_weight_size`` elements or more that no key
+matches, are named in a warning (with ``strict=True`` an error, before any weight changes).
 """
 
 from __future__ import annotations
@@ -27,16 +28,37 @@ from stratagem.dtensor.errors import LayoutError
 from stratagem.dtensor.layout import Layout
 from stratagem.dtensor.mesh import Mesh
 
+# Elements from which a weight no key matches is named rather than replicated in silence: a
+# 1024 × 1024 matrix (4 MiB in float32); smaller ones (biases, norms) are replicated on purpose.
+LARGE_WEIGHT_SIZE = 2**20
+
 
 class LayoutMap(MutableMapping[str, Layout]):
-    """``LayoutMap(mesh)``: dict-like, regex keys → ``Layout``; unmatched weights replicated."""
+    """``LayoutMap(mesh)``: dict-like, regex keys → ``Layout``; unmatched weights replicated.
 
-    def __init__(self, mesh: Mesh) -> None:
+    ``strict=True`` makes a key that matches no weight, or a weight of at least
+    ``large_weight_size`` elements that no key matches, an error instead of a warning.
+    """
+
+    def __init__(
+        self, mesh: Mesh, *, strict: bool = False, large_weight_size: int = LARGE_WEIGHT_SIZE
+    ) -> None:
         if not isinstance(mesh, Mesh):
             raise LayoutError(f"LayoutMap needs a sg.dtensor.Mesh, got {type(mesh).__name__}")
+        if isinstance(large_weight_size, bool) or not isinstance(large_weight_size, int):
+            raise LayoutError(
+                f"LayoutMap: large_weight_size={large_weight_size!r}; expected a number of "
+                "elements (an int >= 1)"
+            )
+        if large_weight_size < 1:
+            raise LayoutError(
+                f"LayoutMap: large_weight_size={large_weight_size}; expected an int >= 1"
+            )
         self._mesh = mesh
         self._layouts: dict[str, Layout] = {}
-        self._said_unmatched: set[str] = set()  # keys already warned of (once each)
+        self.strict = bool(strict)
+        self.large_weight_size = large_weight_size
+        self._said_unmatched: set[str] = set()  # keys and weights already warned of (once each)
 
     def get_default_mesh(self) -> Mesh:
         """The mesh of the replicated layout given to weights that match no key."""
@@ -56,13 +78,18 @@ class LayoutMap(MutableMapping[str, Layout]):
         """
         if path in self._layouts:
             return self._layouts[path]
-        matching = [key for key in self._layouts if re.search(key, path)]
+        matching = [key for key in self._layouts if self.key_matches(key, path)]
         if len(matching) > 1:
             raise LayoutError(
                 f"path {path!r} matches several LayoutMap keys: {matching}; each weight may "
                 "match at most one key"
             )
         return self._layouts[matching[0]] if matching else None
+
+    def key_matches(self, key: str, path: str) -> bool:
+        """Whether regex ``key`` matches the weight at ``path``: ``re.search`` finds it there
+        (TF's rule; a subclass may have its own, as Keras 3's map has)."""
+        return re.search(key, path) is not None
 
     def __setitem__(self, key: str, layout: Layout) -> None:
         if not isinstance(key, str):
@@ -190,7 +217,7 @@ def apply_layout_map(module: torch.nn.Module, layout_map: LayoutMap) -> torch.nn
             placement.add(path, layout_map[path])
     for placement in plan:
         placement.check(layout_map.mesh)
-    _warn_of_unmatched_keys(module, layout_map, [p for pl in plan for p in pl.paths])
+    _report_silent_replication(module, layout_map, plan)
     for placement in plan:
         current, layout = placement.tensor, placement.layout
         if translate.assigned_layout(current) == layout:
@@ -207,32 +234,62 @@ def apply_layout_map(module: torch.nn.Module, layout_map: LayoutMap) -> torch.nn
     return module
 
 
-def _warn_of_unmatched_keys(
-    module: torch.nn.Module, layout_map: LayoutMap, paths: list[str]
+def _report_silent_replication(
+    module: torch.nn.Module, layout_map: LayoutMap, plan: list[_Placement]
 ) -> None:
-    """Warn of keys that match none of a model's weights: a misspelt path (or the Keras
-    name, ``dense.kernel``, for PyTorch's ``dense.weight``) would otherwise shard nothing and
-    train replicated without a word. A module without parameters (a loss) is not a model the
-    map was meant for; each key is said once."""
-    if not any(True for _ in module.parameters()):
+    """Name what a map leaves replicated that it likely meant to shard: keys that match none of
+    a model's weights (a misspelt path, or Keras's ``dense.kernel`` for PyTorch's
+    ``dense.weight``), and weights of at least ``large_weight_size`` elements that no key
+    matches (a renamed layer, which would otherwise be copied whole to every device). A warning
+    once each, or with ``strict`` one error before any weight changes. A module without
+    parameters (a loss) is not a model the map was meant for; an empty map (data parallelism)
+    shards nothing on purpose."""
+    if not len(layout_map) or not any(True for _ in module.parameters()):
         return
-    unmatched = [
+    paths = [p for placement in plan for p in placement.paths]
+    said = layout_map._said_unmatched
+    keys = [
         key
         for key in layout_map
-        if key not in layout_map._said_unmatched
-        and not any(key == path or re.search(key, path) for path in paths)
+        if not any(key == path or layout_map.key_matches(key, path) for path in paths)
     ]
-    if not unmatched:
+    large = [
+        placement
+        for placement in plan
+        if not placement.keyed and placement.tensor.numel() >= layout_map.large_weight_size
+    ]
+    if not layout_map.strict:
+        keys = [key for key in keys if key not in said]
+        large = [placement for placement in large if placement.paths[0] not in said]
+    if not keys and not large:
         return
-    layout_map._said_unmatched.update(unmatched)
-    shown = ", ".join(repr(p) for p in paths[:6]) + (", ..." if len(paths) > 6 else "")
-    warnings.warn(
-        f"LayoutMap keys {unmatched} match none of the {len(paths)} weights of "
-        f"{type(module).__name__} (paths such as {shown}): those layouts shard nothing, and "
-        "the weights they were meant for are replicated. Keys are regexes searched in the "
-        "weights' full paths (PyTorch's names: 'weight' and 'bias', not 'kernel')",
-        stacklevel=3,
-    )
+    name = type(module).__name__
+    problems = []
+    if keys:
+        shown = ", ".join(repr(p) for p in paths[:6]) + (", ..." if len(paths) > 6 else "")
+        problems.append(
+            f"LayoutMap keys {keys} match none of the {len(paths)} weights of {name} (paths "
+            f"such as {shown}): those layouts shard nothing, and the weights they were meant "
+            "for are replicated. Keys are regexes matched against the weights' full paths "
+            "(PyTorch's names: 'weight' and 'bias', not 'kernel')"
+        )
+    if large:
+        listed = ", ".join(
+            f"{p.paths[0]!r} ({p.kind}, shape {list(p.tensor.shape)}, {p.tensor.numel()} elements)"
+            for p in large
+        )
+        problems.append(
+            f"{len(large)} weight(s) of {name} with at least {layout_map.large_weight_size} "
+            f"elements match no LayoutMap key and are replicated whole on every device of "
+            f"{layout_map.mesh}: {listed}. Add a key for each (a replicated Layout if a full "
+            "copy is meant), or raise large_weight_size="
+        )
+    if layout_map.strict:
+        raise LayoutError("; and ".join(problems) + " (strict=True)")
+    said.update(keys)
+    said.update(placement.paths[0] for placement in large)
+    for problem in problems:
+        warnings.warn(problem, stacklevel=3)
 
 
 class _Placement:
@@ -243,6 +300,11 @@ class _Placement:
         self.tensor = tensor
         self.paths: list[str] = []
         self._keyed: dict[str, Layout] = {}  # path -> the layout a key gives it
+
+    @property
+    def keyed(self) -> bool:
+        """Whether a key gives any of the tensor's paths a layout."""
+        return bool(self._keyed)
 
     def add(self, path: str, layout: Layout | None) -> None:
         self.paths.append(path)

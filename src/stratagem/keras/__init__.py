@@ -19,6 +19,7 @@ from stratagem.recompute import recompute_grad as remat
 __all__ = [
     "Model",
     "callbacks",
+    "distribution",
     "experimental",
     "losses",
     "metrics",
@@ -29,3 +30,13 @@ __all__ = [
     "remat",
     "utils",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Keras 3's distribution API loads on first use: it brings DTensor, which a job that does
+    # not use a mesh should not pay for.
+    if name == "distribution":
+        import importlib
+
+        return importlib.import_module("stratagem.keras.distribution")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
