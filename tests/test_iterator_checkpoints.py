@@ -230,3 +230,41 @@ def test_preemption_checkpoint_handler_saves_and_restores_the_input_position(tmp
     after = _consume_until_preempted(tmp_path, stop_after=None)  # restored at construction
     assert len(before) == 5
     assert before + after == whole
+
+
+def _global_batches(strategy, iterator) -> list[list[int]]:
+    """Each step's examples over the strategy's replicas (in replica order)."""
+    return [
+        [int(v) for part in strategy.experimental_local_results(batch) for v in part]
+        for batch in iterator
+    ]
+
+
+@pytest.mark.parametrize(
+    "saver, restorer",
+    [
+        (lambda: sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"]),
+         lambda: sg.distribute.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])),
+        (lambda: sg.distribute.MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"]),
+         lambda: sg.distribute.experimental.CentralStorageStrategy(["cpu:0", "cpu:1"])),
+        (lambda: sg.distribute.experimental.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+         lambda: sg.distribute.OneDeviceStrategy("cpu:0")),
+    ],
+    ids=["mirrored-2-to-3", "mirrored-3-to-central-storage-2", "central-storage-2-to-one"],
+)  # fmt: skip
+def test_in_process_strategies_resume_the_global_stream_on_another_number_of_replicas(
+    saver, restorer
+):
+    def dataset():
+        return D.range(60).shuffle(11, seed=4).batch(6).prefetch(2)
+
+    whole = [sorted(b) for b in ([int(v) for v in batch] for batch in dataset())]
+    before = saver()
+    iterator = iter(before.experimental_distribute_dataset(dataset()))
+    head = [sorted(b) for b in _global_batches(before, (next(iterator) for _ in range(4)))]
+    state = _saved(iterator)
+    after = restorer()
+    restored = iter(after.experimental_distribute_dataset(dataset()))
+    restored.load_state_dict(state)
+    rest = [sorted(b) for b in _global_batches(after, restored)]
+    assert head + rest == whole
