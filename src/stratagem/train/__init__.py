@@ -1,7 +1,7 @@
 """``sg.train``: checkpoints, and ``ClusterSpec`` (where TF keeps it)."""
 
 from stratagem.cluster.cluster_spec import ClusterSpec
-from stratagem.train.checkpoint import Checkpoint, CheckpointError, LoadStatus
+from stratagem.train.checkpoint import Checkpoint, CheckpointError, CheckpointOptions, LoadStatus
 from stratagem.train.checkpoint_manager import CheckpointManager, latest_checkpoint
 from stratagem.train.checkpoints_iterator import checkpoints_iterator, wait_for_new_checkpoint
 from stratagem.train.manifest import (
@@ -20,6 +20,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
+    "CheckpointOptions",
     "ClusterSpec",
     "DamagedSaveError",
     "FellBackWarning",

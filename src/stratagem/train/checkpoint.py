@@ -18,6 +18,12 @@ import torch
 from stratagem.distribute import StrategyExtended, capabilities, strategy_for
 from stratagem.errors import CheckpointError, CheckpointMatchError
 from stratagem.train import sharded
+from stratagem.train.background_writes import (
+    BackgroundWrites,
+    CheckpointOptions,
+    is_async,
+    snapshot,
+)
 from stratagem.train.restore import (
     LoadStatus,
     RestoreReport,
@@ -37,7 +43,13 @@ from stratagem.train.storage import (
 )
 from stratagem.train.tied import tied_names
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointMatchError", "LoadStatus"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointMatchError",
+    "CheckpointOptions",
+    "LoadStatus",
+]
 
 _ACCEPTED = (
     "torch.nn.Module, torch.optim.Optimizer, torch.Tensor, stratagem.train.Checkpoint, "
@@ -128,6 +140,7 @@ class Checkpoint:
         self._primary: str | None = None  # set on the view of a composite (see view_of)
         # TensorFlow's save counter: numbers the paths of save() and is itself checkpointed.
         self._save_counter = torch.zeros((), dtype=torch.int64)
+        self._writes = BackgroundWrites()  # asynchronous saves (CheckpointOptions)
         for name, value in trackables.items():
             self._track(name, value)
 
@@ -190,20 +203,35 @@ class Checkpoint:
 
     # --- saving ---------------------------------------------------------------------------
 
-    def save(self, file_prefix: PathLike) -> str:
+    def save(self, file_prefix: PathLike, options: CheckpointOptions | None = None) -> str:
         """Increment ``save_counter`` and write to ``f"{file_prefix}-{save_counter}"``.
 
         Also records the new checkpoint as the latest in the ``checkpoint`` index file of the
-        prefix's directory, as TensorFlow does, so ``latest_checkpoint`` finds it.
+        prefix's directory, as TensorFlow does, so ``latest_checkpoint`` finds it. With
+        ``options=CheckpointOptions(enable_async=True)`` the write (and the index) happens in
+        the background; ``sync()`` waits for it.
         """
         prefix = os.fspath(file_prefix)
-        written = write_numbered(self, lambda number: f"{prefix}-{number}")
-        if is_writer(self):
-            record_in_index(os.path.dirname(written) or ".", os.path.basename(written))
-        complete_save(self, "Checkpoint.save")
+        asynchronous = is_async(options)
+
+        def index(written: str) -> None:
+            if is_writer(self):
+                record_in_index(os.path.dirname(written) or ".", os.path.basename(written))
+
+        written = write_numbered(self, lambda number: f"{prefix}-{number}", asynchronous, index)
+        if not asynchronous:
+            complete_save(self, "Checkpoint.save")
         return written
 
-    def write(self, file_path: PathLike) -> str:
+    def sync(self) -> None:
+        """Wait until this checkpoint's asynchronous saves are written (TF's ``sync``); raises
+        the error of one that failed. Collective under a strategy whose processes train in
+        step, as a save is: every process calls it, and each returns once the chief's write is
+        complete, so any of them can restore it next."""
+        self._writes.wait()
+        complete_save(self, "Checkpoint.sync")
+
+    def write(self, file_path: PathLike, options: CheckpointOptions | None = None) -> str:
         """Write a checkpoint at exactly ``file_path`` (no counter change); return the path.
 
         Only the chief writes. Mirrored state is identical on every replica, so the chief's copy
@@ -224,13 +252,22 @@ class Checkpoint:
         server's), is the business of the strategy that distributes the tracked objects
         (``strategy.extended``: ``should_checkpoint``, ``before_checkpoint_write``).
         """
-        path = self._write(file_path)
-        complete_save(self, "Checkpoint.write")
+        asynchronous = is_async(options)
+        path = self._write(file_path, asynchronous)
+        if not asynchronous:
+            complete_save(self, "Checkpoint.write")
         return path
 
-    def _write(self, file_path: PathLike) -> str:
+    def _write(
+        self,
+        file_path: PathLike,
+        asynchronous: bool = False,
+        then: Callable[[str], None] | None = None,
+    ) -> str:
         """``write`` without waiting for the other processes: the callers that go on to update
-        an index first (``save``, the manager's) complete the save after it."""
+        an index (``then``, run after the write: in the background for an asynchronous one)
+        complete the save after it."""
+        self._writes.wait()  # one write at a time, and a failed one is reported now
         path = os.fspath(file_path)
         if not os.path.basename(path):
             raise ValueError(f"checkpoint path {path!r} names a directory, expected a file name")
@@ -243,16 +280,39 @@ class Checkpoint:
                 prepare()
         tracked = self._tracked()
         if sharded.holds_dtensors(tracked):
+            if asynchronous:
+                raise CheckpointError(
+                    f"cannot save {path!r} asynchronously: it holds sharded or laid-out weights, "
+                    "written collectively through torch.distributed.checkpoint; save it without "
+                    "CheckpointOptions(enable_async=True)"
+                )
             # Weights laid out on a mesh (sg.dtensor): every process writes its own shards.
-            return sharded.write(tracked, path, self._meta(extended), self._describe_shards())
+            written = sharded.write(tracked, path, self._meta(extended), self._describe_shards())
+            if then is not None:
+                then(written)
+            return written
         # Every process: pipeline stages gather (a collective), a ps's state comes home.
         extended.before_checkpoint_write(self._objects())
         if not extended.should_checkpoint:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            if then is not None:
+                then(path)
             return path
         state, described = self._collect()
         meta = {**self._meta(extended), "trackables": described}
-        write_atomically(path, state, meta)
+        if not asynchronous:
+            write_atomically(path, state, meta)
+            if then is not None:
+                then(path)
+            return path
+        copied = snapshot(state)  # training goes on changing the tensors while it is written
+
+        def write() -> None:
+            write_atomically(path, copied, meta)
+            if then is not None:
+                then(path)
+
+        self._writes.start(path, write)
         return path
 
     def _extended(self) -> StrategyExtended:
@@ -334,6 +394,7 @@ class Checkpoint:
         """
         if save_path is None:
             return LoadStatus(None)
+        self._writes.wait()  # as TF: a restore waits for this checkpoint's saves under way
         path = os.fspath(save_path)
         meta, state = read_checkpoint(path)  # both from one save, whatever saves run meanwhile
         if meta.get("sharded"):
@@ -447,13 +508,19 @@ def _match_primary(
     return live, saved, info
 
 
-def write_numbered(checkpoint: Checkpoint, path_for: Callable[[int], str]) -> str:
-    """Advance ``save_counter`` and ``write`` to ``path_for(new count)``; return the path. A
-    failed write did not happen: the counter goes back, so the next save reuses its number."""
+def write_numbered(
+    checkpoint: Checkpoint,
+    path_for: Callable[[int], str],
+    asynchronous: bool = False,
+    then: Callable[[str], None] | None = None,
+) -> str:
+    """Advance ``save_counter`` and ``write`` to ``path_for(new count)``, then ``then(path)``;
+    return the path. A failed write did not happen: the counter goes back, so the next save
+    reuses its number (an asynchronous one's failure is raised later, its number used)."""
     counter = checkpoint.save_counter
     counter.add_(1)
     try:
-        return checkpoint._write(path_for(int(counter)))
+        return checkpoint._write(path_for(int(counter)), asynchronous, then)
     except BaseException:
         counter.sub_(1)
         raise

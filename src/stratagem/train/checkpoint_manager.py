@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from stratagem.errors import CheckpointError
+from stratagem.train.background_writes import CheckpointOptions, is_async
 from stratagem.train.checkpoint import (
     Checkpoint,
     PathLike,
@@ -312,14 +313,21 @@ class CheckpointManager:
         return None if self._latest is None else os.path.join(self._directory, self._latest)
 
     def save(
-        self, checkpoint_number: int | torch.Tensor | None = None, check_interval: bool = True
+        self,
+        checkpoint_number: int | torch.Tensor | None = None,
+        check_interval: bool = True,
+        options: CheckpointOptions | None = None,
     ) -> str | None:
         """Write a numbered checkpoint and return its path (None when skipped by the interval).
 
         ``checkpoint_number`` names the checkpoint instead of ``save_counter`` (which is
         incremented either way, as in TF); ``check_interval=False`` saves even before
         ``checkpoint_interval`` steps have passed (but never twice at the same step).
+        ``options=CheckpointOptions(enable_async=True)``: the write, the index and the removal
+        of checkpoints beyond ``max_to_keep`` happen in the background, after the values are
+        copied; ``manager.sync()`` (or ``checkpoint.sync()``) waits for them.
         """
+        asynchronous = is_async(options)
         step: int | None = None
         if self._checkpoint_interval is not None:
             assert self._step_counter is not None  # checked in __init__
@@ -343,25 +351,44 @@ class CheckpointManager:
         def name_for(counter: int) -> str:
             return f"{self._checkpoint_name}-{counter if number is None else number}"
 
-        path = write_numbered(
-            self._checkpoint, lambda counter: os.path.join(self._directory, name_for(counter))
-        )
-        name = name_for(int(self._checkpoint.save_counter))
+        # The manager's own record changes now (an asynchronous save's path is known at once);
+        # the index and the removal of old checkpoints follow the write, with what it was then.
+        before = (list(self._entries), self._latest, self._last_preserved)
+        name = name_for(int(self._checkpoint.save_counter) + 1)
         self._entries = [e for e in self._entries if e[0] != name] + [(name, time.time())]
         self._latest = name
         removed = self._sweep()
-        if is_writer(self._checkpoint):
-            # Index first: a crash while deleting leaves extra directories, never an index
-            # naming checkpoints that are gone.
-            write_index(self._directory, self._entries, self._latest, self._last_preserved)
-            for old in removed:
-                self._delete(old)
-        # Collective: every process returns with the checkpoint and the index written, so any
-        # worker may restore latest_checkpoint now.
-        complete_save(self._checkpoint, "CheckpointManager.save")
+        recorded = (list(self._entries), self._latest, self._last_preserved)
+
+        def index(path: str) -> None:
+            if is_writer(self._checkpoint):
+                # Index first: a crash while deleting leaves extra directories, never an index
+                # naming checkpoints that are gone.
+                write_index(self._directory, *recorded)
+                for old in removed:
+                    self._delete(old)
+
+        try:
+            path = write_numbered(
+                self._checkpoint,
+                lambda counter: os.path.join(self._directory, name_for(counter)),
+                asynchronous,
+                index,
+            )
+        except BaseException:
+            self._entries, self._latest, self._last_preserved = before
+            raise
+        if not asynchronous:
+            # Collective: every process returns with the checkpoint and the index written, so
+            # any worker may restore latest_checkpoint now.
+            complete_save(self._checkpoint, "CheckpointManager.save")
         if step is not None:
             self._last_checkpoint_step = step
         return path
+
+    def sync(self) -> None:
+        """Wait for the asynchronous saves under way (``Checkpoint.sync``; collective)."""
+        self._checkpoint.sync()
 
     def _sweep(self) -> list[str]:
         """Drop the oldest entries beyond ``max_to_keep``; return those to delete from disk."""
