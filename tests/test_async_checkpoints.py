@@ -77,7 +77,7 @@ def test_a_failed_async_write_is_raised_by_the_next_sync_naming_the_path(tmp_pat
     (blocker / "precious.txt").write_text("keep me")
     checkpoint = sg.train.Checkpoint(step=torch.tensor(3))
     checkpoint.write(blocker, options=ASYNC)
-    with pytest.raises(sg.train.CheckpointError, match="asynchronous save of .*not-a-checkpoint"):
+    with pytest.raises(sg.train.CheckpointError, match=r"asynchronous save of .*not-a-checkpoint"):
         checkpoint.sync()
     assert (blocker / "precious.txt").read_text() == "keep me"
     checkpoint.sync()  # reported once
@@ -110,5 +110,5 @@ def test_the_manager_keeps_max_to_keep_and_its_index_after_async_saves(tmp_path)
 
 
 def test_options_must_be_checkpoint_options(tmp_path):
-    with pytest.raises(TypeError, match="sg.train.CheckpointOptions, got dict"):
+    with pytest.raises(TypeError, match=r"sg\.train\.CheckpointOptions, got dict"):
         sg.train.Checkpoint(step=torch.tensor(0)).save(tmp_path / "c", options={"async": True})
