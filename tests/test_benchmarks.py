@@ -209,3 +209,12 @@ def test_exit_aborts_benchmark_smoke_run_counts_both_ways(tmp_path):
     output = _smoke_run(tmp_path, "exit_aborts.py")
     table = [line for line in output.splitlines() if line.startswith("| ")]
     assert len(table) == 4 and "| gloo threads drained first | 4 | 0 | 0 |" in table, output
+
+
+def test_checkpoint_benchmark_smoke_run_reports_every_variant(tmp_path):
+    out = tmp_path / "results.json"
+    output = _smoke_run(tmp_path, "checkpoints.py", "--json", str(out))
+    ratios = json.loads(out.read_text())["ratios"]
+    assert set(ratios) == {"none", "sync", "async", "dcp_async"}
+    assert ratios["none"] == 1.0 and all(r > 0 for r in ratios.values()), ratios
+    assert "| async |" in output

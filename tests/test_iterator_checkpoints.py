@@ -268,3 +268,24 @@ def test_in_process_strategies_resume_the_global_stream_on_another_number_of_rep
     restored.load_state_dict(state)
     rest = [sorted(b) for b in _global_batches(after, restored)]
     assert head + rest == whole
+
+
+@pytest.mark.parametrize("batch", [5, 6])  # 5: TF's rebatch re-cuts across input batches
+def test_a_workers_own_rebatched_stream_resumes_exactly(batch):
+    """``AutoShardPolicy.OFF``: the worker's own stream, rebatched for its replicas (the rows
+    read and not handed out are part of the position)."""
+    options = sg.data.Options()
+    options.experimental_distribute.auto_shard_policy = sg.data.AutoShardPolicy.OFF
+
+    def dataset():
+        return D.range(47).shuffle(9, seed=2).batch(batch).with_options(options)
+
+    strategy = sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+    whole = _global_batches(strategy, iter(strategy.experimental_distribute_dataset(dataset())))
+    for k in range(len(whole) + 1):
+        iterator = iter(strategy.experimental_distribute_dataset(dataset()))
+        head = _global_batches(strategy, (next(iterator) for _ in range(k)))
+        state = _saved(iterator)
+        restored = iter(strategy.experimental_distribute_dataset(dataset()))
+        restored.load_state_dict(state)
+        assert head + _global_batches(strategy, restored) == whole, f"after {k} steps"

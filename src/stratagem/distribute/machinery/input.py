@@ -333,12 +333,7 @@ class _AgreedIterator:
     def _stateful_source(self) -> Any:
         """The iterator of batches whose position is this iterator's (``InputError`` where it
         cannot be saved)."""
-        raise InputError(
-            f"cannot checkpoint the position of this distributed iterator "
-            f"({type(self).__name__}): its workers each re-cut their own stream; distribute an "
-            "sg.data.Dataset under AutoShardPolicy.AUTO or DATA (one global stream, restored "
-            "on any number of workers), or use distribute_datasets_from_function"
-        )
+        raise NotImplementedError
 
     def _shared_stream(self) -> bool:
         """Whether every worker reads the same global batches (its position is the job's)."""
@@ -511,7 +506,7 @@ class DistributedDataset:
         if self._own_stream:
             return _OwnStreamIterator(
                 self._extended,
-                _rebatched(self._extended, source, self._full_batch),
+                _Rebatched(self._extended, source, self._full_batch),
                 self._distributor,
                 lambda: self.element_spec,
             )
@@ -583,51 +578,71 @@ def joined(batches: list[Any]) -> Any:
     return pytree.tree_unflatten(leaves, spec)
 
 
-def _rebatched(extended: ExtendedLike, source: Iterator[Any], full: int | None) -> Iterator[Any]:
+class _Rebatched:
     """A worker's own stream of global batches as TF's rebatch hands out replica batches.
 
     With the full batch size known, ``rebatch(batch_sizes_for_worker(full, ...))``: the
     examples re-cut, across the input's batch boundaries, into batches of those sizes in
     turn, the last one smaller (``range(12).batch(8)`` for 2 replicas: ``[0..3]``, ``[4..7]``,
     ``[8..11]``). Without, TF's legacy rebatch: each batch cut into ``num_replicas_in_sync``
-    parts as ``split_sizes`` cuts a shared one, empty parts included.
+    parts as ``split_sizes`` cuts a shared one, empty parts included. Its state (for a
+    checkpoint) is the source's and the rows read and not handed out.
     """
-    replicas = extended.num_replicas_in_sync
-    if full is None:
-        for batch in source:
-            batch = _as_tensors(batch)
-            yield from cut(batch, extended.split_sizes(batch_size_of(batch), replicas))
-        return
-    local = len(extended.replica_devices)
-    workers = replicas // local
-    rank = extended.communicator.rank
-    sizes = batch_sizes_for_worker(full, workers, local, rank)
-    pending: list[Any] = []  # the rows not handed out yet, as a list of batch pieces
-    rows = 0
-    turn = 0
-    exhausted = False
-    while True:
-        want = sizes[turn % len(sizes)]
-        # Read until this batch is whole, or one row is there to tell a 0-sized batch
-        # in the middle (TF hands those out) from the end of the data.
-        while not exhausted and rows < max(want, 1):
-            batch = next(source, _END)
+
+    def __init__(self, extended: ExtendedLike, source: Iterator[Any], full: int | None) -> None:
+        self.source = source
+        self._extended = extended
+        self._full = full
+        self._pending: list[Any] = []  # rows read and not handed out, as batch pieces
+        self._turn = 0
+        self._exhausted = False
+        if full is not None:
+            local = len(extended.replica_devices)
+            workers = extended.num_replicas_in_sync // local
+            self._sizes = batch_sizes_for_worker(full, workers, local, extended.communicator.rank)
+
+    def __iter__(self) -> _Rebatched:
+        return self
+
+    def state(self) -> dict[str, Any]:
+        return {"pending": list(self._pending), "turn": self._turn, "exhausted": self._exhausted}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._pending, self._turn = list(state["pending"]), int(state["turn"])
+        self._exhausted = bool(state["exhausted"])
+
+    def __next__(self) -> Any:
+        if self._full is None:
+            while not self._pending:
+                batch = next(self.source)  # StopIteration ends the stream
+                batch = _as_tensors(batch)
+                replicas = self._extended.num_replicas_in_sync
+                self._pending = cut(
+                    batch, self._extended.split_sizes(batch_size_of(batch), replicas)
+                )
+            return self._pending.pop(0)
+        want = self._sizes[self._turn % len(self._sizes)]
+        rows = sum(batch_size_of(p) for p in self._pending)
+        # Read until this batch is whole, or one row is there to tell a 0-sized batch in the
+        # middle (TF hands those out) from the end of the data.
+        while not self._exhausted and rows < max(want, 1):
+            batch = next(self.source, _END)
             if batch is _END:
-                exhausted = True
+                self._exhausted = True
                 break
             batch = _as_tensors(batch)
             size = batch_size_of(batch)
             if size:
-                pending.append(batch)
+                self._pending.append(batch)
                 rows += size
         if not rows:
-            return
-        merged = joined(pending)
+            raise StopIteration
+        merged = joined(self._pending)
         take = min(want, rows)
         head, rest = cut(merged, [take, rows - take])
-        pending, rows = ([rest] if rows > take else []), rows - take
-        turn += 1
-        yield head
+        self._pending = [rest] if rows > take else []
+        self._turn += 1
+        return head
 
 
 class _SplittingIterator(_AgreedIterator):
@@ -683,7 +698,7 @@ class _OwnStreamIterator(_AgreedIterator):
     def __init__(
         self,
         extended: ExtendedLike,
-        parts: Iterator[Any],
+        parts: _Rebatched,
         distributor: _Distributor,
         element_spec: Callable[[], Any],
     ) -> None:
@@ -695,7 +710,19 @@ class _OwnStreamIterator(_AgreedIterator):
     def _element_spec(self) -> Any:
         return self._spec()
 
+    def _stateful_source(self) -> Any:
+        return self._parts.source
+
+    def _own_state(self) -> dict[str, Any]:
+        return {"rebatch": self._parts.state(), "empty": self._empty}
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        self._parts.load_state(state["rebatch"])
+        self._empty = state["empty"]
+
     def _produce(self) -> Any:
+        if self._restored:
+            return self._restored.pop()
         local = len(self._extended.replica_devices)
         taken = []
         for _ in range(local):
