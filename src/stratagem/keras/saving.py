@@ -5,13 +5,13 @@
     <path>/config.json         what the model is, how it was compiled and trained, where
     <path>/manifest.json       the size and SHA-256 of each other file, checked before loading
     <path>/program.pt2         a ``torch.export`` program of the module, when it exports, so
-                               ``load_model`` rebuilds it without its Python class (eval mode;
-                               pass ``module=`` to get training behaviour back)
+                               ``load_model`` rebuilds it without its Python class (eval mode)
 
-``sg.saved_model.save``/``load`` write and read the same directory. ``load_model`` inside
-``strategy.scope()`` distributes the rebuilt parameters again. Only the chief writes; ``save``
-returns on every worker once done. A save appears whole or not at all, and a load reads one
-save (``train.atomic_dir``). Loading never unpickles (``exported_program`` checks first).
+``config.json`` records the module's class and, when it describes itself, its config: a class
+registered or allowed (``serializable``) is rebuilt from it, else the program is used.
+``sg.saved_model`` reads and writes the same directory. ``load_model`` inside a scope
+distributes the module. Only the chief writes; every worker returns once done. A save appears
+whole or not at all (``train.atomic_dir``); loading never unpickles.
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ from stratagem.keras import losses, optimizers
 from stratagem.keras.exported_program import export_program, load_program
 from stratagem.keras.io_options import LoadOptions, SaveOptions, check_options
 from stratagem.keras.mixed_precision import LossScaleOptimizer
+from stratagem.keras.serializable import ClassPolicy, describe, is_registered, rebuild
+from stratagem.keras.serializable import UnregisteredClassError as UnregisteredClassError
+from stratagem.keras.serializable import get_custom_objects as get_custom_objects
+from stratagem.keras.serializable import get_registered_name as get_registered_name
+from stratagem.keras.serializable import get_registered_object as get_registered_object
+from stratagem.keras.serializable import (
+    register_keras_serializable as register_keras_serializable,
+)
 from stratagem.train.atomic_dir import hidden_sibling, open_files, publish
 from stratagem.train.manifest import (
     MANIFEST_FILE,
@@ -227,12 +235,9 @@ def _write(
         with open(os.path.join(tmp, WEIGHTS_FILE), "wb") as f:
             f.write(save_safetensors(state, metadata={TIED_METADATA: json.dumps(tied)}))
         exported, why = _export(example_input, module, os.path.join(tmp, PROGRAM_FILE))
-        if not exported:
-            warnings.warn(
-                f"{caller}: no torch.export program ({why}); saved the weights, which "
-                "load_model(path, module=...) loads into a fresh module",
-                stacklevel=4,
-            )
+        rebuilt, rebuild_why = describe(module)
+        if not exported and not (rebuilt is not None and is_registered(module)):
+            warnings.warn(_needs_help(caller, why, rebuilt, rebuild_why), stacklevel=4)
         config = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -247,6 +252,8 @@ def _write(
             "tied": tied,
             "program": PROGRAM_FILE if exported else None,
             "program_missing_because": why,
+            "rebuild": rebuilt,  # the class and its config, when it describes itself
+            "rebuild_missing_because": rebuild_why,
             "compile": keras.get("compile"),
             "dtype_policy": keras.get("dtype_policy"),
             "training": keras.get("training"),
@@ -261,6 +268,27 @@ def _write(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _needs_help(
+    caller: str, why: str | None, rebuilt: dict[str, Any] | None, rebuild_why: str | None
+) -> str:
+    """What loading this save will need, said at save time: it has no program, and its class
+    is either not registered (load_model needs it allowed) or not rebuildable at all."""
+    if rebuilt is None:
+        return (
+            f"{caller}: no torch.export program ({why}) and no config to rebuild the module "
+            f"from ({rebuild_why}); saved the weights, which load_model(path, module=...) "
+            "loads into a fresh module"
+        )
+    path = rebuilt["class"]
+    short, package = path.rsplit(".", 1)[-1], path.split(".", 1)[0]
+    return (
+        f"{caller}: no torch.export program ({why}); saved the config of {short}, which "
+        f"load_model(path) rebuilds only once the class is allowed: "
+        f"load_model(path, allow_packages=({package!r},)), custom_objects={{{short!r}: "
+        f"{short}}}, or sg.keras.saving.register_keras_serializable() on the class"
+    )
 
 
 def _weights(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -344,11 +372,18 @@ class Saved:
 
 
 def read_saved(
-    path: str, module: torch.nn.Module | None, options: LoadOptions | None, caller: str
+    path: str,
+    module: torch.nn.Module | None,
+    options: LoadOptions | None,
+    caller: str,
+    classes: ClassPolicy | None = None,
 ) -> Saved:
     """Read the save at ``path``: every file from one and the same save, nothing unpickled.
-    The module is rebuilt from the program (inside a strategy scope, its parameters are
-    created in the scope) unless ``module`` is given; the weights are loaded into it."""
+    The module is ``module`` when given; else a fresh one of its class, from the saved config,
+    when ``classes`` allows that class; else rebuilt from the program (inside a strategy
+    scope, its parameters are created in the scope). The weights are loaded into it. A class
+    refused with no program to fall back on (TF revives a model from its functions when its
+    class is unknown) raises ``UnregisteredClassError``."""
     check_options(options, LoadOptions, caller)
     path = os.fspath(path)
     try:
@@ -366,6 +401,12 @@ def read_saved(
                 check_file(path, WEIGHTS_FILE, files[WEIGHTS_FILE], manifest, "saved model")
                 if config.get("program"):
                     check_file(path, PROGRAM_FILE, program, manifest, "saved model")
+            if module is None and classes is not None and config.get("rebuild"):
+                try:
+                    module = rebuild(config["rebuild"], classes)
+                except UnregisteredClassError:
+                    if program is None:
+                        raise
             if module is None and program is not None:
                 module = load_program(program, os.path.join(path, PROGRAM_FILE))
             weights = os.path.join(path, WEIGHTS_FILE)

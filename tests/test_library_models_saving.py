@@ -1,0 +1,197 @@
+"""Models from a library save and load as they came: ``model.save`` records the module's class
+and its own config, ``load_model`` rebuilds it by its class, as Keras rebuilds registered
+classes (Keras 3 ``saving/object_registration.py``, ``serialization_lib.py``): only a class
+registered by the user, given in ``custom_objects`` or from a package the user allowed; nothing
+is imported by a name the file chose, and a refused class is a named error saying how to allow
+it. A save that will need such help says so when it is written."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import stratagem as sg
+from stratagem.train.manifest import write_manifest
+
+transformers = pytest.importorskip("transformers", reason="pip install -c constraints.txt .[test]")
+from real_models import hf_models  # noqa: E402  (after the skip: it imports transformers)
+
+saving = sg.keras.saving
+
+
+class Net(nn.Module):
+    """A user's module that describes itself as Keras layers do (``get_config``)."""
+
+    def __init__(self, hidden: int = 8, rate: float = 0.5) -> None:
+        super().__init__()
+        self.hidden, self.rate = hidden, rate
+        self.body = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Dropout(rate))
+        self.head = nn.Linear(hidden, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def get_config(self) -> dict:
+        return {"hidden": self.hidden, "rate": self.rate}
+
+
+@pytest.fixture
+def registered():
+    """Registrations made in a test are undone after it (the registry is process-wide)."""
+    registry = saving.get_custom_objects()
+    before = dict(registry)
+    yield saving.register_keras_serializable
+    registry.clear()
+    registry.update(before)
+
+
+X = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+Y = torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(1))
+
+
+def _fitted(module: nn.Module, x, y, **compile_args) -> sg.keras.Model:
+    model = sg.keras.Model(module)
+    model.compile(optimizer="adamw", **compile_args)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+def test_registered_names_are_kerass():
+    """Keras's ``object_registration_test``: ``test_serialize_custom_class_with_default_name``
+    and ``..._with_custom_name``: ``"Custom>Class"`` by default, ``"package>name"`` given; a
+    class that cannot describe itself is refused at registration."""
+    registry = saving.get_custom_objects()
+    before = dict(registry)
+    try:
+
+        @saving.register_keras_serializable()
+        class TestClass(Net):
+            pass
+
+        @saving.register_keras_serializable("TestPackage", "CustomName")
+        class OtherTestClass(Net):
+            pass
+
+        assert saving.get_registered_name(TestClass) == "Custom>TestClass"
+        assert saving.get_registered_object("Custom>TestClass") is TestClass
+        assert saving.get_registered_name(OtherTestClass) == "TestPackage>CustomName"
+        assert saving.get_registered_object("TestPackage>CustomName") is OtherTestClass
+        assert saving.get_registered_name(nn.Linear) == "Linear"  # not registered: its name
+        with pytest.raises(ValueError, match="get_config"):
+            saving.register_keras_serializable()(nn.Linear)
+    finally:
+        registry.clear()
+        registry.update(before)
+
+
+def test_a_registered_class_is_rebuilt_from_its_config_with_its_training_behaviour(
+    tmp_path, registered
+):
+    registered("MyApp")(Net)
+    model = _fitted(Net(hidden=6, rate=0.5), X, Y, loss="sparse_categorical_crossentropy")
+    path = model.save(str(tmp_path / "m"))
+    loaded = sg.keras.models.load_model(path)
+    assert type(loaded.module) is Net and loaded.module.hidden == 6
+    np.testing.assert_allclose(loaded.predict(X), model.predict(X), rtol=1e-6, atol=1e-6)
+    # The class, not the program: dropout acts in training, which an exported program froze.
+    outs = [loaded(X, training=True) for _ in range(2)]
+    assert not torch.equal(outs[0], outs[1])
+    assert json.loads((Path(path) / "config.json").read_text())["rebuild"]["registered_name"] == (
+        "MyApp>Net"
+    )
+
+
+def _planted(tmp_path, monkeypatch, registered) -> tuple[str, Path]:
+    """A save whose config names ``h4planted.Net`` (a package that marks its import) and that
+    has no program to fall back on, its manifest rewritten to match."""
+    package = tmp_path / "lib" / "h4planted"
+    package.mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "lib"))
+    registered()(Net)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no example input, no program; registered: no warning
+        sg.saved_model.save(Net(), str(tmp_path / "m"))
+    saving.get_custom_objects().pop("Custom>Net")
+    config_file = tmp_path / "m" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["rebuild"].update({"class": "h4planted.Net", "registered_name": None})
+    config_file.write_text(json.dumps(config))
+    write_manifest(str(tmp_path / "m"), ["config.json", "model.safetensors"])
+    return str(tmp_path / "m"), marker
+
+
+def test_a_class_neither_registered_nor_allowed_is_a_named_error_and_nothing_is_imported(
+    tmp_path, monkeypatch, registered
+):
+    path, marker = _planted(tmp_path, monkeypatch, registered)
+    with pytest.raises(saving.UnregisteredClassError, match=r"allow_packages=\('h4planted',\)"):
+        sg.keras.models.load_model(path)
+    assert not marker.exists()
+    # custom_objects (Keras's argument) names the class: rebuilt, still nothing imported.
+    loaded = sg.keras.models.load_model(path, custom_objects={"Net": Net})
+    assert type(loaded.module) is Net and not marker.exists()
+    # Allowed, the package is imported (and holds no such module class: a named error).
+    with pytest.raises(saving.UnregisteredClassError, match="importable from the package"):
+        sg.keras.models.load_model(path, allow_packages=("h4planted",))
+    assert marker.exists()
+    with pytest.raises(ValueError, match="top-level package names"):
+        sg.keras.models.load_model(path, allow_packages=("h4planted.sub",))
+
+
+def test_a_save_that_needs_help_to_load_says_so_when_written(tmp_path):
+    """GPT-2's default config returns a cache object, which torch.export cannot carry: no
+    program. Unregistered, its save warns what load_model will need, and a load without it
+    is the named error; BERT exports, so it loads without help (from its program, as TF
+    revives a model from its functions when its class is unknown)."""
+    gpt2 = sg.keras.Model(hf_models.gpt2())
+    gpt2(hf_models.tokens(2))
+    with pytest.warns(UserWarning, match=r"no torch.export program.*allow_packages=\('transf"):
+        gpt2.save(str(tmp_path / "gpt2"))
+    with pytest.raises(saving.UnregisteredClassError, match="GPT2LMHeadModel"):
+        sg.keras.models.load_model(str(tmp_path / "gpt2"))
+    loaded = sg.keras.models.load_model(str(tmp_path / "gpt2"), allow_packages=("transformers",))
+    assert type(loaded.module) is transformers.GPT2LMHeadModel
+    bert = sg.keras.Model(hf_models.bert())
+    bert(hf_models.tokens(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        bert.save(str(tmp_path / "bert"))
+    assert isinstance(sg.keras.models.load_model(str(tmp_path / "bert")).module, nn.Module)
+    plain = nn.Sequential(nn.Linear(4, 2))  # no program, no config: only module= loads it
+    with pytest.warns(UserWarning, match=r"no config to rebuild.*module="):
+        sg.saved_model.save(plain, str(tmp_path / "plain"))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_a_hugging_face_model_fits_saves_and_loads_as_it_came(tmp_path, registered, name):
+    """GPT-2 (default config: tied embeddings, a cache in its output), BERT and a Llama-style
+    decoder: fit, save, ``load_model(path)`` with no other argument (the user registered the
+    class), equal predictions, on the saved sequence length and another, and the loaded model
+    trains on."""
+    build = getattr(hf_models, name)
+    registered("transformers")(type(build()))
+    x = hf_models.tokens(8)
+    y = hf_models.labels(8, 3) if name == "bert" else x
+    model = _fitted(build(), x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # registered: loads without help, nothing to say
+        path = model.save(str(tmp_path / name))
+    loaded = sg.keras.models.load_model(path)
+    assert type(loaded.module) is type(model.module)
+    for inputs in (x, hf_models.tokens(3, seed=9, seq=11)):
+        np.testing.assert_allclose(
+            loaded.predict(inputs), model.predict(inputs), rtol=1e-5, atol=1e-6
+        )
+    if name == "gpt2":
+        assert loaded.module.lm_head.weight is loaded.module.transformer.wte.weight
+    before = [p.detach().clone() for p in loaded.module.parameters()]
+    loaded.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    assert all(not torch.equal(b, p) for b, p in zip(before, loaded.module.parameters()))
