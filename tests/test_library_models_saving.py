@@ -147,27 +147,34 @@ def test_a_class_neither_registered_nor_allowed_is_a_named_error_and_nothing_is_
 
 
 def test_a_save_that_needs_help_to_load_says_so_when_written(tmp_path):
-    """GPT-2's default config returns a cache object, which torch.export cannot carry: no
-    program. Unregistered, its save warns what load_model will need, and a load without it
-    is the named error; BERT exports, so it loads without help (from its program, as TF
-    revives a model from its functions when its class is unknown)."""
+    """GPT-2's default config returns a cache object, which torch.export cannot carry: the
+    program leaves that output out and records it; unregistered, the save warns what loading
+    it as it came will need. Without that help load_model gives the program (as TF revives a
+    model from its functions when its class is unknown), logits and no cache; with it, the
+    class and its whole output. A module with neither program nor config: only module=."""
     gpt2 = sg.keras.Model(hf_models.gpt2())
-    gpt2(hf_models.tokens(2))
-    with pytest.warns(UserWarning, match=r"no torch.export program.*allow_packages=\('transf"):
-        gpt2.save(str(tmp_path / "gpt2"))
-    with pytest.raises(saving.UnregisteredClassError, match="GPT2LMHeadModel"):
-        sg.keras.models.load_model(str(tmp_path / "gpt2"))
-    loaded = sg.keras.models.load_model(str(tmp_path / "gpt2"), allow_packages=("transformers",))
+    ids = hf_models.tokens(2)
+    expected = gpt2(ids)
+    assert not isinstance(expected["cache"], torch.Tensor)
+    with pytest.warns(UserWarning, match=r"leaves out the outputs \['cache'\].*allow_packages"):
+        path = gpt2.save(str(tmp_path / "gpt2"))
+    config = json.loads((Path(path) / "config.json").read_text())
+    assert config["program"] and config["program_outputs_left_out"] == ["cache"]
+    program = sg.keras.models.load_model(path)(ids)
+    assert list(program) == ["logits"]
+    torch.testing.assert_close(program["logits"], expected["logits"])
+    signature = sg.saved_model.load(path).signatures["serving_default"]
+    torch.testing.assert_close(signature(ids)["logits"], expected["logits"])
+    loaded = sg.keras.models.load_model(path, allow_packages=("transformers",))
     assert type(loaded.module) is transformers.GPT2LMHeadModel
-    bert = sg.keras.Model(hf_models.bert())
-    bert(hf_models.tokens(2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        bert.save(str(tmp_path / "bert"))
-    assert isinstance(sg.keras.models.load_model(str(tmp_path / "bert")).module, nn.Module)
-    plain = nn.Sequential(nn.Linear(4, 2))  # no program, no config: only module= loads it
-    with pytest.warns(UserWarning, match=r"no config to rebuild.*module="):
+    assert list(loaded(ids)) == list(expected)
+    plain = nn.Sequential(nn.Linear(4, 2))  # never called: no program, and no config
+    with pytest.warns(UserWarning, match=r"no torch.export program.*no config.*module="):
         sg.saved_model.save(plain, str(tmp_path / "plain"))
+    with pytest.warns(UserWarning, match=r"no torch.export program.*allow_packages"):
+        sg.saved_model.save(Net(), str(tmp_path / "net"))  # unregistered, never called
+    with pytest.raises(saving.UnregisteredClassError, match=r"custom_objects=\{'Net': Net\}"):
+        sg.keras.models.load_model(str(tmp_path / "net"))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])

@@ -234,10 +234,18 @@ def _write(
         state, tied = _weights(module)
         with open(os.path.join(tmp, WEIGHTS_FILE), "wb") as f:
             f.write(save_safetensors(state, metadata={TIED_METADATA: json.dumps(tied)}))
-        exported, why = _export(example_input, module, os.path.join(tmp, PROGRAM_FILE))
+        target = os.path.join(tmp, PROGRAM_FILE)
+        exported, why, dropped = _export(example_input, module, target)
         rebuilt, rebuild_why = describe(module)
-        if not exported and not (rebuilt is not None and is_registered(module)):
-            warnings.warn(_needs_help(caller, why, rebuilt, rebuild_why), stacklevel=4)
+        whole = exported and not dropped
+        if not whole and not (rebuilt is not None and is_registered(module)):
+            program = (
+                f"a torch.export program that leaves out the outputs {dropped} (objects "
+                "torch.export cannot carry)"
+                if exported
+                else f"no torch.export program ({why})"
+            )
+            warnings.warn(_needs_help(caller, program, rebuilt, rebuild_why), stacklevel=4)
         config = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -251,7 +259,8 @@ def _write(
             },
             "tied": tied,
             "program": PROGRAM_FILE if exported else None,
-            "program_missing_because": why,
+            "program_missing_because": None if exported else why,
+            "program_outputs_left_out": dropped,
             "rebuild": rebuilt,  # the class and its config, when it describes itself
             "rebuild_missing_because": rebuild_why,
             "compile": keras.get("compile"),
@@ -271,21 +280,21 @@ def _write(
 
 
 def _needs_help(
-    caller: str, why: str | None, rebuilt: dict[str, Any] | None, rebuild_why: str | None
+    caller: str, program: str, rebuilt: dict[str, Any] | None, rebuild_why: str | None
 ) -> str:
-    """What loading this save will need, said at save time: it has no program, and its class
-    is either not registered (load_model needs it allowed) or not rebuildable at all."""
+    """What loading this save as it came will need, said at save time: its program is missing
+    or partial, and its class is not registered (load_model needs it allowed) or has no
+    config to be rebuilt from."""
     if rebuilt is None:
         return (
-            f"{caller}: no torch.export program ({why}) and no config to rebuild the module "
-            f"from ({rebuild_why}); saved the weights, which load_model(path, module=...) "
-            "loads into a fresh module"
+            f"{caller}: {program} and no config to rebuild the module from ({rebuild_why}); "
+            "load_model(path, module=...) loads the weights into a fresh module"
         )
     path = rebuilt["class"]
     short, package = path.rsplit(".", 1)[-1], path.split(".", 1)[0]
     return (
-        f"{caller}: no torch.export program ({why}); saved the config of {short}, which "
-        f"load_model(path) rebuilds only once the class is allowed: "
+        f"{caller}: {program}; saved the config of {short}, which load_model(path) rebuilds "
+        f"only once the class is allowed: "
         f"load_model(path, allow_packages=({package!r},)), custom_objects={{{short!r}: "
         f"{short}}}, or sg.keras.saving.register_keras_serializable() on the class"
     )
@@ -347,18 +356,17 @@ def _on_cpu(module: torch.nn.Module) -> torch.nn.Module:
 
 def _export(
     example: torch.Tensor | None, module: torch.nn.Module, target: str
-) -> tuple[bool, str | None]:
+) -> tuple[bool, str | None, list[str]]:
+    """Whether the program was written, why not, and the outputs it leaves out."""
     if example is None:
-        return False, "the model never saw an input (fit, evaluate or predict it first)"
+        return False, "the model never saw an input (fit, evaluate or predict it first)", []
     try:
         with open(target, "wb") as f:
-            export_program(_on_cpu(module), example, f)
-        return True, None
+            dropped = export_program(_on_cpu(module), example, f)
+        return True, None, dropped
     except Exception as e:  # a module torch.export cannot trace: weights still load
-        return (
-            False,
-            f"the module did not export: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
-        )
+        first = (str(e).splitlines() or [""])[0]
+        return False, f"the module did not export: {type(e).__name__}: {first}", []
 
 
 @dataclass
