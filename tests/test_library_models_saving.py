@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import stratagem as sg
+from cluster_utils import WORKERS, run_cluster
 from stratagem.train.manifest import write_manifest
 
 transformers = pytest.importorskip("transformers", reason="pip install -c constraints.txt .[test]")
@@ -202,3 +203,19 @@ def test_a_hugging_face_model_fits_saves_and_loads_as_it_came(tmp_path, register
     before = [p.detach().clone() for p in loaded.module.parameters()]
     loaded.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
     assert all(not torch.equal(b, p) for b, p in zip(before, loaded.module.parameters()))
+
+
+@pytest.mark.multiprocess
+def test_gpt2_trained_under_multi_worker_mirrored_saves_and_loads_as_it_came(tmp_path):
+    """Two processes fit GPT-2 (default config) under MultiWorkerMirroredStrategy, save it,
+    and each loads it back by its class; here, one process loads the same save: every load
+    predicts as the trained model."""
+    results = run_cluster(WORKERS / "library_saving_checks.py", 2, tmp_path, args=[str(tmp_path)])
+    for i, result in enumerate(results):
+        result.check(f"worker {i}")
+    chief, worker = (torch.load(tmp_path / f"worker{i}.pt", weights_only=True) for i in (0, 1))
+    here = sg.keras.models.load_model(str(tmp_path / "gpt2"), allow_packages=("transformers",))
+    assert type(here.module) is transformers.GPT2LMHeadModel
+    predicted = torch.from_numpy(here.predict(hf_models.tokens(8, seed=30)))
+    for got in (chief["loaded"], worker["loaded"], predicted):
+        torch.testing.assert_close(got, chief["trained"], rtol=1e-5, atol=1e-6)
