@@ -114,19 +114,24 @@ def _planted(tmp_path, monkeypatch, registered) -> tuple[str, Path]:
     package = tmp_path / "lib" / "h4planted"
     package.mkdir(parents=True)
     marker = tmp_path / "imported"
-    (package / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (package / "__init__.py").write_text(f"import torch\n\nopen({str(marker)!r}, 'w').close()\n")
     monkeypatch.syspath_prepend(str(tmp_path / "lib"))
     registered()(Net)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no example input, no program; registered: no warning
         sg.saved_model.save(Net(), str(tmp_path / "m"))
     saving.get_custom_objects().pop("Custom>Net")
-    config_file = tmp_path / "m" / "config.json"
-    config = json.loads(config_file.read_text())
-    config["rebuild"].update({"class": "h4planted.Net", "registered_name": None})
-    config_file.write_text(json.dumps(config))
-    write_manifest(str(tmp_path / "m"), ["config.json", "model.safetensors"])
+    _rename(str(tmp_path / "m"), "h4planted.Net")
     return str(tmp_path / "m"), marker
+
+
+def _rename(path: str, name: str) -> None:
+    """The save at ``path`` naming the class ``name``, its manifest rewritten to match."""
+    config_file = Path(path) / "config.json"
+    config = json.loads(config_file.read_text())
+    config["rebuild"].update({"class": name, "registered_name": None})
+    config_file.write_text(json.dumps(config))
+    write_manifest(path, ["config.json", "model.safetensors"])
 
 
 def test_a_class_neither_registered_nor_allowed_is_a_named_error_and_nothing_is_imported(
@@ -140,9 +145,14 @@ def test_a_class_neither_registered_nor_allowed_is_a_named_error_and_nothing_is_
     loaded = sg.keras.models.load_model(path, custom_objects={"Net": Net})
     assert type(loaded.module) is Net and not marker.exists()
     # Allowed, the package is imported (and holds no such module class: a named error).
-    with pytest.raises(saving.UnregisteredClassError, match="importable from the package"):
+    with pytest.raises(saving.UnregisteredClassError, match="defined in the package"):
         sg.keras.models.load_model(path, allow_packages=("h4planted",))
     assert marker.exists()
+    # Allowed packages bound what a file may name: not a class another package defines and
+    # the allowed one merely reaches (here torch's, through ``h4planted.torch``).
+    _rename(path, "h4planted.torch.nn.Linear")
+    with pytest.raises(saving.UnregisteredClassError, match="defined in the package"):
+        sg.keras.models.load_model(path, allow_packages=("h4planted",))
     with pytest.raises(ValueError, match="top-level package names"):
         sg.keras.models.load_model(path, allow_packages=("h4planted.sub",))
 

@@ -181,9 +181,9 @@ def _class_of(record: Mapping[str, Any], policy: ClassPolicy) -> type:
 
 def _import(path: str, package: str) -> type:
     """The class at ``path`` ("a.b.C"), importing its module, which lies inside ``package``."""
-    if not _DOTTED.match(path):
-        raise UnregisteredClassError(f"the save names the class {path!r}, not a dotted name")
     parts = path.split(".")
+    if not _DOTTED.match(path) or any(part.startswith("__") for part in parts):
+        raise UnregisteredClassError(f"the save names the class {path!r}, not a class's path")
     for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
         module_name = ".".join(parts[:cut])
         try:
@@ -192,12 +192,14 @@ def _import(path: str, package: str) -> type:
             continue
         for attribute in parts[cut:]:
             obj = getattr(obj, attribute, None)
-        if isinstance(obj, type) and issubclass(obj, torch.nn.Module):
+        # Defined in the package, not merely reachable from it (a name it re-exports).
+        inside = isinstance(obj, type) and f"{obj.__module__}.".startswith(f"{package}.")
+        if inside and issubclass(obj, torch.nn.Module):
             return obj
         break
     raise UnregisteredClassError(
-        f"the save names the class {path!r}, which is not a torch.nn.Module class importable "
-        f"from the package {package!r}"
+        f"the save names the class {path!r}, which is not a torch.nn.Module class defined in "
+        f"the package {package!r}"
     )
 
 
