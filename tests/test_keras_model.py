@@ -303,7 +303,7 @@ def test_a_model_without_a_program_loads_into_a_given_module(tmp_path, monkeypat
     model = _compiled()
     model.build((None, 5))
     # A module torch.export cannot trace: the weights are saved without a program.
-    monkeypatch.setattr(saving, "_export", lambda *a: (False, "cannot trace it"))
+    monkeypatch.setattr(saving, "_export", lambda *a: (False, "cannot trace it", []))
     with pytest.warns(UserWarning, match="cannot trace it"):
         model.save(str(tmp_path / "saved"))
     with pytest.raises(ValueError, match="pass module="):

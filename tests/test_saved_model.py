@@ -5,6 +5,7 @@ tutorial)."""
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -335,3 +336,55 @@ def test_example_inputs_that_need_unpickling_and_unknown_files_are_refused(tmp_p
     assert not os.path.exists(marker)
     # The untouched archive loads.
     assert isinstance(load_program(io.BytesIO(good), "program.pt2"), nn.Module)
+
+
+# --- a loaded saved model as a trainable layer ----------------------------------------------
+
+
+def test_a_loaded_saved_model_trains_in_a_new_model_under_another_strategy(tmp_path):
+    """The tutorial's ``hub.KerasLayer(loaded, trainable=True)`` inside a ``tf.keras.Model``,
+    loaded and built under another strategy's scope, then ``fit``: ``sg.keras.Model(loaded)``. It
+    evaluates as the model did before the save; two Mirrored replicas train the loaded
+    weights as one process trains the original on the global batches (SGD by hand)."""
+    model = _keras_model()
+    x = np.random.default_rng(3).normal(size=(16, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    before_save = model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    reference = copy.deepcopy(model.module)
+    sg.saved_model.save(model, str(tmp_path / "m"))
+    strategy = sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"])
+    with strategy.scope():  # as the tutorial: loaded in the scope, so its weights are mirrored
+        loaded = sg.saved_model.load(str(tmp_path / "m"))
+        assert isinstance(loaded, nn.Module) and loaded.trainable
+        assert all(strategy.extended.variable_created_in_scope(v) for v in loaded.variables)
+        wrapped = sg.keras.Model(loaded)
+        wrapped.compile(
+            sg.keras.optimizers.SGD(0.1),
+            sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=[sg.metrics.SparseCategoricalAccuracy()],
+        )
+    again = wrapped.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+    assert again == pytest.approx(before_save, rel=1e-6)
+    wrapped.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for i in range(0, 16, 8):
+        optimizer.zero_grad()
+        logits = reference(torch.from_numpy(x[i : i + 8]))
+        nn.functional.cross_entropy(logits, torch.from_numpy(y[i : i + 8])).backward()
+        optimizer.step()
+    trained = dict(loaded.module.named_parameters())
+    for name, want in reference.named_parameters():
+        torch.testing.assert_close(trained[name], want, rtol=1e-5, atol=1e-6, msg=name)
+        assert not torch.equal(want, dict(model.module.named_parameters())[name])  # it moved
+
+
+def test_trainable_false_freezes_the_loaded_weights(tmp_path):
+    """``hub.KerasLayer(loaded, trainable=False)``: the loaded weights are not trained."""
+    module = _module()
+    sg.saved_model.save(module, str(tmp_path / "m"), signatures=X[:2])
+    loaded = sg.saved_model.load(str(tmp_path / "m"))
+    loaded.trainable = False
+    assert not loaded.trainable and loaded.trainable_variables == []
+    assert len(loaded.variables) == 4
+    loaded.trainable = True
+    assert len(loaded.trainable_variables) == 4

@@ -11,13 +11,16 @@ wrote always passes: its weights are plain tensors.
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import re
 import zipfile
+from collections.abc import Mapping
 from typing import BinaryIO
 
 import torch
+from torch.utils import _pytree as pytree
 
 __all__ = ["ProgramError", "export_program", "load_program"]
 
@@ -37,16 +40,48 @@ _ALLOWED = re.compile(
 )
 
 
-def export_program(module: torch.nn.Module, example: torch.Tensor, target: BinaryIO) -> None:
-    """Export ``module`` (in eval mode) traced on ``example``, its first dimension dynamic."""
+def export_program(module: torch.nn.Module, example: torch.Tensor, target: BinaryIO) -> list[str]:
+    """Export ``module`` (in eval mode) traced on ``example``, its first dimension dynamic.
+    Returns the names of the outputs the program leaves out: entries of a dict-like output
+    (a Hugging Face ``ModelOutput``) holding objects torch.export cannot carry, such as a
+    language model's cache; the rest of the output is exported."""
     was_training = module.training
     try:
         module.eval()
+        with torch.no_grad():
+            dropped = _unexportable(module(example))
+        traced = _without_outputs(module, dropped) if dropped else module
         batch = torch.export.Dim("batch")
-        program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+        program = torch.export.export(traced, (example,), dynamic_shapes=({0: batch},))
         torch.export.save(program, target)
     finally:
         module.train(was_training)
+    return dropped
+
+
+def _unexportable(output: object) -> list[str]:
+    """The keys of a dict-like output whose values are not tensors (nor containers of them)."""
+    if not isinstance(output, Mapping):
+        return []
+
+    def plain(leaf: object) -> bool:
+        return leaf is None or isinstance(leaf, torch.Tensor | bool | int | float)
+
+    return [str(k) for k, v in output.items() if not all(map(plain, pytree.tree_leaves(v)))]
+
+
+def _without_outputs(module: torch.nn.Module, dropped: list[str]) -> torch.nn.Module:
+    """A module sharing ``module``'s submodules and weights (so the program's weight names are
+    the module's own) whose forward leaves out the outputs ``dropped``."""
+    forward = module.forward
+    view = copy.copy(module)  # a shallow copy: the same parameter and submodule dicts
+
+    def kept(x: torch.Tensor) -> object:
+        out = forward(x)
+        return type(out)(**{k: v for k, v in out.items() if k not in dropped})
+
+    view.forward = kept  # type: ignore[method-assign]
+    return view
 
 
 def load_program(file: BinaryIO, name: str) -> torch.nn.Module:

@@ -4,6 +4,7 @@ directory (the format is ``saving.py``), compiled as it was saved."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from stratagem.keras.io_options import LoadOptions
 from stratagem.keras.mixed_precision import LossScaleOptimizer
 from stratagem.keras.model import Model
 from stratagem.keras.saving import read_saved
+from stratagem.keras.serializable import ClassPolicy
 
 __all__ = ["load_model"]
 
@@ -22,14 +24,28 @@ def load_model(
     module: torch.nn.Module | None = None,
     compile: bool = True,
     options: LoadOptions | None = None,
+    *,
+    custom_objects: Mapping[str, type] | None = None,
+    safe_mode: bool = True,
+    allow_packages: Iterable[str] | str = (),
 ) -> Model:
     """A Model from ``model.save``'s directory; inside a strategy scope it is distributed.
-    ``options``: an ``sg.saved_model.LoadOptions`` (``experimental_io_device``)."""
-    saved = read_saved(path, module, options, "load_model")
+    ``options``: an ``sg.saved_model.LoadOptions`` (``experimental_io_device``).
+
+    The module: ``module`` when given (the weights are loaded into it); else a fresh one of the
+    saved class, built from its saved config, when that class is registered
+    (``sg.keras.saving.register_keras_serializable``), in ``custom_objects`` or from a package
+    in ``allow_packages`` (``safe_mode=False``: any class, for a file you trust); else the
+    saved ``torch.export`` program. A class refused with no program raises
+    ``sg.keras.saving.UnregisteredClassError``, saying how to allow it."""
+    classes = ClassPolicy.of(custom_objects, allow_packages, safe_mode)
+    saved = read_saved(path, module, options, "load_model", classes)
     if saved.module is None:
         raise ValueError(
             f"{path!r} holds no exported program ({saved.config.get('program_missing_because')}"
-            f"); pass module= (a fresh {saved.config['module']['class']}) to load its weights"
+            f") and no config to rebuild its module from "
+            f"({saved.config.get('rebuild_missing_because')}); pass module= (a fresh "
+            f"{saved.config['module']['class']}) to load its weights"
         )
     model = Model(saved.module, dtype=saved.config.get("dtype_policy"))
     if compile and saved.config.get("compile"):

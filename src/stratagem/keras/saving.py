@@ -5,13 +5,13 @@
     <path>/config.json         what the model is, how it was compiled and trained, where
     <path>/manifest.json       the size and SHA-256 of each other file, checked before loading
     <path>/program.pt2         a ``torch.export`` program of the module, when it exports, so
-                               ``load_model`` rebuilds it without its Python class (eval mode;
-                               pass ``module=`` to get training behaviour back)
+                               ``load_model`` rebuilds it without its Python class (eval mode)
 
-``sg.saved_model.save``/``load`` write and read the same directory. ``load_model`` inside
-``strategy.scope()`` distributes the rebuilt parameters again. Only the chief writes; ``save``
-returns on every worker once done. A save appears whole or not at all, and a load reads one
-save (``train.atomic_dir``). Loading never unpickles (``exported_program`` checks first).
+``config.json`` records the module's class and, when it describes itself, its config: a class
+registered or allowed (``serializable``) is rebuilt from it, else the program is used.
+``sg.saved_model`` reads and writes the same directory. ``load_model`` inside a scope
+distributes the module. Only the chief writes; every worker returns once done. A save appears
+whole or not at all (``train.atomic_dir``); loading never unpickles.
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ from stratagem.keras import losses, optimizers
 from stratagem.keras.exported_program import export_program, load_program
 from stratagem.keras.io_options import LoadOptions, SaveOptions, check_options
 from stratagem.keras.mixed_precision import LossScaleOptimizer
+from stratagem.keras.serializable import ClassPolicy, describe, is_registered, rebuild
+from stratagem.keras.serializable import UnregisteredClassError as UnregisteredClassError
+from stratagem.keras.serializable import get_custom_objects as get_custom_objects
+from stratagem.keras.serializable import get_registered_name as get_registered_name
+from stratagem.keras.serializable import get_registered_object as get_registered_object
+from stratagem.keras.serializable import (
+    register_keras_serializable as register_keras_serializable,
+)
 from stratagem.train.atomic_dir import hidden_sibling, open_files, publish
 from stratagem.train.manifest import (
     MANIFEST_FILE,
@@ -226,13 +234,18 @@ def _write(
         state, tied = _weights(module)
         with open(os.path.join(tmp, WEIGHTS_FILE), "wb") as f:
             f.write(save_safetensors(state, metadata={TIED_METADATA: json.dumps(tied)}))
-        exported, why = _export(example_input, module, os.path.join(tmp, PROGRAM_FILE))
-        if not exported:
-            warnings.warn(
-                f"{caller}: no torch.export program ({why}); saved the weights, which "
-                "load_model(path, module=...) loads into a fresh module",
-                stacklevel=4,
+        target = os.path.join(tmp, PROGRAM_FILE)
+        exported, why, dropped = _export(example_input, module, target)
+        rebuilt, rebuild_why = describe(module)
+        whole = exported and not dropped
+        if not whole and not (rebuilt is not None and is_registered(module)):
+            program = (
+                f"a torch.export program that leaves out the outputs {dropped} (objects "
+                "torch.export cannot carry)"
+                if exported
+                else f"no torch.export program ({why})"
             )
+            warnings.warn(_needs_help(caller, program, rebuilt, rebuild_why), stacklevel=4)
         config = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -246,7 +259,10 @@ def _write(
             },
             "tied": tied,
             "program": PROGRAM_FILE if exported else None,
-            "program_missing_because": why,
+            "program_missing_because": None if exported else why,
+            "program_outputs_left_out": dropped,
+            "rebuild": rebuilt,  # the class and its config, when it describes itself
+            "rebuild_missing_because": rebuild_why,
             "compile": keras.get("compile"),
             "dtype_policy": keras.get("dtype_policy"),
             "training": keras.get("training"),
@@ -261,6 +277,27 @@ def _write(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _needs_help(
+    caller: str, program: str, rebuilt: dict[str, Any] | None, rebuild_why: str | None
+) -> str:
+    """What loading this save as it came will need, said at save time: its program is missing
+    or partial, and its class is not registered (load_model needs it allowed) or has no
+    config to be rebuilt from."""
+    if rebuilt is None:
+        return (
+            f"{caller}: {program} and no config to rebuild the module from ({rebuild_why}); "
+            "load_model(path, module=...) loads the weights into a fresh module"
+        )
+    path = rebuilt["class"]
+    short, package = path.rsplit(".", 1)[-1], path.split(".", 1)[0]
+    return (
+        f"{caller}: {program}; saved the config of {short}, which load_model(path) rebuilds "
+        f"only once the class is allowed: "
+        f"load_model(path, allow_packages=({package!r},)), custom_objects={{{short!r}: "
+        f"{short}}}, or sg.keras.saving.register_keras_serializable() on the class"
+    )
 
 
 def _weights(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -319,18 +356,17 @@ def _on_cpu(module: torch.nn.Module) -> torch.nn.Module:
 
 def _export(
     example: torch.Tensor | None, module: torch.nn.Module, target: str
-) -> tuple[bool, str | None]:
+) -> tuple[bool, str | None, list[str]]:
+    """Whether the program was written, why not, and the outputs it leaves out."""
     if example is None:
-        return False, "the model never saw an input (fit, evaluate or predict it first)"
+        return False, "the model never saw an input (fit, evaluate or predict it first)", []
     try:
         with open(target, "wb") as f:
-            export_program(_on_cpu(module), example, f)
-        return True, None
+            dropped = export_program(_on_cpu(module), example, f)
+        return True, None, dropped
     except Exception as e:  # a module torch.export cannot trace: weights still load
-        return (
-            False,
-            f"the module did not export: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
-        )
+        first = (str(e).splitlines() or [""])[0]
+        return False, f"the module did not export: {type(e).__name__}: {first}", []
 
 
 @dataclass
@@ -344,11 +380,18 @@ class Saved:
 
 
 def read_saved(
-    path: str, module: torch.nn.Module | None, options: LoadOptions | None, caller: str
+    path: str,
+    module: torch.nn.Module | None,
+    options: LoadOptions | None,
+    caller: str,
+    classes: ClassPolicy | None = None,
 ) -> Saved:
     """Read the save at ``path``: every file from one and the same save, nothing unpickled.
-    The module is rebuilt from the program (inside a strategy scope, its parameters are
-    created in the scope) unless ``module`` is given; the weights are loaded into it."""
+    The module is ``module`` when given; else a fresh one of its class, from the saved config,
+    when ``classes`` allows that class; else rebuilt from the program (inside a strategy
+    scope, its parameters are created in the scope). The weights are loaded into it. A class
+    refused with no program to fall back on (TF revives a model from its functions when its
+    class is unknown) raises ``UnregisteredClassError``."""
     check_options(options, LoadOptions, caller)
     path = os.fspath(path)
     try:
@@ -366,6 +409,12 @@ def read_saved(
                 check_file(path, WEIGHTS_FILE, files[WEIGHTS_FILE], manifest, "saved model")
                 if config.get("program"):
                     check_file(path, PROGRAM_FILE, program, manifest, "saved model")
+            if module is None and classes is not None and config.get("rebuild"):
+                try:
+                    module = rebuild(config["rebuild"], classes)
+                except UnregisteredClassError:
+                    if program is None:
+                        raise
             if module is None and program is not None:
                 module = load_program(program, os.path.join(path, PROGRAM_FILE))
             weights = os.path.join(path, WEIGHTS_FILE)

@@ -4,7 +4,7 @@ They read and write the one directory format of ``model.save`` (``sg.keras.savin
 safetensors weights, a JSON config and a ``torch.export`` program. ``save`` takes a Keras model
 or any ``torch.nn.Module``, distributed or not; ``load`` gives back a ``LoadedModel`` (not a
 Keras model, as in TensorFlow) that is callable and holds its serving function under
-``signatures["serving_default"]``.
+``signatures["serving_default"]``; a ``torch.nn.Module``, so ``sg.keras.Model(loaded)`` trains it.
 """
 
 from stratagem.keras.io_options import LoadOptions, SaveOptions

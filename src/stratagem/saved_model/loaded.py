@@ -6,8 +6,10 @@ serving functions in ``signatures``; ``signatures["serving_default"](x)`` return
 named output tensors. Names: TensorFlow names a Keras model's outputs after its output layers
 (``{"dense_1": ...}``) and a plain function's ``output_0``, ``output_1``...; a torch module has
 no output layer names, so outputs are always ``output_<i>`` (a dict output keeps its keys).
-``module`` is the rebuilt ``torch.nn.Module`` itself: to train further, wrap it
-(``sg.keras.Model(loaded.module)``) where TensorFlow wraps the object in ``hub.KerasLayer``.
+``module`` is the rebuilt ``torch.nn.Module``. The loaded object is itself a module (its one
+submodule is ``module``), so it trains as a layer of a new model: ``sg.keras.Model(loaded)``,
+built in any strategy's scope, where TensorFlow writes ``hub.KerasLayer(loaded,
+trainable=True)`` inside a ``tf.keras.Model``; ``trainable`` is that switch.
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ class ServingFunction:
         return f"ServingFunction({type(self._module).__name__})"
 
 
-class LoadedModel:
+class LoadedModel(torch.nn.Module):
     """A loaded saved model: callable, with ``signatures``, ``variables``,
-    ``trainable_variables`` and the rebuilt ``module``."""
+    ``trainable_variables`` and the rebuilt ``module``; a ``torch.nn.Module`` whose weights
+    are the loaded ones, so a new model trains them (``sg.keras.Model(loaded)``)."""
 
     def __init__(
         self,
@@ -62,6 +65,7 @@ class LoadedModel:
         config: dict[str, Any],
         path: str,
     ) -> None:
+        super().__init__()
         self.module = module
         self.config = config
         self._path = path
@@ -72,7 +76,7 @@ class LoadedModel:
             {} if module is None else {DEFAULT_SERVING_SIGNATURE_DEF_KEY: ServingFunction(module)}
         )
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.module is None:
             raise ValueError(
                 f"the saved model at {self._path!r} has no function to call: it was saved "
@@ -93,6 +97,15 @@ class LoadedModel:
         if self.module is None:
             return []
         return [p for p in self.module.parameters() if p.requires_grad]
+
+    @property
+    def trainable(self) -> bool:
+        """``hub.KerasLayer``'s switch: whether training updates the loaded weights."""
+        return any(p.requires_grad for p in self.parameters())
+
+    @trainable.setter
+    def trainable(self, value: bool) -> None:
+        self.requires_grad_(bool(value))
 
     def __repr__(self) -> str:
         return f"LoadedModel({self._path!r}, signatures={sorted(self.signatures)})"
