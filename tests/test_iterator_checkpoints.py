@@ -289,3 +289,22 @@ def test_a_workers_own_rebatched_stream_resumes_exactly(batch):
         restored = iter(strategy.experimental_distribute_dataset(dataset()))
         restored.load_state_dict(state)
         assert head + _global_batches(strategy, restored) == whole, f"after {k} steps"
+
+
+def test_a_position_saved_by_another_input_pipeline_is_refused():
+    """As under a parameter-server strategy, whose chief saves its own pipeline's position
+    alone: worker 1's pipeline must not take pipeline 0's position for its own."""
+    strategy = sg.distribute.get_strategy()
+
+    def dataset_fn(ctx):
+        return D.range(20).shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(2)
+
+    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    next(iterator)
+    state = _saved(iterator)
+    assert state["per_worker"][0]["pipeline"] == [0, 1]
+    state["per_worker"][0]["pipeline"] = [1, 2]  # what pipeline 1 of 2 would have saved
+    restored = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    with pytest.raises(sg.errors.InputError, match="pipeline 1 of 2's; this iterator reads"):
+        restored.load_state_dict(state)
+    assert [int(v) for v in next(restored)] == [0, 1]  # refused before anything changed

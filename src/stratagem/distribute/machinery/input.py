@@ -353,6 +353,9 @@ class _AgreedIterator:
     def _own_state(self) -> dict[str, Any]:
         return {}
 
+    def _check_own_state(self, state: dict[str, Any]) -> None:
+        """Refuse a state that is not this iterator's (before anything changes)."""
+
     def _load_own_state(self, state: dict[str, Any]) -> None:
         pass
 
@@ -403,6 +406,7 @@ class _AgreedIterator:
                 "the saved input position is one shared global stream's; this iterator's "
                 "workers read their own streams"
             )
+        self._check_own_state(state)
         source = self._stateful_source()
         if self._ahead is not None:
             # The 'is there another batch' agreement under way: every worker waits for it, so
@@ -774,11 +778,16 @@ class DistributedDatasetFromFunction:
             )
         self._extended = extended
         self._dataset = dataset
+        self._ctx = ctx
         self._distributor = _Distributor(extended, options)
 
     def __iter__(self) -> _PerReplicaIterator:
         return _PerReplicaIterator(
-            self._extended, iter(self._dataset), self._distributor, lambda: self.element_spec
+            self._extended,
+            iter(self._dataset),
+            self._distributor,
+            lambda: self.element_spec,
+            (self._ctx.input_pipeline_id, self._ctx.num_input_pipelines),
         )
 
     @property
@@ -801,11 +810,13 @@ class _PerReplicaIterator(_AgreedIterator):
         source: Iterator[Any],
         distributor: _Distributor,
         element_spec: Callable[[], Any],
+        pipeline: tuple[int, int],
     ) -> None:
         super().__init__(extended, distributor)
         self._source = source
         self._spec = element_spec
         self._empty: Any = None  # an empty replica batch shaped like the last one
+        self._pipeline = pipeline  # (input_pipeline_id, num_input_pipelines)
 
     def _element_spec(self) -> Any:
         return self._spec()
@@ -814,7 +825,20 @@ class _PerReplicaIterator(_AgreedIterator):
         return self._source
 
     def _own_state(self) -> dict[str, Any]:
-        return {"empty": self._empty}
+        return {"empty": self._empty, "pipeline": list(self._pipeline)}
+
+    def _check_own_state(self, state: dict[str, Any]) -> None:
+        # A parameter server's chief saves alone: its position is input pipeline 0's, which no
+        # other worker's pipeline may take for its own.
+        saved = tuple(state.get("pipeline", ()))
+        if saved != self._pipeline:
+            raise InputError(
+                f"the saved input position is input pipeline {saved[0]} of {saved[1]}'s; this "
+                f"iterator reads pipeline {self._pipeline[0]} of {self._pipeline[1]}: a "
+                "pipeline's position restores only into the same pipeline of a job of as many"
+                if len(saved) == 2
+                else f"the saved input position names no input pipeline: {saved!r}"
+            )
 
     def _load_own_state(self, state: dict[str, Any]) -> None:
         self._empty = state["empty"]
