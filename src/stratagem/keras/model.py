@@ -50,6 +50,7 @@ from stratagem.keras.mixed_precision import LossScaleOptimizer
 from stratagem.keras.mixed_precision import policy as dtype_policies
 from stratagem.keras.saving import example_for
 from stratagem.keras.step_runner import BatchSteps, LocalSteps, StepRunner
+from stratagem.keras.token_loss import GlobalTokens
 from stratagem.recompute import recompute_grad
 from stratagem.shipping.portable import Portable
 from stratagem.train import Checkpoint, latest_checkpoint
@@ -78,7 +79,14 @@ class Model(Portable):
 
     # What a coordinator's worker does not get (``Portable``): this process's fit and its
     # compiled forward (the worker runs the module eagerly).
-    _sg_local = ("history", "_fit_data", "_pipeline", "_forward", "_example_input")
+    _sg_local = (
+        "history",
+        "_fit_data",
+        "_pipeline",
+        "_forward",
+        "_example_input",
+        "_global_tokens",
+    )
 
     def __init__(
         self,
@@ -118,6 +126,8 @@ class Model(Portable):
         self.steps_per_execution = 1
         self.jit_compile = False
         self._forward: Callable[..., Any] | None = None  # the compiled module, jit_compile=True
+        self._global_tokens = GlobalTokens()  # fit's counts of real tokens (token_loss)
+        self._token_counted = False  # whether the latest step's module got the count
 
     def __call__(self, *args: Any, training: bool | None = None, **kwargs: Any) -> Any:
         """The module on the inputs, as Keras's ``model(x, training=...)``: ``training=True``
@@ -255,6 +265,7 @@ class Model(Portable):
     def _sg_after_rebuild(self) -> None:
         self.history = self._fit_data = self._pipeline = self._forward = None
         self._example_input = None
+        self._global_tokens = GlobalTokens()
 
     def _require_compiled(self, what: str) -> None:
         # No loss is a choice: the model's own (``compute_loss``).
@@ -291,16 +302,13 @@ class Model(Portable):
     def _own_loss(self, x: Any, output: Any, sample_weight: Any) -> torch.Tensor:
         """The module's own loss (``output.loss``) as this replica's share of the global mean.
 
-        The module gives one number: the mean over this replica's part of the batch (for a
-        language model, over its tokens). Each example of the part is taken to carry that mean,
-        so the part weighs as many examples as it holds, as every loss here does
-        (``compute_average_loss``): the replicas' shares add up to the global batch's mean over
-        examples, and fit on N replicas equals one device on the global batch, an uneven last
-        batch included. A token-averaged loss is so exact when every example has as many
-        counted tokens (equal lengths, no padding); with padding, a part's token mean counts
-        once per example, not each token once. Counting tokens would need each model's loss
-        recomputed from its logits and a collective per step for the global count. (HF's Keras
-        models average the replicas' means, weighing the replicas equally.)"""
+        A module given the global count of real tokens (``token_loss``: HF's
+        ``num_items_in_batch``) returns its share of the global token mean already. Otherwise
+        the module gives the mean over this replica's part of the batch, and each example of
+        the part is taken to carry that mean, so the part weighs as many examples as it holds,
+        as every loss here does (``compute_average_loss``): exact when every example has as
+        many counted tokens (equal lengths, no padding). (HF's Keras models average the
+        replicas' means, weighing the replicas equally.)"""
         assert self._loss_tracker is not None
         signature = module_calls.forward_signature(self.module)
         if sample_weight is not None:
@@ -310,8 +318,15 @@ class Model(Portable):
                 "Compile a loss (model.compile(optimizer, loss=...)), or drop sample_weight"
             )
         loss = module_calls.own_loss(output, signature)
-        per_example = loss.expand(module_calls.examples_in(x))
-        return self._replica_loss(per_example)
+        examples = module_calls.examples_in(x)
+        if not self._token_counted:
+            return self._replica_loss(loss.expand(examples))
+        # Spread the share over the part's examples so that compute_average_loss gives the
+        # share back: ``part`` is the part's weight in it (its examples / the global batch).
+        part = sg_nn.compute_average_loss(torch.ones_like(loss.detach()).expand(examples))
+        per_example = (loss / part).expand(examples)
+        # Accumulating: N_i / N_1, the rest at the update (token_loss).
+        return self._replica_loss(per_example) * self._global_tokens.loss_scale()
 
     def _replica_loss(self, per_example: torch.Tensor) -> torch.Tensor:
         """What this replica's backward starts from, given its per-example losses, as the
@@ -345,6 +360,8 @@ class Model(Portable):
         self.optimizer.zero_grad()
         # Scaled under a LossScaleOptimizer; see gradient_accumulation_steps.
         self.optimizer.backward(self.optimizer.scale_loss(loss), self.distribute_strategy)
+        if self._token_counted:
+            self._global_tokens.rescale(self.module.parameters(), self.optimizer)
         self.optimizer.step()
         self.update_metrics(self._targets(x, y), y_pred, sample_weight)
 
@@ -371,6 +388,14 @@ class Model(Portable):
         extra: dict[str, Any] = {}
         if self.loss is None and y is not None:
             extra.update(module_calls.labels_arguments(signature, y))
+        labels = extra.get("labels", module_calls.labels_in(x)) if self.loss is None else None
+        self._token_counted = isinstance(labels, torch.Tensor) and GlobalTokens.applies(
+            self.module, signature
+        )
+        if self._token_counted:
+            extra["num_items_in_batch"] = self._global_tokens.count(
+                self.module, labels, self.optimizer, training=training
+            )
         if signature.takes("training"):
             extra["training"] = training
         args, kwargs = module_calls.call_arguments(signature, x, extra)
