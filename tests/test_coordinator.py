@@ -655,7 +655,7 @@ def test_a_coordinator_job_schedules_joins_fetches_and_names_every_error(tmp_pat
     assert "boom 7" in r["held_cancelled"]  # running when boom failed: cancelled too
     # Scheduled while another failed: cancelled at once, not queued behind the pending error.
     assert r["raced_settled_at_once"] and "was cancelled" in r["raced"], r["raced"]
-    assert "cannot be sent" in r["unsendable"] and "fetch it first" in r["remote_arg"]
+    assert "cannot be sent" in r["unsendable"] and "Input has an error" in r["remote_arg"]
     assert "the function's return value" in r["not_plain"]
     assert "only the chief" in r["from_worker"]
     assert "failed on worker 1" in r["dataset_error"]

@@ -219,3 +219,19 @@ def test_the_suites_check_of_kept_descriptions_catches_a_stale_one(job):
     got = _part(job, "stale_check")
     assert "kept the last description, but a new one differs" in (got or ""), got
     assert "table entry" in got and "'v': 0" in got and "'v': 1" in got, got
+
+
+@pytest.mark.multiprocess
+def test_a_remote_value_argument_is_its_value_or_its_functions_error(job):
+    """TF's ``maybe_get_remote_value``: a RemoteValue passed to ``schedule`` reaches the
+    function as its value; where its function failed, the function does not run and fails
+    with ``ClosureInputError`` naming the original failure."""
+    got = _part(job, "remote_inputs")
+    assert got["second"] == 12.0  # double(double(3))
+    assert got["both"] == 6.0 + 12.0 + 6.0
+    assert "the input's own failure" in (got["failed"] or ""), got
+    for raised_by in ("join", "fetch"):
+        message = got[raised_by] or ""
+        assert message.startswith("ClosureInputError: Input has an error"), got
+        assert "the input's own failure" in message, got
+    assert got["after"] == 24.0  # the coordinator goes on

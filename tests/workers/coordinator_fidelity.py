@@ -22,6 +22,9 @@
 - the chief describes a function scheduled again with the same arguments once, yet each call
   sees what the chief changed before it was scheduled (the same kinds of change, a dict's
   item, an argument's attribute, and whether a variable is trainable);
+- a ``RemoteValue`` argument is its value; one whose function failed fails the function it
+  is passed to with ``ClosureInputError`` (TF's ``maybe_get_remote_value`` and
+  ``ClosureInputError``);
 - cancellation (``testCancellation``): a function still running when another fails is
   cancelled (its ``fetch`` raises ``CancelledError``; it stopped on its worker), ``join`` raises
   the failure once, and the coordinator is used again after.
@@ -553,6 +556,32 @@ def cancellation():
     return result
 
 
+def add(pair, extra=None):
+    return pair[0] + pair[1] + (extra["more"] if extra else 0)
+
+
+def fail_now():
+    raise ValueError("the input's own failure")
+
+
+def remote_inputs():
+    """A RemoteValue passed to schedule is its value on the worker (TF's
+    ``maybe_get_remote_value``), in a list and a dict too; one whose function failed fails
+    the function it is passed to with ``ClosureInputError`` (TF's), which ``join`` raises."""
+    first = coordinator.schedule(double, args=(torch.tensor(3.0),))
+    second = coordinator.schedule(double, args=(first,))
+    both = coordinator.schedule(add, args=([first, second],), kwargs={"extra": {"more": first}})
+    result = {"second": float(second.fetch()), "both": float(both.fetch())}
+    failing = coordinator.schedule(fail_now)
+    result["failed"] = raised(sg.distribute.coordinator.FunctionError, coordinator.join)
+    dependent = coordinator.schedule(double, args=(failing,))
+    error = sg.distribute.coordinator.ClosureInputError
+    result["join"] = raised(error, coordinator.join)
+    result["fetch"] = raised(error, dependent.fetch)
+    result["after"] = float(coordinator.schedule(double, args=(second,)).fetch())
+    return result
+
+
 def fit_data(input_context=None):
     x = torch.linspace(-1, 1, 64).reshape(32, 2)
     y = (x.sum(dim=1) > 0).long()
@@ -602,6 +631,7 @@ result = {
     "reuse": outcome(reuse),
     "chief_changes": outcome(chief_changes),
     "stale_check": outcome(stale_check),
+    "remote_inputs": outcome(remote_inputs),
     "cancel": outcome(cancellation),
 }
 (OUT / "result.json").write_text(json.dumps(result))

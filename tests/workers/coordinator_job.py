@@ -238,8 +238,14 @@ def main() -> None:
     def schedules_from_a_worker() -> None:
         coordinator.schedule(helper, args=(1,))
 
+    # A RemoteValue argument whose function failed (cancelled): the function does not run,
+    # and join raises TF's ClosureInputError naming the input's failure.
+    coordinator.schedule(helper, args=(holding,))
     result["remote_arg"] = expect(
-        TypeError, lambda: coordinator.schedule(helper, args=(holding,)), "fetch it first"
+        sg.distribute.coordinator.ClosureInputError,
+        coordinator.join,
+        "Input has an error",
+        "was cancelled while it ran",
     )
     returns_a_lock = coordinator.schedule(make_lock)
     result["not_plain"] = expect(

@@ -4,6 +4,7 @@ that worker tasks run; functions travel by reference, see ``stratagem.shipping``
 from stratagem.distribute.coordinator.cluster_coordinator import ClusterCoordinator
 from stratagem.distribute.coordinator.remote_values import (
     CancelledError,
+    ClosureInputError,
     FunctionError,
     PerWorkerDataset,
     PerWorkerIterator,
@@ -17,6 +18,7 @@ from stratagem.distribute.machinery.input import (
 
 __all__ = [
     "CancelledError",
+    "ClosureInputError",
     "ClusterCoordinator",
     "FunctionError",
     "PerWorkerDataset",

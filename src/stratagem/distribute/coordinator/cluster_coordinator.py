@@ -31,6 +31,7 @@ from stratagem.cluster import is_coordinated
 from stratagem.distribute.coordinator.dispatch import Dispatch
 from stratagem.distribute.coordinator.remote_values import (
     CancelledError,
+    ClosureInputError,
     PerWorkerDataset,
     PerWorkerIterator,
     RemoteValue,
@@ -53,7 +54,6 @@ _SPECIAL_TYPES = (
     PerWorkerDistributedDatasetsFromFunction,
     PerWorkerIterator,
     PerWorkerDataset,
-    RemoteValue,
 )
 
 
@@ -159,8 +159,16 @@ class ClusterCoordinator:
     def schedule(
         self, fn: Callable[..., Any], args: tuple = (), kwargs: dict[str, Any] | None = None
     ) -> RemoteValue:
-        """Queue ``fn(*args, **kwargs)`` for a free worker; its ``RemoteValue``, at once."""
+        """Queue ``fn(*args, **kwargs)`` for a free worker; its ``RemoteValue``, at once.
+
+        A ``RemoteValue`` among the arguments (in lists, tuples, dicts) is passed as its value,
+        as TF's worker passes it: its function finished first (``schedule`` waits for it here,
+        where TF's worker raises if it has not run yet); if that function failed, this one
+        does not run and fails with ``ClosureInputError`` (``join`` raises it)."""
         self._work.raise_if_error()
+        inputs: list[RemoteValue] = []
+        args, kwargs = _inputs_resolved((args, kwargs), inputs)
+        failed = next((e for e in (v.settled()[1] for v in inputs) if e is not None), None)
         # Variables created in a scope still open are made on the ps before a function uses them.
         self.strategy.extended.adopt_pending()
         described = self._descriptions.describe(fn, args, kwargs or {})
@@ -186,7 +194,12 @@ class ClusterCoordinator:
             closure.must_see = work.writes_ended()
             closure.table_id = self._tables.number(fingerprint, work.new_id)
             closure.entries = fingerprint
-            if work.error is not None:
+            if failed is not None:
+                # TF's worker raises ClosureInputError before running it: the function fails.
+                error = ClosureInputError(failed)
+                closure.value.settle(error=error)
+                work.fail(error)
+            elif work.error is not None:
                 # A function failed while this one was being described (after the check
                 # above): it is cancelled as the ones queued then were. Queued behind a pending
                 # error, no worker would take it and nothing would cancel it: fetch() would hang.
@@ -307,11 +320,6 @@ class ClusterCoordinator:
             return {"strategy": True}
         if value is self:
             return {"coordinator": True}
-        if isinstance(value, RemoteValue):
-            raise TypeError(
-                f"{value!r} is passed to schedule: fetch it first (coordinator.fetch); a "
-                "RemoteValue does not travel to another worker here yet"
-            )
         return None
 
     def _tensor(self, value: torch.Tensor) -> dict[str, Any] | None:
@@ -397,6 +405,23 @@ class ClusterCoordinator:
             finally:
                 connection.close()
         self._links.close_control()
+
+
+def _inputs_resolved(value: Any, inputs: list[RemoteValue]) -> Any:
+    """``value`` with each ``RemoteValue`` in it (lists, tuples, dicts) replaced by its value,
+    once its function has finished (None where it failed); those are appended to ``inputs``.
+    A container holding none is returned itself (the kept descriptions go by identity)."""
+    if isinstance(value, RemoteValue):
+        inputs.append(value)
+        return value.settled()[0]
+    before = len(inputs)
+    if type(value) in (list, tuple):
+        items = [_inputs_resolved(v, inputs) for v in value]
+        return value if len(inputs) == before else type(value)(items)
+    if type(value) is dict:
+        resolved = {k: _inputs_resolved(v, inputs) for k, v in value.items()}
+        return value if len(inputs) == before else resolved
+    return value
 
 
 def _recipe(dataset: sg_data.Dataset, describer: shipping.Describer) -> list[Any]:

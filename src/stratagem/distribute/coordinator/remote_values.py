@@ -24,6 +24,21 @@ class FunctionError(RuntimeError):
         self.type_name = type_name  # the type the function raised on the worker
 
 
+class ClosureInputError(RuntimeError):
+    """A scheduled function's argument is a ``RemoteValue`` whose function failed: the function
+    does not run (TF's ``ClosureInputError``, its message); ``original_exception`` is that
+    failure."""
+
+    def __init__(self, original_exception: BaseException) -> None:
+        if isinstance(original_exception, ClosureInputError):
+            original_exception = original_exception.original_exception
+        self.original_exception = original_exception
+        super().__init__(
+            f"Input has an error, the original exception is {original_exception!r}, error "
+            f"message is {original_exception}."
+        )
+
+
 class RemoteValue:
     """The value a scheduled function will return (TF's ``tf.distribute.experimental.
     coordinator.RemoteValue``): ``fetch()`` waits for it."""
@@ -59,6 +74,12 @@ class RemoteValue:
             raise self._error
         self._on_fetch()
         return self._value
+
+    def settled(self) -> tuple[Any, BaseException | None]:
+        """Wait for the function to finish: its value and its error (one of them None), as the
+        coordinator passes it to a function scheduled with it as an argument."""
+        self._done.wait()
+        return self._value, self._error
 
     def get(self) -> Any:
         """As ``fetch`` (TF's ``get`` returns the value without copying it to the host)."""
