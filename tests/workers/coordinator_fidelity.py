@@ -363,7 +363,8 @@ def make_counter():
 
 count_up = make_counter()
 tally = sg.keras.metrics.Sum()  # an accumulator: starts empty on the worker at each call
-# A Keras optimizer's step counter (a volatile attribute: not watched, set at each call).
+# A Keras optimizer's step counter (a volatile attribute: not watched, set at each call; what a
+# call adds comes back to the chief's, as to TF's ps variable).
 stepping = BoundOptimizer(torch.optim.SGD(probe.parameters(), lr=0.5))
 
 
@@ -374,7 +375,7 @@ def add_one():
 
 def count_on():
     before = stepping.iterations
-    stepping.iterations = before + 1  # (on this worker's copy: the chief's stays)
+    stepping.iterations = before + 1  # on this worker's copy; the step comes back to the chief
     return [before, seen_again(stepping, "stepping")]
 
 
@@ -564,6 +565,26 @@ def fail_now():
     raise ValueError("the input's own failure")
 
 
+with strategy.scope():
+    looped = torch.nn.Linear(1, 1)
+looped_optimizer = BoundOptimizer(torch.optim.SGD(looped.parameters(), lr=0.1))
+
+
+def loop_step():
+    looped_optimizer.zero_grad()
+    looped(torch.ones(1, 1)).sum().backward()
+    looped_optimizer.step()
+
+
+def custom_loop_iterations():
+    """A custom loop's optimizer steps, taken on the workers, count in the chief's
+    ``optimizer.iterations`` (TF's is a ps variable that ``apply_gradients`` adds to)."""
+    for _ in range(6):
+        coordinator.schedule(loop_step)
+    coordinator.join()
+    return looped_optimizer.iterations
+
+
 def remote_inputs():
     """A RemoteValue passed to schedule is its value on the worker (TF's
     ``maybe_get_remote_value``), in a list and a dict too; one whose function failed fails
@@ -632,6 +653,7 @@ result = {
     "chief_changes": outcome(chief_changes),
     "stale_check": outcome(stale_check),
     "remote_inputs": outcome(remote_inputs),
+    "loop_iterations": outcome(custom_loop_iterations),
     "cancel": outcome(cancellation),
 }
 (OUT / "result.json").write_text(json.dumps(result))

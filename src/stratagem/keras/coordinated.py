@@ -152,9 +152,8 @@ class CoordinatedSteps:
     def train(self, step: int, limit: int, one_pass: bool, cbs: CallbackList) -> tuple[int, bool]:
         assert self._data is not None, "CoordinatedSteps.train needs the fit's data"
         cbs.on_train_batch_begin(step)
+        # The workers' steps count in optimizer.iterations as each function ends (its totals).
         self._coordinator.schedule(train_steps, args=(self._model, self._data.iterator, limit))
-        for _ in range(limit):
-            self._model.optimizer.count_step()  # iterations: batches scheduled
         return limit, False  # a worker's dataset repeats: it never ends
 
     def end_epoch(self) -> None:

@@ -268,7 +268,11 @@ class BoundOptimizer(Portable):
     update runs at the k-th. ``iterations`` counts optimizer steps (Keras: batches // k).
     """
 
-    _sg_volatile = ("_batches",)  # a coordinated fit counts each call's batches
+    _sg_volatile = ("_batches",)  # the chief's count, read again at each call
+    # TF's ``iterations`` is a ps variable: the steps a scheduled function takes on its worker
+    # come back and are added to the chief's count (``_sg_totals``), a custom loop's or fit's.
+    _sg_accumulates = True
+    _sg_local = ("_start",)  # the count a worker's call started from
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, gradient_accumulation_steps: int | None = None
@@ -278,6 +282,16 @@ class BoundOptimizer(Portable):
         # Keras's ``_iterations``: calls of ``step`` (its ``apply``), micro-batches included,
         # whoever calls it: ``fit``, or a custom loop.
         self._batches = 0
+        self._start = 0
+
+    def _sg_after_rebuild(self) -> None:
+        self._start = self._batches
+
+    def _sg_totals(self) -> torch.Tensor:
+        return torch.tensor(self._batches - self._start, dtype=torch.int64)
+
+    def _sg_add_totals(self, totals: torch.Tensor) -> None:
+        self._batches += int(totals)
 
     @property
     def iterations(self) -> int:
