@@ -364,6 +364,7 @@ class Model(Portable):
             self._global_tokens.rescale(self.module.parameters(), self.optimizer)
         self.optimizer.step()
         self.update_metrics(self._targets(x, y), y_pred, sample_weight)
+        self._token_counted = False  # a compute_loss outside a step counts nothing
 
     def test_step(self, data: Any) -> None:
         """One evaluation step on one replica's part of the batch."""
@@ -372,12 +373,14 @@ class Model(Portable):
             y_pred = self._step_forward(x, y, training=False)
             self.compute_loss(x, y, y_pred, sample_weight)
             self.update_metrics(self._targets(x, y), y_pred, sample_weight)
+        self._token_counted = False
 
     def predict_step(self, data: Any) -> torch.Tensor:
         x, _, _ = unpack(data)
         with torch.no_grad():
             output = self._step_forward(x, None, training=False)
-            return module_calls.prediction(output, self.output_name)
+        self._token_counted = False
+        return module_calls.prediction(output, self.output_name)
 
     def _step_forward(self, x: Any, y: Any, *, training: bool) -> Any:
         """The module's output on one replica's inputs in a step, in float32 whatever the
