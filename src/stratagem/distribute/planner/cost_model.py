@@ -14,7 +14,7 @@ per device, in bytes, for one training step on a global batch of ``world`` examp
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from stratagem.distribute.planner.model_trace import LayerFacts, ModelFacts
 
@@ -32,12 +32,13 @@ class Memory:
     activations: int
     gathered: int  # parameters and gradients a sharded strategy holds whole for a while
     temporary: int  # the optimizer step's scratch tensors
+    buffers: int = 0  # communication buffers kept from step to step
 
     @property
     def peak(self) -> int:
         at_backward = self.activations + self.gathered
         at_step = self.grads + self.temporary
-        return self.params + self.optimizer + max(at_backward, at_step)
+        return self.params + self.optimizer + self.buffers + max(at_backward, at_step)
 
 
 def allreduce(n: float, k: int) -> float:
@@ -66,8 +67,11 @@ def _memory(
 
 
 def mirrored(f: ModelFacts, world: int, slots: int) -> tuple[Memory, float]:
-    """MultiWorkerMirroredStrategy: everything whole; gradients all-reduced."""
+    """MultiWorkerMirroredStrategy: everything whole; gradients copied into buckets that it
+    keeps (``comm.bucketing``) and all-reduced there."""
     memory = _memory(f, f.param_bytes, slots, f.activation_bytes, 0)
+    if world > 1:
+        memory = replace(memory, buffers=memory.grads)
     return memory, allreduce(f.trainable_bytes, world)
 
 
@@ -88,8 +92,9 @@ def sharded(
 
 def megatron_mesh(f: ModelFacts, data: int, model: int, slots: int) -> tuple[Memory, float]:
     """A (data, model) mesh, Megatron's projections split over ``model``: each group of
-    ``model`` devices runs one replica on ``model`` example batches; activations saved inside
-    split projections are split too, the others are whole on each device."""
+    ``model`` devices runs one replica on ``model`` example batches; activations saved from a
+    column-wise projection's output to a row-wise one's are split too, the others (norms,
+    residuals, embeddings, the head) are whole on each device."""
     params = f.megatron_bytes / model + (f.param_bytes - f.megatron_bytes)
     whole = (f.activation_bytes - f.megatron_sharded_saved_bytes) * model
     activations = whole + f.megatron_sharded_saved_bytes

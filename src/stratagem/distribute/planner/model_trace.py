@@ -59,7 +59,7 @@ class ModelFacts:
     largest_unit_bytes: int  # the largest FSDP unit: a top-level child holding parameters
     megatron_bytes: int  # parameters of the projections Megatron splits
     megatron_allreduce_bytes: int  # outputs of the row-wise projections (one step, forward)
-    megatron_sharded_saved_bytes: int  # activations saved inside split projections
+    megatron_sharded_saved_bytes: int  # activations saved between and in split projections
     pre: LayerFacts  # before the first pipeline layer (embeddings)
     layers: tuple[LayerFacts, ...]
     post: LayerFacts  # after the last pipeline layer (final norm, head, loss)
@@ -224,18 +224,19 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
 
         handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
         handles.append(module.register_forward_hook(leave))
+    # Under Megatron's split, what runs from the end of a column-wise projection to the end of
+    # the row-wise one after it (the attention heads, the MLP's hidden units) is split too.
     for path, split in megatron.items():
         module = model.get_submodule(path)
 
-        def start(*_: Any, s: str = split) -> None:
-            state["split"] = s
-
         def end(_m: nn.Module, _a: Any, out: Any, s: str = split) -> None:
+            if s == "colwise":
+                state["split"] = "inside"
+                return
             state["split"] = None
-            if s == "rowwise" and isinstance(out, torch.Tensor):
+            if isinstance(out, torch.Tensor):
                 state["allreduce"] += _nbytes(out)
 
-        handles.append(module.register_forward_pre_hook(start))
         handles.append(module.register_forward_hook(end))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

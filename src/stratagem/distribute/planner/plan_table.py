@@ -22,11 +22,25 @@ def format_plan(found: Sequence[Candidate], chosen: Candidate, cluster: ClusterS
         f"Plan for {cluster.world} devices ({cluster.hosts} host(s) x "
         f"{cluster.devices_per_host}), {budget}; MiB per device, sent per step:"
     )
-    columns = ("", "candidate", "params", "grads", "optim", "activ", "gathered", "peak", "sent")
+    columns = (
+        "",
+        "candidate",
+        "params",
+        "grads",
+        "optim",
+        "activ",
+        "gathered",
+        "buffers",
+        "peak",
+        "sent",
+        "verdict",
+    )
     rows = []
     for c in found:
         m = c.memory
-        verdict = "chosen: fits, sends least" if c is chosen else c.reason
+        verdict = c.reason
+        if c is chosen:
+            verdict = "chosen: fits, sends least" if c.fits else f"closest: {c.reason}"
         if c is not chosen and c.fits:
             verdict = f"fits; sends {c.bytes_per_step / max(chosen.bytes_per_step, 1):.2f}x"
         rows.append(
@@ -38,16 +52,18 @@ def format_plan(found: Sequence[Candidate], chosen: Candidate, cluster: ClusterS
                 _mib(m.optimizer),
                 _mib(m.activations),
                 _mib(m.gathered),
+                _mib(m.buffers),
                 _mib(m.peak),
                 _mib(c.bytes_per_step),
                 verdict,
             )
         )
-    widths = [max(len(str(r[i])) for r in [(*columns, ""), *rows]) for i in range(len(columns))]
+    widths = [max(len(r[i]) for r in [columns, *rows]) for i in range(len(columns))]
 
     def line(cells: Sequence[str]) -> str:
+        # names left-aligned, figures right-aligned, the verdict last as it comes
         text = [cells[0].ljust(widths[0]), cells[1].ljust(widths[1])]
-        text += [cell.rjust(w) for cell, w in zip(cells[2:], widths[2:], strict=False)]
-        return "  ".join(text + ([cells[-1]] if len(cells) > len(columns) else [])).rstrip()
+        text += [cell.rjust(w) for cell, w in zip(cells[2:-1], widths[2:-1], strict=True)]
+        return "  ".join([*text, cells[-1]]).rstrip()
 
     return "\n".join([head, line(columns), *(line(r) for r in rows)])
