@@ -163,3 +163,16 @@ def test_bad_arguments_are_named_errors():
         sg.distribute.plan(_mlp(), torch.randn(2, 64), "four")
     with pytest.raises(ValueError, match="optimizer='lamb'"):
         sg.distribute.plan(_mlp(), torch.randn(2, 64), 2, optimizer="lamb")
+
+
+def test_auto_builds_the_chosen_strategy():
+    """On one device the only plan is MultiWorkerMirroredStrategy, built and usable."""
+    model = _mlp(width=16)
+    strategy = sg.distribute.auto(model, torch.randn(4, 16), 1, memory_per_device=2**30)
+    assert isinstance(strategy, sg.distribute.MultiWorkerMirroredStrategy)
+    assert strategy.num_replicas_in_sync == 1
+    with strategy.scope():
+        built = _mlp(width=16)
+    with torch.no_grad():
+        out = strategy.run(lambda: built(torch.ones(2, 16)).sum())
+        assert float(out) == pytest.approx(float(built(torch.ones(2, 16)).sum()))
