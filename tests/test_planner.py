@@ -9,12 +9,14 @@ real job of two processes (``workers/planner_memory.py``).
 from __future__ import annotations
 
 import itertools
+import json
 import time
 
 import pytest
 import torch
 
 import stratagem as sg
+from cluster_utils import WORKERS, run_cluster
 from real_models import hf_models
 from stratagem.distribute.planner import ClusterShape, PlanDoesNotFitError, trace_model
 from stratagem.distribute.planner.candidates import candidates
@@ -163,6 +165,36 @@ def test_bad_arguments_are_named_errors():
         sg.distribute.plan(_mlp(), torch.randn(2, 64), "four")
     with pytest.raises(ValueError, match="optimizer='lamb'"):
         sg.distribute.plan(_mlp(), torch.randn(2, 64), 2, optimizer="lamb")
+
+
+# Config sizes of the two models whose peak is measured: about 12 MiB of parameters each, so
+# that tensors, not the interpreter, make the peak, and a job takes a few seconds.
+MEASURED = {
+    "bert": ["hidden_size=256", "num_hidden_layers=4", "num_attention_heads=4"],
+    "llama": [
+        "hidden_size=256",
+        "intermediate_size=704",
+        "num_hidden_layers=4",
+        "num_attention_heads=4",
+        "num_key_value_heads=4",
+    ],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", sorted(MEASURED))
+def test_predicted_peak_is_within_15_percent_of_the_measured_peak_under_mwms(tmp_path, name):
+    """Two processes train under the MultiWorkerMirroredStrategy the planner builds; each
+    reads its peak of live tensor bytes from torch's profiler memory events and writes it
+    beside the plan's prediction (``workers/planner_memory.py``)."""
+    args = [name, "mirrored", str(tmp_path), *MEASURED[name]]
+    results = run_cluster(WORKERS / "planner_memory.py", 2, tmp_path, args=args, timeout=240)
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    for rank in range(2):
+        found = json.loads((tmp_path / f"mirrored-rank{rank}.json").read_text())
+        ratio = found["predicted"] / found["measured"]
+        assert 0.85 <= ratio <= 1.15, (rank, found)
 
 
 def test_auto_builds_the_chosen_strategy():

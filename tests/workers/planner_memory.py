@@ -4,8 +4,8 @@ built, and write the measured peak of live tensor bytes next to the planner's pr
 argv: model name (``gpt2``, ``llama``, ...), candidate kind (``mirrored``, ``zero3``, ...),
 output folder; sizes as ``key=value`` after them (the model's config overrides). The peak is
 read from torch's profiler memory events (``profile_memory=True``): every CPU allocation and
-free from before the model is built, summed in time order, its maximum during the steps after
-the first (the first step creates the optimizer state and FSDP's buffers). Writes
+free from before the model is built, summed in time order, its maximum during two steps after
+the first (which makes the optimizer's state) once the initial broadcasts are let go. Writes
 ``<out>/<kind>-rank<r>.json``.
 """
 
@@ -22,7 +22,7 @@ from stratagem.distribute.planner import ClusterShape
 
 NAME, KIND, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
 SIZES = {k: json.loads(v) for k, v in (a.split("=", 1) for a in sys.argv[4:])}
-BATCH, STEPS = 4, 3
+BATCH = 4
 
 
 def make() -> torch.nn.Module:
@@ -59,17 +59,17 @@ def batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def peak_during_steps(prof: profile) -> int:
-    """The largest sum of live CPU allocations made since profiling began, after step 1."""
+def peak_during_last_steps(prof: profile) -> int:
+    """The largest sum of the CPU allocations and frees recorded since profiling began, in
+    time order, during the last two steps."""
     events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-    start = min(e.start_ns() for e in events if e.name() == "planner-step-1")
+    start = min(e.start_ns() for e in events if e.name() == "planner-last-steps")
     live = peak = 0
     for e in events:
-        if e.name() != "[memory]" or e.device_type() != torch.autograd.DeviceType.CPU:
-            continue
-        live += e.nbytes()
-        if e.start_ns() >= start:
-            peak = max(peak, live)
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU:
+            live += e.nbytes()
+            if e.start_ns() >= start:
+                peak = max(peak, live)
     return peak
 
 
@@ -79,6 +79,8 @@ def main() -> None:
     chosen = next(c for c in planned.candidates if c.kind == KIND)
     strategy = dataclasses.replace(planned, chosen=chosen).build()
     rank = strategy.cluster_resolver.task_id
+    # Profiling starts before the model exists: the profiler records the frees of what it
+    # saw allocated only.
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with strategy.scope():
             model = make()
@@ -92,11 +94,17 @@ def main() -> None:
             optimizer.step()
             return loss.detach()
 
-        for i in range(STEPS):
-            with record_function(f"planner-step-{i}"):
-                strategy.run(step)
+        strategy.run(step)  # the optimizer's state is made
+        # The communicator keeps the tensors of its last 64 collectives (comm.process_group),
+        # the initial broadcasts among them, until a long job's first steps push them out:
+        # 64 reductions of a scalar do that here.
+        for _ in range(64):
+            strategy.reduce("SUM", torch.zeros(()), axis=None)
+        with record_function("planner-last-steps"):
+            strategy.run(step)
+            strategy.run(step)
     result = {
-        "measured": peak_during_steps(prof),
+        "measured": peak_during_last_steps(prof),
         "predicted": chosen.memory.peak,
         "memory": dataclasses.asdict(chosen.memory),
     }
