@@ -1,9 +1,10 @@
 """The planner's predicted peak per process against the measured peak of live tensor bytes.
 
 For Hugging Face models built from configs (tens of MB of parameters; nothing downloaded),
-under MultiWorkerMirroredStrategy and FSDP ZeRO-3 on 2 CPU processes, each process trains 3
-Adam steps (``tests/workers/planner_memory.py``) and reads its peak from torch's profiler
-memory events. Prints one row per (model, strategy): predicted, measured, predicted/measured.
+under MultiWorkerMirroredStrategy and FSDP ZeRO-3 on 2 CPU processes, each process trains
+Adam steps (``tests/workers/planner_memory.py``) and reads its peak of live tensor bytes from
+torch's profiler memory events. Prints one row per (model, strategy): predicted, measured (the
+larger of the two processes), predicted/measured.
 
     .venv/bin/python benchmarks/planner_memory.py
 """
