@@ -160,6 +160,14 @@ def test_the_printed_plan_lists_every_candidate_and_marks_the_chosen_one():
     assert len(chosen) == 1 and plan.chosen.name in chosen[0]
 
 
+def test_a_cluster_spec_is_grouped_into_hosts_by_address():
+    from stratagem.distribute.planner.choose import cluster_shape
+
+    spec = sg.train.ClusterSpec({"chief": ["a:1"], "worker": ["a:2", "b:1", "b:2"]})
+    assert cluster_shape(spec, 2**30) == ClusterShape(2, 2, 2**30)
+    assert cluster_shape(8, 2**30) == ClusterShape(1, 8, 2**30)
+
+
 def test_bad_arguments_are_named_errors():
     with pytest.raises(ValueError, match="devices_or_cluster"):
         sg.distribute.plan(_mlp(), torch.randn(2, 64), "four")

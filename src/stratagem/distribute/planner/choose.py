@@ -104,10 +104,11 @@ def cluster_shape(devices_or_cluster: Any, memory_per_device: int | None) -> Clu
         if not hosts:
             raise ValueError(f"plan: the cluster {given.as_dict()} has no chief or worker tasks")
         per_host = max(hosts.values())
+        # Hosts of unequal sizes fit no (replicate, shard) grid: priced as one host.
         shape = (
             ClusterShape(len(hosts), per_host)
             if min(hosts.values()) == per_host
-            else (ClusterShape(1, sum(hosts.values())))
+            else ClusterShape(1, sum(hosts.values()))
         )
     else:
         raise ValueError(
