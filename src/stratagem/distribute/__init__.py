@@ -41,6 +41,7 @@ from stratagem.distribute.mirrored_strategy import MirroredStrategy
 from stratagem.distribute.multi_worker_mirrored_strategy import MultiWorkerMirroredStrategy
 from stratagem.distribute.one_device_strategy import OneDeviceStrategy
 from stratagem.distribute.parameter_server_strategy import ParameterServerStrategy
+from stratagem.distribute.planner import auto, plan
 from stratagem.distribute.server import Server
 from stratagem.distribute.strategy import Strategy
 
@@ -61,6 +62,7 @@ __all__ = [
     "Server",
     "Strategy",
     "StrategyExtended",
+    "auto",
     "capabilities",
     "cluster_resolver",
     "coordinator",
@@ -73,6 +75,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "owner_of",
+    "plan",
     "set_log_device_placement",
     "strategy_for",
     "tensors_of",

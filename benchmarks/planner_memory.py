@@ -1,0 +1,58 @@
+"""The planner's predicted peak per process against the measured peak of live tensor bytes.
+
+For Hugging Face models built from configs (tens of MB of parameters; nothing downloaded),
+under MultiWorkerMirroredStrategy and FSDP ZeRO-3 on 2 CPU processes, each process trains
+Adam steps (``tests/workers/planner_memory.py``) and reads its peak of live tensor bytes from
+torch's profiler memory events. Prints one row per (model, strategy): predicted, measured (the
+larger of the two processes), predicted/measured.
+
+    .venv/bin/python benchmarks/planner_memory.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from cluster_utils import WORKERS, run_cluster
+
+MODELS = {
+    "gpt2": ["n_embd=384", "n_layer=4", "n_head=4"],
+    "gpt2-untied": ["n_embd=384", "n_layer=4", "n_head=4", "tie_word_embeddings=false"],
+    "bert": ["hidden_size=384", "num_hidden_layers=4", "num_attention_heads=4"],
+    "llama": [
+        "hidden_size=384",
+        "intermediate_size=1024",
+        "num_hidden_layers=4",
+        "num_attention_heads=4",
+        "num_key_value_heads=4",
+    ],
+    "t5": ["d_model=384", "d_ff=1024", "num_layers=2", "num_heads=4", "d_kv=96"],
+    "resnet": ["embedding_size=64", "hidden_sizes=[128,256,512,1024]", "depths=[1,1,1,1]"],
+}
+
+
+def main() -> None:
+    print(f"{'model':<12} {'strategy':<9} {'predicted MiB':>14} {'measured MiB':>13} {'ratio':>6}")
+    for name, sizes in MODELS.items():
+        for kind in ("mirrored", "zero3"):
+            with tempfile.TemporaryDirectory() as d:
+                args = [name.split("-")[0], kind, d, *sizes]
+                results = run_cluster(WORKERS / "planner_memory.py", 2, Path(d), args=args)
+                for r in results:
+                    if r.returncode:
+                        raise SystemExit(f"{name} {kind} failed:\n{r.stderr[-3000:]}")
+                rows = [json.loads(p.read_text()) for p in sorted(Path(d).glob("*.json"))]
+            measured = max(r["measured"] for r in rows)
+            predicted = rows[0]["predicted"]
+            print(
+                f"{name:<12} {kind:<9} {predicted / 2**20:>14.1f} {measured / 2**20:>13.1f} "
+                f"{predicted / measured:>6.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()
