@@ -133,7 +133,7 @@ class _Pending(PendingOp):
         self._staged = staged  # (the caller's CPU tensor, its copy on the GPU), see on_group
 
     def wait(self) -> None:
-        with self._comm._operation(self._name, self._what):
+        with self._comm._operation(self._name, self._what), self._comm.waiting():
             self._work.wait()
         if self._staged is not None:
             tensor, moved = self._staged
@@ -408,8 +408,17 @@ class ProcessGroupCommunicator(Communicator):
     def _run(self, name: str, what: str, launch: Any, tensors: tuple) -> None:
         """Run a collective to completion."""
         work = self._launch(name, what, launch, tensors)
-        with self._operation(name, what):
+        with self._operation(name, what), self.waiting():
             work.wait()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the block's time as waiting for peers (``Traffic.seconds_waiting``)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.traffic.seconds_waiting += time.perf_counter() - start
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, what: str) -> None:
         moved = self.on_group(tensor)
