@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,21 +176,37 @@ def test_tensorboard_names_a_straggler_once_at_its_step(tmp_path, named_during_f
 # ------------------------------------------------------------------ a real job
 
 
-def _job(tmp_path, *, slow: int, steps: int = 40) -> tuple[list[list[dict]], list[str]]:
+def _start(workdir: Path, *, slow: int, steps: int) -> Cluster:
     env = {"STEPS": str(steps), "WORK": "0.03", "SLOW": str(slow)}
     env.update({"SLOW_FROM": "14", "SLOW_TO": "33"})
-    with Cluster(WORKERS / "stragglers.py", 3, tmp_path, env=env, args=[str(tmp_path)]) as job:
-        results = [r.check(f"worker {i}") for i, r in enumerate(job.wait(timeout=240))]
-    named = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
-    return named, [r.stderr for r in results]
+    return Cluster(WORKERS / "stragglers.py", 3, workdir, env=env, args=[str(workdir)])
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[str, tuple[list[list[dict]], list[str]]]:
+    """The slow job and a clean one, run at the same time (the rule is relative: each job's
+    workers share the machine's load alike); what each worker named, and its stderr."""
+    dirs = {kind: tmp_path_factory.mktemp(kind) for kind in ("slow", "clean")}
+    started = {"slow": _start(dirs["slow"], slow=2, steps=40)}
+    out = {}
+    try:
+        started["clean"] = _start(dirs["clean"], slow=-1, steps=30)
+        for kind, job in started.items():
+            results = [r.check(f"{kind} worker {i}") for i, r in enumerate(job.wait(timeout=240))]
+            named = [json.loads((dirs[kind] / f"rank{r}.json").read_text()) for r in range(3)]
+            out[kind] = (named, [r.stderr for r in results])
+    finally:
+        for job in started.values():
+            job.__exit__(None, None, None)
+    return out
 
 
 @pytest.mark.multiprocess
-def test_a_worker_made_3x_slower_for_20_steps_is_named_within_5_steps(tmp_path):
+def test_a_worker_made_3x_slower_for_20_steps_is_named_within_5_steps(jobs):
     """Worker 2 sleeps 90 ms instead of 30 in steps 14-33 of 40 (its own work 3x the
     others'): every worker names it, once, by step 18, none before step 14; the chief logs
     it once with its figures."""
-    named, stderr = _job(tmp_path, slow=2)
+    named, stderr = jobs["slow"]
     assert named[0] == named[1] == named[2], named  # the same verdict on every worker
     ((straggler,),) = named[:1]
     assert straggler["rank"] == 2 and 14 <= straggler["step"] <= 18, straggler
@@ -202,7 +219,7 @@ def test_a_worker_made_3x_slower_for_20_steps_is_named_within_5_steps(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_a_clean_run_names_no_one(tmp_path):
-    named, stderr = _job(tmp_path, slow=-1, steps=30)
+def test_a_clean_run_names_no_one(jobs):
+    named, stderr = jobs["clean"]
     assert named == [[], [], []]
     assert not any("is a straggler" in e for e in stderr)
