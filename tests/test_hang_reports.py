@@ -198,6 +198,11 @@ def test_a_peer_s_position_says_how_it_stands_to_this_operation():
     )
     behind = whereabouts(operation_position(11, "broadcast of x"), mine)
     assert behind == "has not reached it: it is in #11 (broadcast of x) instead"
+    # Waiting in a collective of the script's own (no number): where the peer was last.
+    last = whereabouts(operation_position(2, "barrier of z", done=True), None)
+    assert last == (
+        "was last in operation #2 (barrier of z) (the script's own collectives have no numbers)"
+    )
     stuck = whereabouts(operation_position(12, "all_reduce of y", done=True), mine)
     assert stuck == (
         "has not reached it: it completed #12 (all_reduce of y) and has started no collective "

@@ -104,10 +104,16 @@ def operation_position(number: int, operation: str, *, done: bool = False) -> st
     return f"{DONE if done else ''}#{number} ({operation})"
 
 
-def whereabouts(position: str, mine: str) -> str | None:
+def whereabouts(position: str, mine: str | None) -> str | None:
     """How a peer at ``position`` stands to this process's operation at position ``mine``: None
     when it is in the same operation (same number, same operation), else in words where it is
-    (``has not reached it: ...``)."""
+    (``has not reached it: ...``). ``mine`` is None when this process waits in a collective of
+    the script's own, which has no number: then only where the peer was last is known."""
+    if mine is None:
+        return (
+            f"was last in operation {position.removeprefix(DONE)} (the script's own "
+            "collectives have no numbers)"
+        )
     if position == mine:
         return None
     if position.startswith(DONE):

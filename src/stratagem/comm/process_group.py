@@ -293,6 +293,9 @@ class ProcessGroupCommunicator(Communicator):
     ) -> BaseException:
         """Turn a failed collective into an error naming the lost or lagging peer (``op``: the
         operation in words, when not ours: ``name of what (operation #n)``)."""
+        # A collective of the script's own (``op`` given) has no number: this process's
+        # position is its last operation of ours, not where it waits now.
+        mine = self._liveness.position if op is None else None
         op = op or f"{name} of {what} (operation #{self._seq})"
         answers = probe_all(self._peers)
         # A connection dropped while every peer still says it is running: the peer that dropped
@@ -356,7 +359,6 @@ class ProcessGroupCommunicator(Communicator):
                 f"{', '.join(self.peer_name(r) for r in gave_up)} timed out waiting "
                 f"({self.timeouts.operation:g}s)"
             )
-            mine = self._liveness.position
             where = [
                 f"{self.peer_name(r)} does not answer (stopped or stuck)"
                 if a.status == SILENT
