@@ -24,6 +24,7 @@ difference being measured.
     python benchmarks/allreduce_strategies.py                   # full (about 5 min on 2 cores)
     python benchmarks/allreduce_strategies.py --stable-malloc   # same, allocator noise removed
     python benchmarks/allreduce_strategies.py --quick           # a smoke run
+    python benchmarks/allreduce_strategies.py --straggler-watch # the straggler watch's cost
 """
 
 from __future__ import annotations
@@ -245,6 +246,29 @@ def mirrored_rate(devices: list[str], steps: int, warmup: int, per_replica: int)
     return steps * global_batch / (time.perf_counter() - start)
 
 
+def interleaved_ratio(passes: int, pass_steps: int, extra: dict[str, str]) -> float:
+    """One interleaved job: the median over pairs of steps of DDP's step time over ours."""
+    times = json.loads(run_job("interleaved", passes, pass_steps, 128, extra))
+    return statistics.median(d / o for d, o in zip(times["ddp"], times["ours"]))
+
+
+def watch_overhead(jobs: int, passes: int, pass_steps: int, extra: dict[str, str]) -> None:
+    """MWMS/DDP with the straggler watch off and on, job after job alternating (which goes first
+    alternates too): the watch's cost is how much the ratio drops."""
+    ratios: dict[str, list[float]] = {"off": [], "on": []}
+    for j in range(jobs):
+        for state in ("off", "on") if j % 2 == 0 else ("on", "off"):
+            env = {**extra, "STRATAGEM_STRAGGLERS": "0" if state == "off" else "1"}
+            ratios[state].append(interleaved_ratio(passes, pass_steps, env))
+        print(
+            f"job pair {j + 1}/{jobs}: MWMS/DDP watch off {ratios['off'][-1]:.3f}, "
+            f"on {ratios['on'][-1]:.3f}",
+            flush=True,
+        )
+    off, on = statistics.median(ratios["off"]), statistics.median(ratios["on"])
+    print(f"MWMS/DDP (median of jobs): watch off {off:.3f}, on {on:.3f}; cost {1 - on / off:+.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few steps and rounds (a smoke run)")
@@ -253,6 +277,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=3, help="interleaved jobs (6 passes each)")
     parser.add_argument(
         "--stable-malloc", action="store_true", help="pin glibc's mmap/trim thresholds (see above)"
+    )
+    parser.add_argument(
+        "--straggler-watch",
+        action="store_true",
+        help="only the interleaved MWMS/DDP jobs, each run with the straggler watch off "
+        "(STRATAGEM_STRAGGLERS=0) and on, alternating: the watch's cost",
     )
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker", nargs=6, help=argparse.SUPPRESS)
@@ -288,6 +318,9 @@ def main() -> None:
             )
         return first, second
 
+    if args.straggler_watch:
+        watch_overhead(jobs, passes, pass_steps, extra)
+        return
     ddp, ours = alternate(
         "separate jobs",
         "DDP",

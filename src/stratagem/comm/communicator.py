@@ -43,6 +43,9 @@ class Traffic:
     bytes_sent: int = 0
     all_reduces: int = 0  # all-reduces started, compressed ones included
     collectives: int = 0  # every counted collective
+    # Seconds spent waiting for collectives to complete, barriers included (comm.stragglers
+    # takes them from a step's time to find each process's own work).
+    seconds_waiting: float = 0.0
 
     def count(self, kind: str, nbytes: int, world_size: int) -> None:
         """Add one collective of ``kind`` ("all_reduce", "all_to_all", "all_gather")."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -89,6 +90,47 @@ UNREACHABLE = "unreachable"
 # The status of a process that found peers gone during a collective and is ending for it; its
 # position then names the ranks it found gone (``"2"``, ``"2,3"``).
 LOST = "lost"
+# The status of a process whose collective timed out with every peer alive: it has its report
+# and is ending; its position still says where it waited.
+TIMED_OUT = "timed-out"
+# A position's prefix once its operation has completed: the process has started no collective
+# since (it computes, or it is stuck outside collectives).
+DONE = "done "
+
+
+def operation_position(number: int, operation: str, *, done: bool = False) -> str:
+    """What a process answers as its position: ``#12 (all_reduce of gradients)`` while in
+    operation 12, ``done #12 (...)`` once it has completed."""
+    return f"{DONE if done else ''}#{number} ({operation})"
+
+
+def whereabouts(position: str, mine: str | None) -> str | None:
+    """How a peer at ``position`` stands to this process's operation at position ``mine``: None
+    when it is in the same operation (same number, same operation), else in words where it is
+    (``has not reached it: ...``). ``mine`` is None when this process waits in a collective of
+    the script's own, which has no number: then only where the peer was last is known."""
+    if mine is None:
+        return (
+            f"was last in operation {position.removeprefix(DONE)} (the script's own "
+            "collectives have no numbers)"
+        )
+    if position == mine:
+        return None
+    if position.startswith(DONE):
+        return (
+            f"has not reached it: it completed {position.removeprefix(DONE)} and has started "
+            "no collective since (it is computing, or stuck outside collectives)"
+        )
+    if not position.startswith("#"):
+        return f"has not reached it: it is at {position or 'an unknown point'}"
+    if position.partition(" ")[0] == mine.partition(" ")[0]:
+        # The same count of operations, another operation: the two programs diverged (one
+        # skipped a collective the other ran, then called the next).
+        return (
+            f"has not reached it: it is in {position} instead, after as many operations (one of "
+            "the two skipped a collective the other ran)"
+        )
+    return f"has not reached it: it is in {position} instead"
 
 
 def probe(address: str, timeout: float) -> PeerState | None:
@@ -167,6 +209,25 @@ def first_lost(answers: dict[int, PeerState | None]) -> tuple[list[int], list[in
     if not first:  # no witness, or none names a peer that ended: name every ended one
         first = sorted(ended - witnesses) or sorted(ended)
     return first, sorted(ended - set(first))
+
+
+def linger(addresses: dict[int, str], seconds: float) -> None:
+    """Keep answering (the caller's server is still open) while a peer waiting in a collective
+    may yet time out and ask where this process waited: at most ``seconds``, and only while
+    some peer answers ``running`` inside an operation (one outside collectives will not time
+    out soon). Peers that time out in the same hang a moment later then name where each
+    waited, instead of finding this process gone and calling it lost."""
+    deadline = time.monotonic() + seconds
+    waiting = dict(addresses)
+    while waiting and time.monotonic() < deadline:
+        # One peer at a time, in this thread: this runs at exit, when Python starts no
+        # thread pool any more.
+        for rank, address in list(waiting.items()):
+            answer = probe(address, timeout=0.5)
+            if answer is None or answer.status != "running" or answer.position.startswith(DONE):
+                del waiting[rank]
+        if waiting:
+            time.sleep(0.1)
 
 
 def advertised_host(rendezvous_host: str) -> str:

@@ -20,6 +20,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -36,11 +37,16 @@ from stratagem.comm.gloo_drain import wait_for_gloo_threads
 from stratagem.comm.liveness import (
     LOST,
     SILENT,
+    TIMED_OUT,
     UNREACHABLE,
     LivenessServer,
+    PeerState,
     advertised_host,
     first_lost,
+    linger,
+    operation_position,
     probe_all,
+    whereabouts,
 )
 from stratagem.comm.peer_check import check_peers
 from stratagem.comm.reduce_op import ReduceOp
@@ -54,6 +60,13 @@ from stratagem.errors import (
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+
+# How long a process whose collective timed out keeps answering its peers before it ends (see
+# ``liveness.linger``): well inside the 5 s a hang's report may take past the operation timeout.
+LINGER_S = 2.0
+# How long a broken connection that no peer's state explains yet is re-examined (``_diagnose``).
+SETTLE_S = 1.5
 
 
 class Resolver(Protocol):
@@ -120,7 +133,7 @@ class _Pending(PendingOp):
         self._staged = staged  # (the caller's CPU tensor, its copy on the GPU), see on_group
 
     def wait(self) -> None:
-        with self._comm._operation(self._name, self._what):
+        with self._comm._operation(self._name, self._what), self._comm.waiting():
             self._work.wait()
         if self._staged is not None:
             tensor, moved = self._staged
@@ -258,10 +271,11 @@ class ProcessGroupCommunicator(Communicator):
     @contextlib.contextmanager
     def _operation(self, name: str, what: str) -> Iterator[None]:
         self._seq += 1
-        self._liveness.position = f"#{self._seq} ({name} of {what})"
+        seq = self._seq
+        self._liveness.position = operation_position(seq, f"{name} of {what}")
         try:
             yield
-        except (RuntimeError, dist.DistError) as e:
+        except (RuntimeError, dist.DistError, CollectiveTimeoutError) as e:
             # Only a failure of the transport is about the peers. Anything else is this
             # process's own error (an operator DTensor refused, a shape, the user's exception)
             # and stays itself, whatever the peers did meanwhile: a peer that stopped on the
@@ -269,14 +283,32 @@ class ProcessGroupCommunicator(Communicator):
             if not is_communication_failure(e):
                 raise
             raise self._diagnose(name, what, e) from e
+        # Peers that time out from now on hear that this process got past it (and, while no
+        # other operation starts, that it is outside collectives).
+        if self._seq == seq:
+            self._liveness.position = operation_position(seq, f"{name} of {what}", done=True)
 
     def _diagnose(
         self, name: str, what: str, error: BaseException, *, op: str | None = None
     ) -> BaseException:
         """Turn a failed collective into an error naming the lost or lagging peer (``op``: the
         operation in words, when not ours: ``name of what (operation #n)``)."""
+        # A collective of the script's own (``op`` given) has no number: this process's
+        # position is its last operation of ours, not where it waits now.
+        mine = self._liveness.position if op is None else None
         op = op or f"{name} of {what} (operation #{self._seq})"
         answers = probe_all(self._peers)
+        # A connection dropped while every peer still says it is running: the peer that dropped
+        # it is about to say why (it is ending, or its own wait timed out a moment earlier and
+        # it is still reporting). Ask again for a moment rather than blame no one.
+        settle = time.monotonic() + SETTLE_S
+        while (
+            not _explained(error, answers)
+            and time.monotonic() < settle
+            and not (self._closed or sys.is_finalizing())
+        ):
+            time.sleep(0.1)
+            answers = probe_all(self._peers)
         first, after = first_lost(answers)
         if first:
             why = {
@@ -315,17 +347,33 @@ class ProcessGroupCommunicator(Communicator):
             )
         text = str(error).lower()
         silent = [r for r, a in sorted(answers.items()) if a is not None and a.status == SILENT]
-        if silent or "timed out" in text or "timeout" in text:
-            where = ", ".join(
-                f"{self.peer_name(r)} does not answer (stopped or stuck)"
-                if a is not None and a.status == SILENT
-                else f"{self.peer_name(r)} is at {a.position}"
-                for r, a in sorted(answers.items())
-                if a is not None
+        # A peer whose own wait timed out first drops its connections as it reports: here that
+        # is a closed connection, from a peer still alive, which is the same hang.
+        gave_up = [r for r, a in sorted(answers.items()) if a is not None and a.status == TIMED_OUT]
+        if silent or gave_up or "timed out" in text or "timeout" in text:
+            timed_out = silent or "timed out" in text or "timeout" in text
+            head = (
+                f"{op} timed out after {self.timeouts.operation:g}s on {self._me}"
+                if timed_out
+                else f"{op} was cut short on {self._me} when "
+                f"{', '.join(self.peer_name(r) for r in gave_up)} timed out waiting "
+                f"({self.timeouts.operation:g}s)"
             )
+            where = [
+                f"{self.peer_name(r)} does not answer (stopped or stuck)"
+                if a.status == SILENT
+                else f"{self.peer_name(r)} {whereabouts(a.position, mine)}"
+                for r, a in sorted(answers.items())
+                if a is not None and (a.status == SILENT or whereabouts(a.position, mine))
+            ]
+            missing = "; ".join(where) or (
+                "every peer is in it too (one is only slow, or the transport stalled)"
+            )
+            # Peers that time out a moment later still read where this process waited.
+            self._liveness.status = TIMED_OUT
             return CollectiveTimeoutError(
-                f"{op} timed out after {self.timeouts.operation:g}s on {self._me}; every peer is "
-                f"alive, so one has not reached this operation: {where}. A stopped process "
+                f"{head}; every peer is alive, so one has not reached this operation: "
+                f"{missing}. A stopped process "
                 "must be resumed or ended; raise the timeout with STRATAGEM_OP_TIMEOUT if a "
                 "peer is only slow."
             )
@@ -362,8 +410,17 @@ class ProcessGroupCommunicator(Communicator):
     def _run(self, name: str, what: str, launch: Any, tensors: tuple) -> None:
         """Run a collective to completion."""
         work = self._launch(name, what, launch, tensors)
-        with self._operation(name, what):
+        with self._operation(name, what), self.waiting():
             work.wait()
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the block's time as waiting for peers (``Traffic.seconds_waiting``)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.traffic.seconds_waiting += time.perf_counter() - start
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, what: str) -> None:
         moved = self.on_group(tensor)
@@ -426,6 +483,8 @@ class ProcessGroupCommunicator(Communicator):
         self._closed = True
         atexit.unregister(self.shutdown)
         error_report.set_diagnosis(None)
+        if self._liveness.status == TIMED_OUT:
+            linger(self._peers, LINGER_S)
         self._liveness.close(
             "error" if error_report.failing() or sys.exc_info()[0] is not None else "ok"
         )
@@ -591,6 +650,15 @@ _TRANSPORT_WORDS = (
     "timed out",
     "timeout",
 )
+
+
+def _explained(error: BaseException, answers: dict[int, PeerState | None]) -> bool:
+    """Whether the peers' answers (or the error itself, a timeout) say why a collective failed:
+    a peer ended, silent, unreachable or timed out itself."""
+    text = str(error).lower()
+    if "timed out" in text or "timeout" in text:
+        return True
+    return any(a is None or a.status != "running" for a in answers.values())
 
 
 def is_communication_failure(error: BaseException) -> bool:

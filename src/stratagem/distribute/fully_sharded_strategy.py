@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import re
 import warnings
 from collections.abc import Callable
@@ -277,6 +278,12 @@ class FullyShardedExtended(WholeModulesExtended, DefersGradients):
         # backward must run outside accumulate_gradients() (Model.fit's does).
         for root in self._roots:
             root.set_requires_gradient_sync(not defer, recurse=True)
+
+    @override
+    def _run_guard(self) -> contextlib.AbstractContextManager[None]:
+        # FSDP runs its all-gathers and reduce-scatters itself: a lost or stuck peer in them is
+        # named as in stratagem's own operations, with this step's operation number.
+        return self._comm.named_faults("FSDP's collectives", what="the step")
 
     @override
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

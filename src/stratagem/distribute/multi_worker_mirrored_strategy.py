@@ -28,6 +28,8 @@ from stratagem.cluster import ClusterResolver
 from stratagem.comm import ReduceOp
 from stratagem.comm.bucketing import ONE_PACK, GradientReducer
 from stratagem.comm.communicator import Communicator
+from stratagem.comm.stragglers import StragglerWatch
+from stratagem.comm.stragglers import enabled as stragglers_enabled
 from stratagem.config.threading import usable_cpus
 from stratagem.distribute.capabilities import DefersGradients
 from stratagem.distribute.communication_options import (
@@ -154,6 +156,17 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
             else _BucketPlan(max(self._reducer.bucket_bytes, self._reducer.first_bucket_bytes))
         )
         self._previous_ddp_module: object = None
+        # Each run that synchronised the workers is a step the straggler watch times.
+        self._stragglers = (
+            StragglerWatch(comm) if comm.world_size > 1 and stragglers_enabled() else None
+        )
+        self._collectives_before_run = 0
+
+    @property
+    def straggler_watch(self) -> StragglerWatch | None:
+        """Names a worker persistently slower than the others (``comm.stragglers``); None in a
+        world of one or with ``STRATAGEM_STRAGGLERS=0``."""
+        return self._stragglers
 
     @property
     def gradient_reducer(self) -> GradientReducer:
@@ -175,6 +188,7 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
 
     @override
     def _before_run(self) -> None:
+        self._collectives_before_run = self._comm.traffic.collectives
         # torch's own ``replicate`` (composable DDP) sets the same class attribute in its
         # forward: dynamo reads it when it compiles a frame, and splits the graph at buckets
         # of this size (``torch._dynamo.backends.distributed.DDPOptimizer``).
@@ -191,6 +205,11 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
     @override
     def _after_run(self) -> None:
         self._reducer.flush(deferred=False)
+        # Every worker runs the same collectives, so every worker counts the same steps.
+        if self._stragglers is not None and (
+            self._comm.traffic.collectives > self._collectives_before_run
+        ):
+            self._stragglers.step_done()
 
     @override
     def defer_gradient_reduction(self, defer: bool) -> None:

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from stratagem.keras.callbacks.callback import Callback, Logs, is_chief
+from stratagem.keras.callbacks.straggler_notes import StragglerNotes
 
 _WIDTH = 20  # Keras 3's bar width
 
@@ -40,6 +41,7 @@ class ProgbarLogger(Callback):
         self._seen = 0
         self._width = 0  # of the last line drawn in place
         self._in_fit = False  # fit's validation calls the test hooks too: no bar for it
+        self._stragglers = StragglerNotes()
 
     def _out(self) -> Any:
         return self.stream or sys.stdout
@@ -89,6 +91,20 @@ class ProgbarLogger(Callback):
             self._first = (time.time(), self._seen)
         if self.verbose == 1 and self._tty() and is_chief(self.model):
             self._draw(self._seen, logs or {}, final=False)
+        self._name_stragglers()
+
+    def _name_stragglers(self) -> None:
+        """A straggler the strategy named (``straggler_notes``): one line, once, under the bar
+        (which is then redrawn below it)."""
+        fresh = self._stragglers.fresh(self.model)
+        if not fresh or not self.verbose or not is_chief(self.model):
+            return
+        out = self._out()
+        if self._width:  # a bar drawn in place: end its line first
+            _print("", out)
+            self._width = 0
+        for line in fresh:
+            _print(f"straggler: {line}", out)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         self._finish(logs)

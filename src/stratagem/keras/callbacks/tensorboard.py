@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from stratagem.keras.callbacks.callback import Callback, Logs, is_chief
+from stratagem.keras.callbacks.straggler_notes import StragglerNotes
 
 
 class TensorBoard(Callback):
@@ -86,6 +87,7 @@ class TensorBoard(Callback):
         self._batch_start = 0.0
         self._epoch_start, self._epoch_first_step = 0.0, 0
         self._training = False  # between on_train_begin and on_train_end
+        self._stragglers = StragglerNotes()
 
     @property
     def needs_batch_logs(self) -> bool:
@@ -116,6 +118,8 @@ class TensorBoard(Callback):
             self._stop_profiler()
         if not is_chief(self.model):
             return
+        for line in self._stragglers.fresh(self.model):  # named once, at the step it was found
+            self._writer("train").add_text("stragglers", line, self._step)
         if self.write_steps_per_second:
             elapsed = max(time.time() - self._batch_start, 1e-9)
             self._writer("train").add_scalar("batch_steps_per_second", 1 / elapsed, self._step)
