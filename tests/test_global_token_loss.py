@@ -134,3 +134,30 @@ def test_fit_on_two_workers_with_1_and_97_tokens_equals_one_process(cluster_upda
     for rank, updates in enumerate(cluster_updates):
         for k in (1,) if strategy == "mesh" else (1, 2, 4):
             check_update(updates[f"{strategy}-{k}"], k, f"{strategy} rank {rank} k={k}")
+
+
+def test_a_loss_function_that_takes_no_count_keeps_the_per_example_rule():
+    """Hugging Face's image classifiers (ResNet) take ``**kwargs`` and have a ``loss_function``
+    (``ForSequenceClassificationLoss``), a mean over the replica's own batch that ignores any
+    count: the global-token rule must not apply to them, only to losses naming the count."""
+    from stratagem.keras import module_calls
+    from stratagem.keras.token_loss import GlobalTokens
+
+    def mean_loss(labels, logits, config, **kwargs):
+        return F.cross_entropy(logits, labels)
+
+    def token_loss(logits, labels, vocab_size, num_items_in_batch=None, **kwargs):
+        return F.cross_entropy(logits, labels, reduction="sum") / num_items_in_batch
+
+    class Classifier(torch.nn.Module):
+        loss_function = staticmethod(mean_loss)
+
+        def forward(self, pixel_values=None, labels=None, **kwargs):
+            return pixel_values
+
+    class LanguageModel(Classifier):
+        loss_function = staticmethod(token_loss)
+
+    for module, applies in [(Classifier(), False), (LanguageModel(), True)]:
+        signature = module_calls.forward_signature(module)
+        assert GlobalTokens.applies(module, signature) is applies, type(module).__name__

@@ -12,6 +12,7 @@ the update, by k N_1 / N (N the step's total): every real token of the step weig
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,11 @@ class GlobalTokens:
             return bool(accepts)
         if signature.takes("num_items_in_batch"):
             return True
-        return signature.takes_any_keyword and callable(getattr(module, "loss_function", None))
+        # HF's Trainer stops at the **kwargs; here the loss function must also name the count:
+        # a classifier's (ResNet's ForSequenceClassificationLoss) takes a mean over its own
+        # batch whatever the forward is given, and dividing it by a global count would be wrong.
+        loss_function = getattr(module, "loss_function", None)
+        return signature.takes_any_keyword and _names_count(loss_function)
 
     def count(
         self, module: torch.nn.Module, labels: torch.Tensor, optimizer: Any, *, training: bool
@@ -91,6 +96,16 @@ class GlobalTokens:
         ctx = get_replica_context()
         replica = ctx.local_replica_id if ctx is not None else 0
         return self._counts.setdefault(replica, _StepCounts())
+
+
+def _names_count(loss_function: Any) -> bool:
+    """Whether ``loss_function`` takes ``num_items_in_batch`` (HF's token-level losses do)."""
+    if not callable(loss_function):
+        return False
+    try:
+        return "num_items_in_batch" in inspect.signature(loss_function).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
 
 
 def _real_tokens(module: torch.nn.Module, labels: torch.Tensor) -> torch.Tensor:
