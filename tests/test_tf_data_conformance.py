@@ -437,3 +437,35 @@ def test_a_namedtuple_element_is_one_argument_a_plain_tuple_is_unpacked():
     assert [int(v) for v in d.map(lambda e: e.x + e.y)] == [0, 11, 22]
     pairs = Dataset.from_tensor_slices((torch.arange(3), torch.arange(3) * 10))
     assert [int(v) for v in pairs.map(lambda x, y: x + y)] == [0, 11, 22]
+
+
+@pytest.mark.parametrize("calls", [None, 2])
+def test_preserve_cardinality_a_function_ending_the_iteration_is_an_element_error(calls):
+    """TF's ``map_test.testPreserveCardinality``: a map function that raises StopIteration
+    gives that element an error (TF's InvalidArgumentError), never a silent end of the data;
+    as every element error here, the pass goes on."""
+
+    def ends_at_two(x):
+        if int(x) == 2:
+            raise StopIteration
+        return x
+
+    iterator = iter(sg.data.Dataset.range(5).map(ends_at_two, num_parallel_calls=calls))
+    assert [int(next(iterator)) for _ in range(2)] == [0, 1]
+    with pytest.raises(InputError, match="raised StopIteration for an element"):
+        next(iterator)
+    assert [int(v) for v in iterator] == [3, 4]
+
+    def always_ends(x):
+        raise StopIteration
+
+    with pytest.raises(InputError, match="always_ends raised StopIteration"):
+        next(iter(sg.data.Dataset.from_tensors(0).filter(always_ends)))
+
+
+def test_from_tensors_keeps_a_none_component():
+    """TF's ``from_tensors((42, None))``: one element, the None kept as it is."""
+    (element,) = list(sg.data.Dataset.from_tensors((42, None)))
+    assert int(element[0]) == 42 and element[1] is None
+    spec = sg.data.Dataset.from_tensors((42, None)).element_spec
+    assert spec[1] is None

@@ -108,8 +108,20 @@ def _unknown_leading(spec: TensorSpec) -> TensorSpec:
 
 def call_with_element(fn: Callable[..., Any], element: Any) -> Any:
     """Call ``fn`` as tf.data does: a plain tuple element's components become positional args;
-    any other element, a namedtuple included, is the one argument."""
-    return fn(*element) if type(element) is tuple else fn(element)
+    any other element, a namedtuple included, is the one argument.
+
+    A ``StopIteration`` out of ``fn`` is that element's error, never the end of the data: TF's
+    ``map`` keeps the cardinality (``preserve_cardinality``) and turns the function's end of
+    sequence into an ``InvalidArgumentError`` of the element; here an ``InputError``."""
+    try:
+        return fn(*element) if type(element) is tuple else fn(element)
+    except StopIteration as e:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise InputError(
+            f"the function {name} raised StopIteration for an element: a function given to "
+            "map, filter or interleave ending the iteration is an error of that element, not "
+            "the end of the data (as TF's, which keeps the dataset's cardinality)"
+        ) from e
 
 
 def as_component(value: Any) -> Any:
