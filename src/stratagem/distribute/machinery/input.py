@@ -253,6 +253,10 @@ class _AgreedIterator:
         """This worker's next raw batch, or ``_END``."""
         raise NotImplementedError
 
+    def _next_raw(self) -> Any:
+        """The batch a restored iterator had read ahead, then ``_produce``'s."""
+        return self._restored.pop() if self._restored else self._produce()
+
     def _deliver(self, raw: Any, examples: int | None) -> Any:
         """A raw batch as the replicas of this worker receive it; ``examples``: the step's
         examples over all workers, as ``_examples`` counted them."""
@@ -272,7 +276,7 @@ class _AgreedIterator:
         return 0
 
     def _fetch_ahead(self) -> None:
-        raw = self._produce()
+        raw = self._next_raw()
         if raw is _END:
             raw = self._stand_in()  # empty batches: no examples
             # [no batch of its own, cannot go on, examples of this step]
@@ -286,7 +290,7 @@ class _AgreedIterator:
         if self._done:
             raise StopIteration
         if self._comm.world_size == 1:
-            raw = self._produce()
+            raw = self._next_raw()
             examples = None if raw is _END else self._examples(raw)
         else:
             if self._ahead is None:
@@ -670,8 +674,6 @@ class _SplittingIterator(_AgreedIterator):
         return self._spec()
 
     def _produce(self) -> Any:
-        if self._restored:
-            return self._restored.pop()
         batch = next(self._source, _END)
         return batch if batch is _END else _as_tensors(batch)
 
@@ -725,8 +727,6 @@ class _OwnStreamIterator(_AgreedIterator):
         self._empty = state["empty"]
 
     def _produce(self) -> Any:
-        if self._restored:
-            return self._restored.pop()
         local = len(self._extended.replica_devices)
         taken = []
         for _ in range(local):
@@ -844,8 +844,6 @@ class _PerReplicaIterator(_AgreedIterator):
         self._empty = state["empty"]
 
     def _produce(self) -> Any:
-        if self._restored:
-            return self._restored.pop()
         # Local replicas take consecutive batches. At the end of the data, replicas left
         # without one get an empty batch shaped like the others' (TF's dummy batches).
         parts = []
