@@ -268,7 +268,24 @@ class Checkpoint:
         an index (``then``, run after the write: in the background for an asynchronous one)
         complete the save after it."""
         self._writes.wait()  # one write at a time, and a failed one is reported now
-        path = os.fspath(file_path)
+        path, deferred = self._write_now(os.fspath(file_path), asynchronous)
+        if deferred is None:
+            if then is not None:
+                then(path)
+            return path
+
+        def write() -> None:
+            deferred()
+            if then is not None:
+                then(path)
+
+        self._writes.start(path, write)
+        return path
+
+    def _write_now(self, path: str, asynchronous: bool) -> tuple[str, Callable[[], None] | None]:
+        """What every process does of a write now, the chief's file included unless
+        ``asynchronous``: then the file write of a copy of the values is returned, to run in
+        the background. Returns the path written and that deferred write (or None)."""
         if not os.path.basename(path):
             raise ValueError(f"checkpoint path {path!r} names a directory, expected a file name")
         extended = self._extended()
@@ -287,33 +304,20 @@ class Checkpoint:
                     "CheckpointOptions(enable_async=True)"
                 )
             # Weights laid out on a mesh (sg.dtensor): every process writes its own shards.
-            written = sharded.write(tracked, path, self._meta(extended), self._describe_shards())
-            if then is not None:
-                then(written)
-            return written
+            meta = self._meta(extended)
+            return sharded.write(tracked, path, meta, self._describe_shards()), None
         # Every process: pipeline stages gather (a collective), a ps's state comes home.
         extended.before_checkpoint_write(self._objects())
         if not extended.should_checkpoint:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            if then is not None:
-                then(path)
-            return path
+            return path, None
         state, described = self._collect()
         meta = {**self._meta(extended), "trackables": described}
         if not asynchronous:
             write_atomically(path, state, meta)
-            if then is not None:
-                then(path)
-            return path
-        copied = snapshot(state)  # training goes on changing the tensors while it is written
-
-        def write() -> None:
-            write_atomically(path, copied, meta)
-            if then is not None:
-                then(path)
-
-        self._writes.start(path, write)
-        return path
+            return path, None
+        # Training goes on changing the tensors while the copy is written.
+        return path, partial(write_atomically, path, snapshot(state), meta)
 
     def _extended(self) -> StrategyExtended:
         """The contract of the strategy that distributes what this checkpoint tracks."""
