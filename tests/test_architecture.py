@@ -40,6 +40,8 @@ LAYERS: dict[str, set[str]] = {
     # notebook_launcher: a function as a local cluster of forked workers; it ends a worker's
     # connection itself (atexit does not run in a forked worker).
     "launch": {"cluster", "comm", "errors"},
+    # Elastic jobs: torch's elastic agent running the launcher's processes over our store.
+    "elastic": {"cluster", "comm", "errors"},
     # Vertex-style custom jobs: launch a script as a local cluster.
     "jobs": {"cluster", "errors"},
     # tf.saved_model's save/load over the directory format of Keras's model.save.

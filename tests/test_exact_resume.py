@@ -12,16 +12,14 @@ from collections import Counter
 import pytest
 import torch
 
-import stratagem as sg
 from cluster_utils import WORKERS, run_cluster
 from workers.resume_data import (
     EPOCHS,
     EXAMPLES,
     GLOBAL_BATCH,
     STOP,
-    Ledgered,
-    dataset,
     uninterrupted,
+    uninterrupted_fit,
 )
 
 pytestmark = pytest.mark.multiprocess
@@ -43,18 +41,6 @@ def _steps(outs: list[dict], loop: str, keep: int | None = None) -> list[list[in
     return [sorted(i for seen in step for i in seen) for step in zip(*per_worker)]
 
 
-def _uninterrupted_fit() -> dict:
-    """One process, no strategy, never stopped: fit's final weights."""
-    torch.manual_seed(0)
-    keras_model = sg.keras.Model(Ledgered())
-    keras_model.compile(
-        sg.keras.optimizers.SGD(0.1, momentum=0.9),
-        sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    keras_model.fit(dataset(), epochs=1, verbose=0)
-    return {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
-
-
 def _assert_equal_weights(actual: dict, expected: dict, what: str) -> None:
     for name, value in expected.items():
         torch.testing.assert_close(actual[name], value, rtol=1e-6, atol=1e-7, msg=what + name)
@@ -62,7 +48,7 @@ def _assert_equal_weights(actual: dict, expected: dict, what: str) -> None:
 
 def test_a_job_resumed_on_another_number_of_workers_ends_as_an_uninterrupted_one(tmp_path):
     batches, custom_reference = uninterrupted()
-    fit_reference = _uninterrupted_fit()
+    fit_reference = uninterrupted_fit()
     assert Counter(i for b in batches for i in b) == {i: EPOCHS for i in range(EXAMPLES)}
     for first_workers, second_workers in [(2, 1), (2, 3), (1, 2)]:
         first_dir = tmp_path / f"first-on-{first_workers}"

@@ -9,6 +9,7 @@ after the script for the script).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import NoReturn
 
 import stratagem
 from stratagem.cluster import launcher
+from stratagem.cluster.progress import LEVEL_VARIABLE
 
 
 class _Parser(argparse.ArgumentParser):
@@ -86,10 +88,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-n",
         "--workers",
-        type=int,
+        type=_workers,
         default=1,
         metavar="N",
-        help="worker tasks (default 1; with --nnodes, this node's)",
+        help="worker tasks (default 1; with --nnodes, this node's); MIN:MAX for an elastic job"
+        " on torch's elastic agent: it goes on while MIN workers live, and --max-restarts"
+        " starts a lost worker again",
     )
     parser.add_argument(
         "--ps",
@@ -229,10 +233,24 @@ def split_command(
     return list(argv), []
 
 
+def _workers(text: str) -> int | str:
+    """``-n``: a number of workers, or ``MIN:MAX`` (checked when the job is made)."""
+    if ":" in text:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of workers N or a range MIN:MAX, got {text!r}"
+        ) from None
+
+
 def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     options, target = split_command(argv)
     args = parser.parse_args(options)
     nodes, host = _nodes(parser, args)
+    if isinstance(args.workers, str):
+        return _run_elastic(parser, args, target, nodes, host)
     try:
         return launcher.launch(
             target,
@@ -257,6 +275,59 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     except launcher.LaunchError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
+
+
+def _run_elastic(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    target: list[str],
+    nodes: launcher.Nodes | None,
+    host: str,
+) -> int:
+    """``-n MIN:MAX``: the job on torch's elastic agent (imported only here: it needs torch)."""
+    others = [
+        flag
+        for flag, given in (
+            ("--ps", args.ps),
+            ("--chief", args.chief),
+            ("--evaluator", args.evaluator),
+            ("--restart-workers", args.restart_workers),
+            ("--tolerate-worker-loss", args.tolerate_worker_loss),
+            ("--nnodes", nodes is not None),
+        )
+        if given
+    ]
+    if others:
+        parser.error(
+            f"-n {args.workers} (an elastic job of workers) cannot be combined with "
+            f"{', '.join(others)}: elastic jobs run workers only, on one machine, for now"
+        )
+    try:
+        launcher.check_arguments(
+            target,
+            workers=1,
+            ps=0,
+            max_restarts=args.max_restarts,
+            grace_period=args.grace_period,
+            host=host,
+        )
+        from stratagem.elastic.agent import WorkerRange, run_elastic
+
+        workers = WorkerRange.parse(args.workers)
+    except launcher.LaunchError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
+    base_env = {**os.environ, LEVEL_VARIABLE: "warning"} if args.quiet else None
+    omp = max(1, launcher.usable_cpus() // workers.maximum)
+    return run_elastic(
+        target,
+        workers=workers,
+        max_restarts=args.max_restarts,
+        grace_period=args.grace_period,
+        host=host,
+        base_env=base_env,
+        omp_threads=None if "OMP_NUM_THREADS" in os.environ else omp,
+    ).exit_code
 
 
 def _nodes(

@@ -93,6 +93,18 @@ def uninterrupted() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
     return batches, {k: v.detach().clone() for k, v in model.net.state_dict().items()}
 
 
+def uninterrupted_fit() -> dict[str, torch.Tensor]:
+    """One process, no strategy, never stopped: ``fit``'s final weights on ``dataset()``."""
+    torch.manual_seed(0)
+    keras_model = sg.keras.Model(Ledgered())
+    keras_model.compile(
+        sg.keras.optimizers.SGD(0.1, momentum=0.9),
+        sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    keras_model.fit(dataset(), epochs=1, verbose=0)
+    return {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
+
+
 def per_worker_positions(strategy, phase: str, path: str) -> dict:
     """``distribute_datasets_from_function``: each worker reads its own shard, so the saved
     position is every worker's. ``first``: save after 3 steps, then both the iterator that went

@@ -280,6 +280,16 @@ def _wait_without_reaping(proc: subprocess.Popen[bytes]) -> int:
     return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
 
+@dataclass(frozen=True)
+class TaskStates:
+    """Where a job's tasks stand (``Job.poll``): failures in the order they happened, with
+    their status as ``Popen.returncode``; tasks the launcher stopped are in none of the lists."""
+
+    running: list[Task]
+    finished: list[Task]
+    failed: list[tuple[Task, int]]
+
+
 def _cluster_has_chief(tasks: Sequence[Task]) -> bool:
     """Whether the tasks' cluster (their TF_CONFIG, which the launcher wrote) has a chief; the
     tasks themselves say so when they carry none."""
@@ -331,6 +341,7 @@ class Job:
         self.interrupts = interrupts or Interrupts()
         self._running: list[_Running] = []
         self._first_failure: _Running | None = None
+        self._failures: list[_Running] = []  # in the order they happened
         self._stopped = False
         # Whether the job has a chief, perhaps on another node of a multi-node job: then no
         # worker here is the chief, whatever this launcher's own tasks are.
@@ -515,10 +526,25 @@ class Job:
             elif r.status != 0:
                 self.console.log(f"{r.task.name} failed: {describe_status(r.status)}")
                 self._first_failure = self._first_failure or r
+                self._failures.append(r)
             else:
                 self.console.log(f"{r.task.name} exited 0")
         for r in restarting:
             self._restart(r)
+
+    def pids(self) -> list[int]:
+        """The tasks' process ids, in the order of ``tasks``."""
+        return [r.proc.pid for r in self._running]
+
+    def poll(self) -> TaskStates:
+        """Take in the exits seen so far and say where every task stands (for a caller that
+        decides itself what a failure means: the elastic agent)."""
+        self._collect_exits()
+        return TaskStates(
+            running=[r.task for r in self._running if r.status is None],
+            finished=[r.task for r in self._running if r.status == 0 and not r.stopped],
+            failed=[(r.task, r.status) for r in self._failures if r.status is not None],
+        )
 
     def _may_restart(self, r: _Running) -> bool:
         """Whether a failed task is a coordinator's worker to restart alone: a worker of a job

@@ -19,6 +19,14 @@ from stratagem.errors import ClusterConfigError
 REQUIRED_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+#: Set by stratagem's elastic agent in every worker it starts: the round's number, which names
+#: the workers' own space in the store (a membership change starts workers without a restart).
+ELASTIC_ROUND_VARIABLE = "STRATAGEM_ELASTIC_ROUND"
+#: Set by the elastic agent in the workers of a round that follows a membership change: what
+#: happened, in words, which the job's chief prints where it resumes.
+ELASTIC_CHANGE_VARIABLE = "STRATAGEM_ELASTIC_CHANGE"
+
+
 def torchrun_env_present(environ: Mapping[str, str] | None = None) -> bool:
     """Whether this process looks started by torchrun (``RANK`` or ``WORLD_SIZE`` set).
 
@@ -79,7 +87,13 @@ class TorchrunClusterResolver(ClusterResolver):
         super().__init__(
             task_type="worker",
             task_id=rank,
-            attempt=restart_attempt(env, "TORCHELASTIC_RESTART_COUNT", "STRATAGEM_RESTART_COUNT"),
+            # Our elastic agent's round: a membership change starts new workers without a restart.
+            attempt=restart_attempt(
+                env,
+                ELASTIC_ROUND_VARIABLE,
+                "TORCHELASTIC_RESTART_COUNT",
+                "STRATAGEM_RESTART_COUNT",
+            ),
         )
         self._spec = ClusterSpec(
             {"worker": [address] + [placeholder_address(i) for i in range(1, world_size)]}

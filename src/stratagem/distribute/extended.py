@@ -17,6 +17,7 @@ every override carries ``@override``. What only some strategies do is a capabili
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import weakref
 from abc import ABC, abstractmethod
@@ -27,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
+from stratagem.cluster.torchrun import ELASTIC_CHANGE_VARIABLE
 from stratagem.comm import Communicator, ReduceOp
 from stratagem.comm.cross_device_ops import CrossDeviceOps, ReductionToOneDevice
 from stratagem.distribute.capabilities import DefersGradients, MergesReplicas, PipelinedSteps
@@ -158,6 +160,13 @@ class StrategyExtended(ABC):
     def gradient_aggregation(self) -> ReduceOp:
         """How gradients are combined across replicas: ``SUM`` or ``MEAN`` (see the class)."""
         return self._aggregation
+
+    @property
+    def membership_change(self) -> str:
+        """What changed in the job's membership before this process started, in words, as the
+        elastic agent tells its workers ("continued with 2 of 3 workers; worker 2 lost: ...");
+        "" when nothing did."""
+        return os.environ.get(ELASTIC_CHANGE_VARIABLE, "")
 
     def barrier(self, what: str) -> None:
         """Wait until every process of the job reaches this point (``what`` names it)."""

@@ -105,9 +105,18 @@ class BackupAndRestore(Callback):
             self._drop_unreadable(backups[:i])
             self.model.resume_fit(self._progress.state)
             step = int(self._progress.state["position"][1])
+            self._say_membership_change(step)
             if self._schedule is not None and step > 0:
                 self._schedule.resume_after(step - 1)
             break
+
+    def _say_membership_change(self, step: int) -> None:
+        """The chief says where an elastic job resumed after its workers changed."""
+        assert self.model is not None
+        change = self.model.distribute_strategy.extended.membership_change
+        if change and is_chief(self.model):
+            epoch = int(self._progress.state["position"][0])
+            print(f"{change}: resumed at epoch {epoch + 1}, step {step}", flush=True)
 
     def _drop_unreadable(self, failed: list[str]) -> None:
         """Remove backups that could not be read (those tried and failed, and damaged ones the

@@ -1,0 +1,122 @@
+"""Elastic jobs (``stratagem run -n MIN:MAX``) on torch's elastic agent, with real processes.
+
+A 3-worker ``fit`` under MultiWorkerMirrored with ``BackupAndRestore(save_freq=1)`` loses
+workers to SIGKILL at seeded random steps: with restarts left the lost worker is started again
+(the job goes on with 3); without, the job goes on with the 2 left. Either way it ends with the
+weights of one uninterrupted process on the same global batches, and the ledger of the ids
+every worker trained on holds each global batch exactly once, in order (``workers/elastic_fit.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+
+from cluster_utils import WORKERS, Process, child_env
+from stratagem import cli
+from workers.resume_data import EPOCHS, EXAMPLES, uninterrupted, uninterrupted_fit
+
+pytestmark = pytest.mark.multiprocess
+
+SCRIPT = WORKERS / "elastic_fit.py"
+STEPS = 20  # dataset(): 120 examples x 2 epochs in global batches of 12
+KILL = "killed by signal 9 (SIGKILL)"
+
+
+def _launch(tmp_path, options: list[str], kills: list[tuple[int, int, int]]):
+    argv = [sys.executable, "-m", "stratagem.cli", "run", *options, str(SCRIPT), json.dumps(kills)]
+    process = Process(argv, child_env(), tmp_path, "launcher", merge_output=True)
+    return process.wait(timeout=240)
+
+
+def _ledger(tmp_path) -> dict[int, list[dict]]:
+    """The ledger's lines, step by step."""
+    steps: dict[int, list[dict]] = defaultdict(list)
+    for line in (tmp_path / "ledger.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        steps[record["step"]].append(record)
+    return steps
+
+
+def _check_exact(tmp_path, output: str) -> list[int]:
+    """The job's steps are the uninterrupted run's global batches, each once, and its weights
+    the uninterrupted run's; returns the world size of each step."""
+    batches, _ = uninterrupted()
+    assert Counter(i for b in batches for i in b) == {i: EPOCHS for i in range(EXAMPLES)}
+    steps = _ledger(tmp_path)
+    assert sorted(steps) == list(range(STEPS)), output
+    worlds = []
+    for step, records in sorted(steps.items()):
+        # One round trained each step (none redone), every rank of that round once.
+        (world,) = {r["world"] for r in records}
+        assert len({r["round"] for r in records}) == 1, (step, records)
+        assert sorted(r["rank"] for r in records) == list(range(world)), (step, records)
+        ids = sorted(i for r in records for i in r["ids"])
+        assert ids == batches[step], f"step {step} trained on other examples"
+        worlds.append(world)
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for name, value in uninterrupted_fit().items():
+        torch.testing.assert_close(final[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    return worlds
+
+
+def _kills(seed: int, count: int) -> list[tuple[int, int, int]]:
+    """``count`` kills, one per round: a random rank of 3 at a random step (not decreasing:
+    each round resumes where the last backup was)."""
+    rng = random.Random(seed)
+    steps = sorted(rng.randrange(1, STEPS - 1) for _ in range(count))
+    return [(round_, rng.randrange(3), step) for round_, step in enumerate(steps)]
+
+
+def test_lost_workers_are_started_again_then_the_job_goes_on_with_those_left(tmp_path):
+    """``-n 2:3 --max-restarts 4``, five workers killed at random steps (seed 3): the first four
+    are started again (each admitted: the job trains on with 3), the fifth is not (no restart
+    left): the job finishes with 2, exact, and says what happened where it resumed."""
+    kills = _kills(3, 5)
+    result = _launch(tmp_path, ["-n", "2:3", "--max-restarts", "4"], kills)
+    assert result.returncode == 0, result.stdout
+    worlds = _check_exact(tmp_path, result.stdout)
+    last = kills[-1][2]
+    assert worlds == [3] * last + [2] * (STEPS - last), (kills, worlds)
+    out = result.stdout
+    for i, (_, rank, _) in enumerate(kills[:-1]):
+        said = f"worker {rank} lost: {KILL}; started again with 3 workers (restart {i + 1} of 4)"
+        assert said in out, out
+    lost = f"continued with 2 of 3 workers; worker {kills[-1][1]} lost: {KILL}"
+    assert f"[stratagem] {lost}\n" in out, out
+    # The new round's chief says it where the job resumed: after the last backup.
+    assert f"[worker 0] {lost}: resumed at epoch 1, step {last}\n" in out, out
+    assert "[stratagem] job finished: 2 workers exited 0" in out, out
+
+
+def test_a_job_below_its_minimum_fails_naming_the_lost_worker(tmp_path):
+    result = _launch(tmp_path, ["-n", "2:2"], [(0, 1, 3)])
+    assert result.returncode == 137, result.stdout
+    assert (
+        f"job failed: worker 1 lost: {KILL}; 1 worker left, fewer than the 2 the job needs "
+        "(-n 2:2), and no restart left"
+    ) in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["-n", "3:2"], "a range of workers needs 1 <= MIN <= MAX, got '3:2'"),
+        (["-n", "0:2"], "a range of workers needs 1 <= MIN <= MAX, got '0:2'"),
+        (["-n", "a:2"], "expected a number of workers N or a range MIN:MAX"),
+        (["-n", "two"], "expected a number of workers N or a range MIN:MAX, got 'two'"),
+        (["-n", "1:2", "--ps", "1"], "cannot be combined with --ps"),
+        (["-n", "1:2", "--chief"], "cannot be combined with --chief"),
+    ],
+)
+def test_bad_worker_ranges_are_refused_before_anything_starts(options, said, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        code = cli.main(["run", *options, str(SCRIPT), "[]"])
+        raise SystemExit(code)
+    assert exit_info.value.code == 2
+    assert said in capsys.readouterr().err
