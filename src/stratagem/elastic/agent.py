@@ -1,20 +1,15 @@
 """Elastic jobs on torch's own agent: ``stratagem run -n MIN:MAX script.py``.
 
 ``StratagemAgent`` is torch elastic's ``SimpleElasticAgent``: its rounds are torch's dynamic
-rendezvous (``next_rendezvous``, rank assignment through the round's store, the exit barrier),
-over the job's store sealed with the job's secret. Its workers are started, streamed and stopped
-by the launcher's own process machinery (``cluster.attempt.Job``: sessions, prefixed output, the
-chief's terminal) with torchrun's environment, so a script reads them as it reads torchrun's.
-
-Where torch's loop restarts every worker and spends a restart on any failure, ours decides:
-- a worker lost while at least MIN stay: a membership change, no restart spent; the job goes on
-  with the workers left, from the newest checkpoint (``BackupAndRestore``, the script's own);
-- with restarts left (``--max-restarts``), the lost worker is started again instead (one restart
-  spent): the job goes on with MAX;
-- fewer than MIN left and no restart: the job fails, naming the lost worker.
-Each change is said by the launcher and, to the job's chief, in ``STRATAGEM_ELASTIC_CHANGE``
-(``keras`` prints it where the job resumes). Survivors are started again here (torch's way);
-only processes of this launcher's own job are signalled.
+rendezvous (rank assignment through the round's store, the exit barrier) over the job's store
+sealed with the job's secret; its workers are started, streamed and stopped by the launcher's
+own ``cluster.attempt.Job``, with torchrun's environment. Where torch restarts every worker and
+spends a restart on any failure, ours decides: a worker lost while MIN stay is a membership
+change (no restart spent; the job goes on with those left, from the newest checkpoint); with
+restarts left (``--max-restarts``) the lost worker is started again instead (the job goes on
+with MAX); fewer than MIN left and no restart: the job fails naming the lost worker. Each change
+is said by the launcher and, to the workers, in ``STRATAGEM_ELASTIC_CHANGE`` (the chief prints
+it where the job resumes). Survivors are started again (torch's way).
 """
 
 from __future__ import annotations
