@@ -285,3 +285,21 @@ def test_the_private_torch_fields_read_are_still_there(nodes):
     }
     join_all([handler])
     assert holder.state.round == handler.round == 0 and holder.state.complete
+
+
+def test_without_is_host_the_first_node_here_hosts_and_the_next_joins_it(nodes, monkeypatch):
+    """torch's c10d rule when ``is_host`` is not given: the node whose machine the endpoint
+    names hosts the store if its port is free, else joins whoever hosts it (two agents on one
+    machine); both then complete one round."""
+    monkeypatch.setenv("STRATAGEM_JOB_SECRET", SECRET.decode())
+    torchrun_backend.register()
+    (port,) = free_ports(1)
+    for _ in range(2):
+        nodes.append(
+            get_rendezvous_handler(
+                RendezvousParameters("stratagem", f"{HOST}:{port}", "job-7", 2, 2)
+            )
+        )
+    infos = join_all(nodes)
+    assert sorted(i.rank for i in infos) == [0, 1]
+    assert all(h.get_run_id() == "job-7" for h in nodes)
