@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 from collections import Counter, defaultdict
 
 import pytest
 import torch
 
-from cluster_utils import WORKERS, Process, child_env
+from cluster_utils import WORKERS, Process, child_env, free_ports
 from stratagem import cli
 from workers.resume_data import EPOCHS, EXAMPLES, uninterrupted, uninterrupted_fit
 
@@ -28,7 +29,7 @@ STEPS = 20  # dataset(): 120 examples x 2 epochs in global batches of 12
 KILL = "killed by signal 9 (SIGKILL)"
 
 
-def _launch(tmp_path, options: list[str], kills: list[tuple[int, int, int]]):
+def _launch(tmp_path, options: list[str], kills: list[tuple[int, int, int, str]]):
     argv = [sys.executable, "-m", "stratagem.cli", "run", *options, str(SCRIPT), json.dumps(kills)]
     process = Process(argv, child_env(), tmp_path, "launcher", merge_output=True)
     return process.wait(timeout=240)
@@ -65,12 +66,12 @@ def _check_exact(tmp_path, output: str) -> list[int]:
     return worlds
 
 
-def _kills(seed: int, count: int) -> list[tuple[int, int, int]]:
+def _kills(seed: int, count: int) -> list[tuple[int, int, int, str]]:
     """``count`` kills, one per round: a random rank of 3 at a random step (not decreasing:
     each round resumes where the last backup was)."""
     rng = random.Random(seed)
     steps = sorted(rng.randrange(1, STEPS - 1) for _ in range(count))
-    return [(round_, rng.randrange(3), step) for round_, step in enumerate(steps)]
+    return [(round_, rng.randrange(3), step, "kill") for round_, step in enumerate(steps)]
 
 
 def test_lost_workers_are_started_again_then_the_job_goes_on_with_those_left(tmp_path):
@@ -84,7 +85,7 @@ def test_lost_workers_are_started_again_then_the_job_goes_on_with_those_left(tmp
     last = kills[-1][2]
     assert worlds == [3] * last + [2] * (STEPS - last), (kills, worlds)
     out = result.stdout
-    for i, (_, rank, _) in enumerate(kills[:-1]):
+    for i, (_, rank, _, _) in enumerate(kills[:-1]):
         said = f"worker {rank} lost: {KILL}; started again with 3 workers (restart {i + 1} of 4)"
         assert said in out, out
     lost = f"continued with 2 of 3 workers; worker {kills[-1][1]} lost: {KILL}"
@@ -95,7 +96,7 @@ def test_lost_workers_are_started_again_then_the_job_goes_on_with_those_left(tmp
 
 
 def test_a_job_below_its_minimum_fails_naming_the_lost_worker(tmp_path):
-    result = _launch(tmp_path, ["-n", "2:2"], [(0, 1, 3)])
+    result = _launch(tmp_path, ["-n", "2:2"], [(0, 1, 3, "kill")])
     assert result.returncode == 137, result.stdout
     assert (
         f"job failed: worker 1 lost: {KILL}; 1 worker left, fewer than the 2 the job needs "
@@ -120,3 +121,60 @@ def test_bad_worker_ranges_are_refused_before_anything_starts(options, said, cap
         raise SystemExit(code)
     assert exit_info.value.code == 2
     assert said in capsys.readouterr().err
+
+
+def _launcher_of(pid: int) -> int:
+    """The parent of a worker: its node's launcher (``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def _wait_for(path, processes: list, what: str, timeout: float = 180.0) -> int:
+    """The pid a worker wrote at ``path`` when it got there; fails as soon as a launcher ends
+    first (it would never come), or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text():
+        for p in processes:
+            if p.proc.poll() is not None:
+                raise AssertionError(f"{p.name} ended before {what}:\n{p.output_so_far()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s")
+        time.sleep(0.1)
+    return int(path.read_text())
+
+
+def test_a_lost_node_leaves_the_job_and_a_node_that_comes_back_is_admitted(tmp_path):
+    """``--nnodes 1:2 -n 1`` on two launchers (as two machines, on this one): node 1's launcher
+    and worker are killed at step 6; node 0 goes on alone from its backup; node 1 started again
+    at step 13 is admitted (a new round of 2 nodes); both exit 0, exact."""
+    (port,) = free_ports(1)
+    events = [(0, "node1", 6, "wait"), (1, "node0", 13, "wait")]
+
+    def node(rank: int, name: str) -> Process:
+        options = ["--nnodes", "1:2", "-n", "1", "--node-rank", str(rank)]
+        options += ["--master-addr", "localhost", "--master-port", str(port)]
+        argv = [sys.executable, "-m", "stratagem.cli", "run", *options, str(SCRIPT)]
+        env = child_env({"TEST_NODE": f"node{rank}"})
+        return Process([*argv, json.dumps(events)], env, tmp_path, name, merge_output=True)
+
+    node0, node1 = node(0, "node0"), node(1, "node1")
+    again = None
+    try:
+        worker = _wait_for(tmp_path / "at-0-node1", [node0, node1], "node 1's worker at step 6")
+        assert _launcher_of(worker) == node1.pid
+        node1.end_all()  # the machine is lost: its launcher and its worker, SIGKILL
+        node1.proc.wait(timeout=30)
+        _wait_for(tmp_path / "at-1-node0", [node0], "node 0 alone at step 13")
+        again = node(1, "node1-again")
+        results = [node0.wait(timeout=240), again.wait(timeout=240)]
+    finally:
+        for p in (node0, node1, again):
+            if p is not None and p.proc.returncode is None:
+                p.end_all()
+    out0, out1 = results[0].stdout, results[1].stdout
+    assert results[0].returncode == 0, out0
+    assert results[1].returncode == 0, out1
+    worlds = _check_exact(tmp_path, out0 + out1)
+    assert worlds == [2] * 6 + [1] * 7 + [2] * 7, worlds
+    assert "continued with 1 of 2 nodes; node 1 lost" in out0, out0
+    assert "node 1 admitted: 2 of 2 nodes" in out0, out0

@@ -88,7 +88,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-n",
         "--workers",
-        type=_workers,
+        type=_count_or_range("workers"),
         default=1,
         metavar="N",
         help="worker tasks (default 1; with --nnodes, this node's); MIN:MAX for an elastic job"
@@ -154,7 +154,14 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "  evaluator  on node 0 (or --evaluator-node R)\n"
         "every node must be given the same --ps, --chief, --evaluator and placement options",
     )
-    nodes.add_argument("--nnodes", type=int, default=None, metavar="N", help="machines in the job")
+    nodes.add_argument(
+        "--nnodes",
+        type=_count_or_range("nodes"),
+        default=None,
+        metavar="N",
+        help="machines in the job; MIN:MAX for an elastic job on torch's elastic agent (it goes"
+        " on while MIN nodes live, and admits a node that joins, up to MAX)",
+    )
     nodes.add_argument(
         "--node-rank", type=int, default=None, metavar="R", help="this machine's index, 0..N-1"
     )
@@ -233,24 +240,28 @@ def split_command(
     return list(argv), []
 
 
-def _workers(text: str) -> int | str:
-    """``-n``: a number of workers, or ``MIN:MAX`` (checked when the job is made)."""
-    if ":" in text:
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of workers N or a range MIN:MAX, got {text!r}"
-        ) from None
+def _count_or_range(what: str) -> Callable[[str], int | str]:
+    """``-n`` and ``--nnodes``: a number, or ``MIN:MAX`` (checked when the job is made)."""
+
+    def parse(text: str) -> int | str:
+        if ":" in text:
+            return text
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a number of {what} N or a range MIN:MAX, got {text!r}"
+            ) from None
+
+    return parse
 
 
 def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     options, target = split_command(argv)
     args = parser.parse_args(options)
+    if isinstance(args.workers, str) or isinstance(args.nnodes, str):
+        return _run_elastic(parser, args, target)
     nodes, host = _nodes(parser, args)
-    if isinstance(args.workers, str):
-        return _run_elastic(parser, args, target, nodes, host)
     try:
         return launcher.launch(
             target,
@@ -278,13 +289,28 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
 
 
 def _run_elastic(
-    parser: argparse.ArgumentParser,
-    args: argparse.Namespace,
-    target: list[str],
-    nodes: launcher.Nodes | None,
-    host: str,
+    parser: argparse.ArgumentParser, args: argparse.Namespace, target: list[str]
 ) -> int:
-    """``-n MIN:MAX``: the job on torch's elastic agent (imported only here: it needs torch)."""
+    """``-n MIN:MAX`` or ``--nnodes MIN:MAX``: the job on torch's elastic agent (imported only
+    here: it needs torch)."""
+    several = isinstance(args.nnodes, str)
+    if several and isinstance(args.workers, str):
+        parser.error(
+            f"--nnodes {args.nnodes} takes a number of workers per node, not a range (got -n "
+            f"{args.workers})"
+        )
+    if isinstance(args.nnodes, int):
+        parser.error(
+            f"-n {args.workers} (an elastic job of workers on this machine) cannot be combined "
+            f"with --nnodes {args.nnodes}; give --nnodes MIN:MAX for an elastic job of machines"
+        )
+    needed = [
+        flag
+        for flag, value in (("--node-rank", args.node_rank), ("--master-addr", args.master_addr))
+        if several and value is None
+    ]
+    if needed:
+        parser.error(f"--nnodes {args.nnodes} needs {' and '.join(needed)}")
     others = [
         flag
         for flag, given in (
@@ -293,15 +319,29 @@ def _run_elastic(
             ("--evaluator", args.evaluator),
             ("--restart-workers", args.restart_workers),
             ("--tolerate-worker-loss", args.tolerate_worker_loss),
-            ("--nnodes", nodes is not None),
+            ("--join-timeout", args.join_timeout is not None),
+            ("--ps-nodes", args.ps_nodes is not None),
+            ("--chief-node", args.chief_node is not None),
+            ("--evaluator-node", args.evaluator_node is not None),
         )
         if given
     ]
+    if not several:
+        others += [
+            flag
+            for flag, value in (
+                ("--node-rank", args.node_rank),
+                ("--master-addr", args.master_addr),
+            )
+            if value is not None
+        ]
     if others:
+        what = f"--nnodes {args.nnodes}" if several else f"-n {args.workers}"
         parser.error(
-            f"-n {args.workers} (an elastic job of workers) cannot be combined with "
-            f"{', '.join(others)}: elastic jobs run workers only, on one machine, for now"
+            f"{what} (an elastic job) cannot be combined with {', '.join(others)}: elastic "
+            "jobs run workers only, for now"
         )
+    host = args.host
     try:
         launcher.check_arguments(
             target,
@@ -309,11 +349,22 @@ def _run_elastic(
             ps=0,
             max_restarts=args.max_restarts,
             grace_period=args.grace_period,
-            host=host,
+            host=host or "localhost",
         )
-        from stratagem.elastic.agent import WorkerRange, run_elastic
+        from stratagem.elastic.agent import NodePlace, WorkerRange, run_elastic
 
-        workers = WorkerRange.parse(args.workers)
+        workers = WorkerRange.parse(str(args.workers))
+        place = None
+        if several:
+            place = NodePlace(
+                WorkerRange.parse(args.nnodes, what="nodes"),
+                args.node_rank,
+                args.master_addr,
+                args.master_port,
+            )
+            if host is None:
+                master = args.master_addr
+                host = master if args.node_rank == 0 else launcher.address_towards(master)
     except launcher.LaunchError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
@@ -324,9 +375,10 @@ def _run_elastic(
         workers=workers,
         max_restarts=args.max_restarts,
         grace_period=args.grace_period,
-        host=host,
+        host=host or "localhost",
         base_env=base_env,
         omp_threads=None if "OMP_NUM_THREADS" in os.environ else omp,
+        place=place,
     ).exit_code
 
 

@@ -1,7 +1,9 @@
 """An elastic job's worker (``stratagem run -n MIN:MAX``): ``fit`` under MultiWorkerMirrored
 with ``BackupAndRestore(save_freq=1)`` on the exact-resume checks' pipeline (examples carry
-their id). Argument: the kills, as JSON ``[[round, rank, step], ...]``: the worker of that rank
-in that round (``STRATAGEM_ELASTIC_ROUND``) kills itself with SIGKILL at the step's start.
+their id). Argument: events, as JSON ``[[round, who, step, what], ...]``: at the step's start,
+the worker of rank ``who`` (or on node ``who``: ``$TEST_NODE``) in that round
+(``STRATAGEM_ELASTIC_ROUND``) kills itself with SIGKILL (``"kill"``), or writes
+``at-<round>-<who>`` and waits until it is stopped (``"wait"``).
 Each worker appends one line per committed step to ``ledger.jsonl``: round, world size, step,
 its rank and the ids it trained on; the chief writes ``final.pt``."""
 
@@ -9,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 import torch
 
@@ -18,18 +21,27 @@ from workers.resume_data import Ledgered, dataset
 strategy = sg.distribute.MultiWorkerMirroredStrategy()
 rank = strategy.cluster_resolver.task_id or 0
 this_round = int(os.environ["STRATAGEM_ELASTIC_ROUND"])
-kill_at = {step for r, k, step in json.loads(sys.argv[1]) if (r, k) == (this_round, rank)}
+node = os.environ.get("TEST_NODE")  # the test's name for this worker's machine, if any
+events = {
+    step: what
+    for r, who, step, what in json.loads(sys.argv[1])
+    if r == this_round and who in (rank, node)
+}
 
 
 class Ledger(sg.keras.callbacks.Callback):
-    """Records each committed step (its end) and kills this worker at the start of a step of
-    ``kill_at``. A barrier after each line: no worker starts a step before every
-    worker has written the last one's line (and the chief its backup), so a worker stopped by
-    the launcher after a peer's loss has written all it committed."""
+    """Records each committed step (its end), and acts the events at the steps' starts. A
+    barrier after each line: no worker starts a step before every worker has written the last
+    one's line (and the chief its backup), so a worker stopped by the launcher after a peer's
+    loss has written all it committed."""
 
     def on_train_batch_begin(self, batch, logs=None):
-        if batch in kill_at:
+        if events.get(batch) == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if events.get(batch) == "wait":
+            with open(f"at-{this_round}-{node or rank}", "w") as f:
+                f.write(str(os.getpid()))
+            threading.Event().wait()  # until the launcher stops this worker
 
     def on_train_batch_end(self, batch, logs=None):
         ids = self.model.module.seen[-1]

@@ -14,8 +14,6 @@ it where the job resumes). Survivors are started again (torch's way).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import shlex
 import signal
@@ -33,9 +31,6 @@ from torch.distributed.elastic.agent.server.api import (
     WorkerSpec,
     WorkerState,
 )
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from stratagem.cluster.attempt import (
     Console,
@@ -45,7 +40,7 @@ from stratagem.cluster.attempt import (
     describe_status,
     exit_code_of,
 )
-from stratagem.cluster.job_secret import SECRET_VARIABLE, key_for, new_secret
+from stratagem.cluster.job_secret import SECRET_VARIABLE, job_secret, new_secret
 from stratagem.cluster.tasks import (
     CONFLICTING_ENV,
     CONFLICTING_ENV_PREFIXES,
@@ -55,70 +50,41 @@ from stratagem.cluster.tasks import (
     plural,
 )
 from stratagem.cluster.torchrun import ELASTIC_CHANGE_VARIABLE, ELASTIC_ROUND_VARIABLE
-from stratagem.comm.rendezvous import open_store
+from stratagem.elastic.sealed_rendezvous import SealedRendezvous, sealed_handler
 
 _MONITOR_S = 0.05
-_STORE_TIMEOUT_S = 60.0
+_JOIN_TIMEOUT_S = 600.0  # torch's: how long a node waits for the others to meet
 
 
 @dataclass(frozen=True)
 class WorkerRange:
-    """``-n MIN:MAX``: the job runs while at least ``minimum`` workers live, up to ``maximum``."""
+    """``-n MIN:MAX`` (or ``--nnodes MIN:MAX``): the job runs while at least ``minimum`` workers
+    (nodes) live, up to ``maximum``."""
 
     minimum: int
     maximum: int
 
     @classmethod
-    def parse(cls, text: str) -> WorkerRange:
+    def parse(cls, text: str, *, what: str = "workers") -> WorkerRange:
         low, sep, high = text.partition(":")
         try:
             minimum, maximum = int(low), int(high if sep else low)
         except ValueError:
             raise LaunchError(
-                f"expected a number of workers N or a range MIN:MAX (as torchrun's --nnodes), "
+                f"expected a number of {what} N or a range MIN:MAX (as torchrun's --nnodes), "
                 f"got {text!r}"
             ) from None
         if not 1 <= minimum <= maximum:
             raise LaunchError(
-                f"a range of workers needs 1 <= MIN <= MAX, got {text!r} (MIN={minimum}, "
+                f"a range of {what} needs 1 <= MIN <= MAX, got {text!r} (MIN={minimum}, "
                 f"MAX={maximum})"
             )
         return cls(minimum, maximum)
 
     def __str__(self) -> str:
+        if self.minimum == self.maximum:
+            return str(self.minimum)
         return f"{self.minimum}:{self.maximum}"
-
-
-def run_id_for(secret: str) -> str:
-    """The rendezvous's run id: derived from the job's secret, so outsiders cannot guess it."""
-    return hmac.new(key_for(secret.encode(), "rdzv-run-id"), b"", hashlib.sha256).hexdigest()[:16]
-
-
-def _sealed_handler(host: str, port: int, secret: str, *, nodes: int) -> RendezvousHandler:
-    """Torch's dynamic rendezvous (c10d backend) on this node's store, sealed with ``secret``:
-    every join, leave and heartbeat is a sealed compare-and-set, so a state written without
-    the secret is refused before torch unpickles it."""
-    store = open_store(
-        host,
-        port,
-        is_server=True,
-        timeout_s=_STORE_TIMEOUT_S,
-        owner="the elastic agent",
-        me="the elastic agent",
-        secret=secret.encode(),
-    )
-    run_id = run_id_for(secret)
-    params = RendezvousParameters(
-        backend="stratagem",
-        endpoint=f"{host}:{port}",
-        run_id=run_id,
-        min_nodes=nodes,
-        max_nodes=nodes,
-        join_timeout="60",
-        last_call_timeout="1",
-        close_timeout="10",
-    )
-    return create_handler(store, C10dRendezvousBackend(store, run_id), params)
 
 
 class StratagemAgent(SimpleElasticAgent):
@@ -136,9 +102,17 @@ class StratagemAgent(SimpleElasticAgent):
         base_env: Mapping[str, str],
         host: str,
         grace_period: float,
+        rendezvous: SealedRendezvous,
+        nodes: WorkerRange | None = None,
+        node_name: str = "this node",
     ) -> None:
         super().__init__(spec, exit_barrier_timeout=60)
         self.workers = workers
+        self.rendezvous = rendezvous  # spec's handler, as ours: it tells the round joined
+        self.nodes = nodes  # None: a job on this machine alone, whose workers may change
+        self.node_name = node_name
+        self._members: list[str] = []  # the nodes of the round, by group rank
+        self._checked_at = 0.0  # when the rendezvous was last asked about waiting nodes
         self.target = list(target)
         self.python = python
         self.console = console
@@ -149,21 +123,20 @@ class StratagemAgent(SimpleElasticAgent):
         self.outcome: Outcome | None = None
         self._job: Job | None = None
         self._round = ""
-        self._rounds = 0
         self._change = ""  # what the last membership change was, for the next round's workers
 
     # ------------------------------------------------------------------ rounds
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         super()._rendezvous(worker_group)
-        # One number per round, from the round's rank 0 (which hosts the store, so it counts
-        # every round the store has seen) through the round's own store: every node's workers
-        # of this round meet under it, apart from any earlier round's.
+        # Torch's round, the same on every node and never repeated: each round's workers meet
+        # under it in the store, apart from any earlier round's.
+        self._round = str(self.rendezvous.round)
         store = worker_group.store
-        if worker_group.group_rank == 0:
-            store.set("stratagem/round", str(self._rounds))
-        self._round = store.get("stratagem/round").decode()
-        self._rounds += 1
+        # The nodes of the round, by name, so that a change can name the node that left.
+        store.set(f"stratagem/node/{worker_group.group_rank}", self.node_name)
+        names = [f"stratagem/node/{i}" for i in range(worker_group.group_world_size)]
+        self._members = [raw.decode() for raw in store.multi_get(names)]
 
     # ------------------------------------------------------------------ workers
 
@@ -256,9 +229,91 @@ class StratagemAgent(SimpleElasticAgent):
                 done = plural(spec.local_world_size, "worker")
                 self.outcome = Outcome(0, f"{done} exited 0")
                 return result
-            if result.state == WorkerState.FAILED and not self._membership_change():
-                self._stop_workers(self._worker_group)
-                return result
+            if result.state == WorkerState.FAILED:
+                changed = self._membership_change() if self.nodes is None else self._node_change()
+                if not changed:
+                    self._stop_workers(self._worker_group)
+                    return result
+            elif self.nodes is not None and not self._other_nodes_agree():
+                return RunResult(state=WorkerState.FAILED)
+
+    def _other_nodes_agree(self) -> bool:
+        """While the workers train (asked once a second: a read of the store): a node waiting
+        to join starts a new round (torch's admission, no restart spent); a job another node
+        closed ends here too. False when the job ends."""
+        now = time.monotonic()
+        if now - self._checked_at < 1.0:
+            return True
+        self._checked_at = now
+        handler = self._worker_group.spec.rdzv_handler
+        if handler.is_closed():
+            self._stop_workers(self._worker_group)
+            self.outcome = Outcome(1, "another node ended the job (its rendezvous is closed)")
+            return False
+        if handler.num_nodes_waiting() > 0:
+            before = list(self._members)
+            self._next_round("a node asks to join")
+            joined = [m for m in self._members if m not in before]
+            count = f"{len(self._members)} of {self.nodes.maximum if self.nodes else 1} nodes"
+            self._change = (
+                f"{', '.join(joined)} admitted: {count}"
+                if joined
+                else f"a node started its workers again: a new round with {count}"
+            )
+            self.console.log(self._change)
+            self._start_round()
+        return True
+
+    def _next_round(self, why: str) -> None:
+        """Stop this node's workers and meet the other nodes in a new round."""
+        self._stop_workers(self._worker_group)
+        self._worker_group.state = WorkerState.STOPPED
+        self.console.log(f"{why}: meeting the other nodes in a new round")
+        self._rendezvous(self._worker_group)
+
+    def _start_round(self) -> None:
+        ids = self._start_workers(self._worker_group)
+        for local_rank, pid in ids.items():
+            self._worker_group.workers[local_rank].id = pid
+        self._worker_group.state = WorkerState.HEALTHY
+
+    def _node_change(self) -> bool:
+        """After a failure of this node's workers in a job over several nodes: meet the others
+        in a new round, then decide. Fewer nodes than before: a node was lost, a membership
+        change (no restart spent). As many: a failure, which spends a restart (each node counts
+        its own, as torch's agents do) or ends the job, closing the rendezvous so that every
+        node stops."""
+        assert self._job is not None and self.nodes is not None
+        spec = self._worker_group.spec
+        state = self._job.poll()
+        failed = ", ".join(f"{t.name} {describe_status(s)}" for t, s in state.failed)
+        first_status = state.failed[0][1]
+        before = list(self._members)
+        self._next_round(f"{failed} on {self.node_name}")
+        left = [m for m in before if m not in self._members]
+        if left:
+            self._change = (
+                f"continued with {len(self._members)} of {len(before)} nodes; "
+                f"{', '.join(left)} lost"
+            )
+        elif self._remaining_restarts > 0:
+            self._remaining_restarts -= 1
+            used = spec.max_restarts - self._remaining_restarts
+            self._change = (
+                f"{failed} on {self.node_name}; its workers started again (restart {used} of "
+                f"{spec.max_restarts})"
+            )
+        else:
+            spec.rdzv_handler.set_closed()
+            self.outcome = Outcome(
+                exit_code_of(first_status),
+                f"{failed} on {self.node_name}, with no node lost and no restart left "
+                "(--max-restarts): the job ends on every node",
+            )
+            return False
+        self.console.log(self._change)
+        self._start_round()
+        return True
 
     def _membership_change(self) -> bool:
         """After a worker's failure: start the next round (True), or say why the job ends."""
@@ -300,6 +355,21 @@ class StratagemAgent(SimpleElasticAgent):
         return True
 
 
+@dataclass(frozen=True)
+class NodePlace:
+    """Where this launcher stands in a job over several machines (``--nnodes MIN:MAX``): node
+    ``node_rank`` (0 hosts the job's store, at ``master_addr:master_port``)."""
+
+    nodes: WorkerRange
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def name(self) -> str:
+        return f"node {self.node_rank}"
+
+
 def run_elastic(
     target: Sequence[str],
     *,
@@ -311,17 +381,44 @@ def run_elastic(
     console: Console | None = None,
     base_env: Mapping[str, str] | None = None,
     omp_threads: int | None = None,
+    place: NodePlace | None = None,
 ) -> Outcome:
-    """Run ``python *target`` as an elastic job of ``workers`` workers on this machine."""
+    """Run ``python *target`` as an elastic job: ``workers`` workers on this machine, or with
+    ``place``, this node's ``workers.maximum`` workers of a job over several machines."""
     python = python or sys.executable
     console = console or Console(sys.stdout, sys.stderr)
     env = dict(os.environ if base_env is None else base_env)
-    secret = env.get(SECRET_VARIABLE, "").strip() or new_secret()
-    env[SECRET_VARIABLE] = secret
     if omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(omp_threads)
-    (port,) = free_ports(1)
-    handler = _sealed_handler(host, port, secret, nodes=1)
+    if place is None:
+        secret: bytes | None = (env.get(SECRET_VARIABLE, "").strip() or new_secret()).encode()
+        (port,) = free_ports(1)
+        store_host, is_host, name = host, True, "this launcher"
+    else:
+        name = f"{place.name}'s launcher"
+        secret = job_secret([place.master_addr, host], me=name)
+        store_host, port, is_host = place.master_addr, place.master_port, place.node_rank == 0
+    if secret is not None:
+        env[SECRET_VARIABLE] = secret.decode()
+    nodes = place.nodes if place is not None else WorkerRange(1, 1)
+    # A node whose agent stops beating for 5 s leaves the next round; a cut store is seen
+    # within 10 s (each store operation's limit) rather than torch's 60.
+    handler = sealed_handler(
+        host=store_host,
+        port=port,
+        is_host=is_host,
+        secret=secret,
+        run_id=None,
+        min_nodes=nodes.minimum,
+        max_nodes=nodes.maximum,
+        join_timeout_s=_JOIN_TIMEOUT_S,
+        last_call_s=2,
+        close_timeout_s=10,
+        heartbeat_s=1,
+        keep_alive_max_attempt=5,
+        read_timeout_s=10,
+        where=name,
+    )
     spec = WorkerSpec(
         role="worker",
         local_world_size=workers.maximum,
@@ -330,7 +427,7 @@ def run_elastic(
         args=tuple(target),
         max_restarts=max_restarts,
         monitor_interval=_MONITOR_S,
-        master_addr=host,
+        master_addr=store_host,
         master_port=port,
     )
     command = shlex.join([os.path.basename(python), *target])
@@ -345,9 +442,13 @@ def run_elastic(
             base_env=env,
             host=host,
             grace_period=grace_period,
+            rendezvous=handler,
+            nodes=None if place is None else place.nodes,
+            node_name="this node" if place is None else place.name,
         )
+        where = "" if place is None else f" on {place.name} of {place.nodes} nodes"
         console.log(
-            f"elastic job: {plural(workers.maximum, 'worker')} (-n {workers}, "
+            f"elastic job: {plural(workers.maximum, 'worker')}{where} (-n {workers}, "
             f"--max-restarts {max_restarts}) on torch's elastic agent: {command}"
         )
         agent.run()
