@@ -112,7 +112,10 @@ MARKER_SCRIPT = "open('ran', 'w').close()\n"
         (["-n", "2", "--ps", "1"], "stratagem run: no script given"),
         (["-m"], "stratagem run: -m needs a module name"),
         (["--host", "", "ok.py"], "stratagem run: the host must be a host name or IP address"),
-        (["-n", "x", "ok.py"], "stratagem run: argument -n/--workers: invalid int value: 'x'"),
+        (
+            ["-n", "x", "ok.py"],
+            "stratagem run: argument -n/--workers: expected a number of workers N or a range MIN:MAX, got 'x'",
+        ),
         (["-n"], "stratagem run: argument -n/--workers: expected one argument"),
         (["--bogus", "ok.py"], "stratagem run: unrecognized arguments: --bogus"),
     ],

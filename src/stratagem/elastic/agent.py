@@ -82,8 +82,6 @@ class WorkerRange:
         return cls(minimum, maximum)
 
     def __str__(self) -> str:
-        if self.minimum == self.maximum:
-            return str(self.minimum)
         return f"{self.minimum}:{self.maximum}"
 
 
@@ -446,9 +444,10 @@ def run_elastic(
             nodes=None if place is None else place.nodes,
             node_name="this node" if place is None else place.name,
         )
-        where = "" if place is None else f" on {place.name} of {place.nodes} nodes"
+        where = "" if place is None else f" on {place.name} (--nnodes {place.nodes})"
+        count = workers.maximum if place is not None else workers
         console.log(
-            f"elastic job: {plural(workers.maximum, 'worker')}{where} (-n {workers}, "
+            f"elastic job: {plural(workers.maximum, 'worker')}{where} (-n {count}, "
             f"--max-restarts {max_restarts}) on torch's elastic agent: {command}"
         )
         agent.run()
