@@ -114,7 +114,8 @@ MARKER_SCRIPT = "open('ran', 'w').close()\n"
         (["--host", "", "ok.py"], "stratagem run: the host must be a host name or IP address"),
         (
             ["-n", "x", "ok.py"],
-            "stratagem run: argument -n/--workers: expected a number of workers N or a range MIN:MAX, got 'x'",
+            "stratagem run: argument -n/--workers: expected a number of workers N or a range "
+            "MIN:MAX, got 'x'",
         ),
         (["-n"], "stratagem run: argument -n/--workers: expected one argument"),
         (["--bogus", "ok.py"], "stratagem run: unrecognized arguments: --bogus"),
