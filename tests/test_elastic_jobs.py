@@ -14,12 +14,15 @@ import random
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from cluster_utils import WORKERS, Process, child_env, free_ports
 from stratagem import cli
+from test_multihost_netns import IP, Hosts, _namespaces, _why_no_namespaces
 from workers.resume_data import EPOCHS, EXAMPLES, uninterrupted, uninterrupted_fit
 
 pytestmark = pytest.mark.multiprocess
@@ -143,26 +146,58 @@ def _wait_for(path, processes: list, what: str, timeout: float = 180.0) -> int:
     return int(path.read_text())
 
 
-def test_a_lost_node_leaves_the_job_and_a_node_that_comes_back_is_admitted(tmp_path):
-    """``--nnodes 1:2 -n 1`` on two launchers (as two machines, on this one): node 1's launcher
-    and worker are killed at step 6; node 0 goes on alone from its backup; node 1 started again
-    at step 13 is admitted (a new round of 2 nodes); both exit 0, exact."""
+@dataclass
+class Machines:
+    """Two "machines": network namespaces on a bridge where this test may make them (root:
+    ``test_multihost_netns``'s ``Hosts``), else two launchers on this machine's loopback."""
+
+    hosts: Hosts | None
+
+    def address(self, rank: int) -> str:
+        return "localhost" if self.hosts is None else self.hosts.address(rank)
+
+    def prefix(self, rank: int) -> list[str]:
+        """What runs a command on machine ``rank``."""
+        return [] if self.hosts is None else [IP, "netns", "exec", self.hosts.namespace(rank)]
+
+    def kill(self, rank: int, launcher: Process) -> None:
+        """Machine ``rank`` dies: every process on it, SIGKILL."""
+        if self.hosts is None:
+            launcher.end_all()
+        else:
+            self.hosts.kill(rank)
+
+
+@pytest.fixture
+def machines(tmp_path) -> Iterator[Machines]:
+    if _why_no_namespaces() is not None:
+        yield Machines(None)
+        return
+    with _namespaces(tmp_path) as make:
+        yield Machines(make(2))
+
+
+def test_a_lost_node_leaves_the_job_and_a_node_that_comes_back_is_admitted(tmp_path, machines):
+    """``--nnodes 1:2 -n 1`` on two machines (network namespaces, with root): node 1's machine
+    dies at step 6 (its launcher and worker, SIGKILL); node 0 goes on alone from its backup; node
+    1 started again at step 13 is admitted (a new round of 2 nodes); both exit 0, exact."""
     (port,) = free_ports(1)
     events = [(0, "node1", 6, "wait"), (1, "node0", 13, "wait")]
 
     def node(rank: int, name: str) -> Process:
         options = ["--nnodes", "1:2", "-n", "1", "--node-rank", str(rank)]
-        options += ["--master-addr", "localhost", "--master-port", str(port)]
-        argv = [sys.executable, "-m", "stratagem.cli", "run", *options, str(SCRIPT)]
-        env = child_env({"TEST_NODE": f"node{rank}"})
-        return Process([*argv, json.dumps(events)], env, tmp_path, name, merge_output=True)
+        options += ["--master-addr", machines.address(0), "--master-port", str(port)]
+        argv = [*machines.prefix(rank), sys.executable, "-m", "stratagem.cli", "run", *options]
+        env = child_env({"TEST_NODE": f"node{rank}", "STRATAGEM_JOB_SECRET": "5" * 64})
+        argv += [str(SCRIPT), json.dumps(events)]
+        return Process(argv, env, tmp_path, name, merge_output=True)
 
     node0, node1 = node(0, "node0"), node(1, "node1")
     again = None
     try:
         worker = _wait_for(tmp_path / "at-0-node1", [node0, node1], "node 1's worker at step 6")
         assert _launcher_of(worker) == node1.pid
-        node1.end_all()  # the machine is lost: its launcher and its worker, SIGKILL
+        machines.kill(1, node1)
         node1.proc.wait(timeout=30)
         _wait_for(tmp_path / "at-1-node0", [node0], "node 0 alone at step 13")
         again = node(1, "node1-again")
