@@ -177,6 +177,17 @@ def machines(tmp_path) -> Iterator[Machines]:
         yield Machines(make(2))
 
 
+def _node(machines: Machines, tmp_path, port: int, events: list, rank: int, *options: str):
+    """Node ``rank``'s launcher of an elastic job over the machines (``--nnodes ... *options``)."""
+    where = ["--node-rank", str(rank), "--master-addr", machines.address(0)]
+    where += ["--master-port", str(port), *options]
+    argv = [*machines.prefix(rank), sys.executable, "-m", "stratagem.cli", "run", *where]
+    env = child_env({"TEST_NODE": f"node{rank}", "STRATAGEM_JOB_SECRET": "5" * 64})
+    argv += [str(SCRIPT), json.dumps(events)]
+    name = f"node{rank}" if not (tmp_path / f"node{rank}.out").exists() else f"node{rank}-again"
+    return Process(argv, env, tmp_path, name, merge_output=True)
+
+
 def test_a_lost_node_leaves_the_job_and_a_node_that_comes_back_is_admitted(tmp_path, machines):
     """``--nnodes 1:2 -n 1`` on two machines (network namespaces, with root): node 1's machine
     dies at step 6 (its launcher and worker, SIGKILL); node 0 goes on alone from its backup; node
@@ -184,15 +195,10 @@ def test_a_lost_node_leaves_the_job_and_a_node_that_comes_back_is_admitted(tmp_p
     (port,) = free_ports(1)
     events = [(0, "node1", 6, "wait"), (1, "node0", 13, "wait")]
 
-    def node(rank: int, name: str) -> Process:
-        options = ["--nnodes", "1:2", "-n", "1", "--node-rank", str(rank)]
-        options += ["--master-addr", machines.address(0), "--master-port", str(port)]
-        argv = [*machines.prefix(rank), sys.executable, "-m", "stratagem.cli", "run", *options]
-        env = child_env({"TEST_NODE": f"node{rank}", "STRATAGEM_JOB_SECRET": "5" * 64})
-        argv += [str(SCRIPT), json.dumps(events)]
-        return Process(argv, env, tmp_path, name, merge_output=True)
+    def node(rank: int) -> Process:
+        return _node(machines, tmp_path, port, events, rank, "--nnodes", "1:2", "-n", "1")
 
-    node0, node1 = node(0, "node0"), node(1, "node1")
+    node0, node1 = node(0), node(1)
     again = None
     try:
         worker = _wait_for(tmp_path / "at-0-node1", [node0, node1], "node 1's worker at step 6")
@@ -200,7 +206,7 @@ def test_a_lost_node_leaves_the_job_and_a_node_that_comes_back_is_admitted(tmp_p
         machines.kill(1, node1)
         node1.proc.wait(timeout=30)
         _wait_for(tmp_path / "at-1-node0", [node0], "node 0 alone at step 13")
-        again = node(1, "node1-again")
+        again = node(1)
         results = [node0.wait(timeout=240), again.wait(timeout=240)]
     finally:
         for p in (node0, node1, again):
@@ -213,3 +219,86 @@ def test_a_lost_node_leaves_the_job_and_a_node_that_comes_back_is_admitted(tmp_p
     assert worlds == [2] * 6 + [1] * 7 + [2] * 7, worlds
     assert "continued with 1 of 2 nodes; node 1 lost" in out0, out0
     assert "node 1 admitted: 2 of 2 nodes" in out0, out0
+
+
+def test_a_link_cut_for_5_s_is_no_lost_node_both_finish(tmp_path, machines):
+    """``--nnodes 2:2 --max-restarts 1`` over two network namespaces: at step 6 node 1's worker
+    holds while node 0's waits in the step's all-reduce, node 1's link is cut for 5 s, then
+    restored, then node 1's worker goes on. The all-reduce outlasts the cut (the operation
+    timeout is 60 s) and node 1's heartbeats resume: no round changes; both exit 0 with the
+    training finished, exact."""
+    if machines.hosts is None:
+        pytest.skip("a link to cut needs network namespaces (root)")
+    (port,) = free_ports(1)
+    events = [(0, "node1", 6, "hold")]
+    options = ("--nnodes", "2:2", "-n", "1", "--max-restarts", "1")
+    node0, node1 = (_node(machines, tmp_path, port, events, r, *options) for r in (0, 1))
+    try:
+        _wait_for(tmp_path / "at-0-node1", [node0, node1], "node 1's worker at step 6")
+        machines.hosts.cut(1)
+        time.sleep(5)  # the scenario: the link stays cut for 5 s
+        machines.hosts.mend(1)
+        (tmp_path / "go").write_text("")
+        results = [node0.wait(timeout=240), node1.wait(timeout=240)]
+    finally:
+        for p in (node0, node1):
+            if p.proc.returncode is None:
+                p.end_all()
+    out0, out1 = results[0].stdout, results[1].stdout
+    assert results[0].returncode == 0, out0
+    assert results[1].returncode == 0, out1
+    assert _check_exact(tmp_path, out0 + out1) == [2] * STEPS
+    assert "new round" not in out0 + out1, out0 + out1
+
+
+class _CutStore:
+    """A rendezvous handler whose store does not answer while ``cut`` (as a cut link)."""
+
+    def __init__(self) -> None:
+        self.cut = True
+
+    def _answer(self, value: object) -> object:
+        if self.cut:
+            raise RuntimeError("wait timeout after 10000ms")
+        return value
+
+    def is_closed(self) -> bool:
+        return self._answer(False)
+
+    def num_nodes_waiting(self) -> int:
+        return self._answer(0)
+
+
+def test_an_unreachable_store_is_said_once_and_training_goes_on(capsys):
+    """While the job's store does not answer, a node's launcher says so once and lets its
+    workers train (their collectives decide); when it answers again, it says that too."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+
+    from stratagem.cluster.attempt import Console, Interrupts
+    from stratagem.elastic.agent import StratagemAgent, WorkerRange
+
+    handler = _CutStore()
+    spec = WorkerSpec(role="worker", local_world_size=1, rdzv_handler=handler, entrypoint="x")
+    agent = StratagemAgent(
+        spec,
+        workers=WorkerRange(1, 1),
+        target=["x.py"],
+        python=sys.executable,
+        console=Console(sys.stdout, sys.stderr),
+        interrupts=Interrupts(),
+        base_env={},
+        host="localhost",
+        grace_period=1.0,
+        rendezvous=handler,
+        nodes=WorkerRange(1, 2),
+        node_name="node 1",
+    )
+    answers = []
+    for cut in (True, True, False):
+        handler.cut = cut
+        agent._checked_at = 0.0  # asked now, not a second later
+        answers.append(agent._other_nodes_agree())
+    assert answers == [True, True, True]
+    err = capsys.readouterr().err
+    assert err.count("the job's store is unreachable from node 1 (RuntimeError: wait timeout") == 1
+    assert err.count("the job's store is reachable again from node 1") == 1

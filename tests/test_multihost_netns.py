@@ -93,6 +93,10 @@ class Hosts:
         """Cut node ``rank``'s link, at the bridge's side (its cable pulled)."""
         _ip("-n", self.hub, "link", "set", f"v{rank}", "down")
 
+    def mend(self, rank: int) -> None:
+        """Put node ``rank``'s link back (``cut``'s cable plugged in again)."""
+        _ip("-n", self.hub, "link", "set", f"v{rank}", "up")
+
     def kill(self, rank: int) -> None:
         """Node ``rank``'s machine dies: SIGKILL every process in its namespace (its launcher
         and its tasks, which run in their own process groups), all started by this test. A

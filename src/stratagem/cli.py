@@ -319,7 +319,6 @@ def _run_elastic(
             ("--evaluator", args.evaluator),
             ("--restart-workers", args.restart_workers),
             ("--tolerate-worker-loss", args.tolerate_worker_loss),
-            ("--join-timeout", args.join_timeout is not None),
             ("--ps-nodes", args.ps_nodes is not None),
             ("--chief-node", args.chief_node is not None),
             ("--evaluator-node", args.evaluator_node is not None),
@@ -379,6 +378,7 @@ def _run_elastic(
         base_env=base_env,
         omp_threads=None if "OMP_NUM_THREADS" in os.environ else omp,
         place=place,
+        join_timeout_s=600.0 if args.join_timeout is None else args.join_timeout,
     ).exit_code
 
 

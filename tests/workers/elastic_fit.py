@@ -3,7 +3,8 @@ with ``BackupAndRestore(save_freq=1)`` on the exact-resume checks' pipeline (exa
 their id). Argument: events, as JSON ``[[round, who, step, what], ...]``: at the step's start,
 the worker of rank ``who`` (or on node ``who``: ``$TEST_NODE``) in that round
 (``STRATAGEM_ELASTIC_ROUND``) kills itself with SIGKILL (``"kill"``), or writes
-``at-<round>-<who>`` and waits until it is stopped (``"wait"``).
+``at-<round>-<who>`` and waits until it is stopped (``"wait"``) or until the file ``go`` is
+there (``"hold"``).
 Each worker appends one line per committed step to ``ledger.jsonl``: round, world size, step,
 its rank and the ids it trained on; the chief writes ``final.pt``."""
 
@@ -12,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch
 
@@ -38,10 +40,13 @@ class Ledger(sg.keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if events.get(batch) == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if events.get(batch) == "wait":
+        if events.get(batch) in ("wait", "hold"):
             with open(f"at-{this_round}-{node or rank}", "w") as f:
                 f.write(str(os.getpid()))
+        if events.get(batch) == "wait":
             threading.Event().wait()  # until the launcher stops this worker
+        while events.get(batch) == "hold" and not os.path.exists("go"):
+            time.sleep(0.05)  # the test writes it when the scenario's next act may begin
 
     def on_train_batch_end(self, batch, logs=None):
         ids = self.model.module.seen[-1]

@@ -50,10 +50,9 @@ from stratagem.cluster.tasks import (
     plural,
 )
 from stratagem.cluster.torchrun import ELASTIC_CHANGE_VARIABLE, ELASTIC_ROUND_VARIABLE
-from stratagem.elastic.sealed_rendezvous import SealedRendezvous, sealed_handler
+from stratagem.elastic.sealed_rendezvous import SealedRendezvous, explain, sealed_handler
 
 _MONITOR_S = 0.05
-_JOIN_TIMEOUT_S = 600.0  # torch's: how long a node waits for the others to meet
 
 
 @dataclass(frozen=True)
@@ -111,6 +110,7 @@ class StratagemAgent(SimpleElasticAgent):
         self.node_name = node_name
         self._members: list[str] = []  # the nodes of the round, by group rank
         self._checked_at = 0.0  # when the rendezvous was last asked about waiting nodes
+        self._unreachable = False  # the store did not answer the last time it was asked
         self.target = list(target)
         self.python = python
         self.console = console
@@ -244,11 +244,26 @@ class StratagemAgent(SimpleElasticAgent):
             return True
         self._checked_at = now
         handler = self._worker_group.spec.rdzv_handler
-        if handler.is_closed():
+        try:
+            closed, waiting = handler.is_closed(), handler.num_nodes_waiting()
+        except Exception as e:  # torch's RendezvousError or the store's own error, as raised
+            # A link cut for a while is not a lost node: the workers' collectives outlast it
+            # (TCP retransmits, the operation timeout); only their failure changes the round.
+            if not self._unreachable:
+                self._unreachable = True
+                self.console.log(
+                    f"the job's store is unreachable from {self.node_name} ({explain(e)}); "
+                    "training goes on while the workers' collectives do"
+                )
+            return True
+        if self._unreachable:
+            self._unreachable = False
+            self.console.log(f"the job's store is reachable again from {self.node_name}")
+        if closed:
             self._stop_workers(self._worker_group)
             self.outcome = Outcome(1, "another node ended the job (its rendezvous is closed)")
             return False
-        if handler.num_nodes_waiting() > 0:
+        if waiting > 0:
             before = list(self._members)
             self._next_round("a node asks to join")
             joined = [m for m in self._members if m not in before]
@@ -380,6 +395,7 @@ def run_elastic(
     base_env: Mapping[str, str] | None = None,
     omp_threads: int | None = None,
     place: NodePlace | None = None,
+    join_timeout_s: float = 600.0,
 ) -> Outcome:
     """Run ``python *target`` as an elastic job: ``workers`` workers on this machine, or with
     ``place``, this node's ``workers.maximum`` workers of a job over several machines."""
@@ -409,7 +425,7 @@ def run_elastic(
         run_id=None,
         min_nodes=nodes.minimum,
         max_nodes=nodes.maximum,
-        join_timeout_s=_JOIN_TIMEOUT_S,
+        join_timeout_s=join_timeout_s,
         last_call_s=2,
         close_timeout_s=10,
         heartbeat_s=1,
