@@ -4,14 +4,16 @@ For Hugging Face models built from configs (tens of MB of parameters; nothing do
 under MultiWorkerMirroredStrategy and FSDP ZeRO-3 on 2 CPU processes, each process trains
 Adam steps (``tests/workers/planner_memory.py``) and reads its peak of live tensor bytes from
 torch's profiler memory events. Prints one row per (model, strategy): predicted, measured (the
-larger of the two processes), predicted/measured.
+larger of the two processes; the median of ``--runs`` jobs), predicted/measured.
 
-    .venv/bin/python benchmarks/planner_memory.py
+    .venv/bin/python benchmarks/planner_memory.py --runs 3
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -35,19 +37,28 @@ MODELS = {
 }
 
 
+def one_job(name: str, kind: str, sizes: list[str]) -> tuple[int, int]:
+    """(predicted, measured) bytes of one 2-process job: the larger of its processes' peaks."""
+    with tempfile.TemporaryDirectory() as d:
+        args = [name.split("-")[0], kind, d, *sizes]
+        results = run_cluster(WORKERS / "planner_memory.py", 2, Path(d), args=args, timeout=600)
+        for r in results:
+            if r.returncode:
+                raise SystemExit(f"{name} {kind} failed:\n{r.stderr[-3000:]}")
+        rows = [json.loads(p.read_text()) for p in sorted(Path(d).glob("*.json"))]
+    return rows[0]["predicted"], max(r["measured"] for r in rows)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=1, help="jobs per row (the median is shown)")
+    runs = parser.parse_args().runs
     print(f"{'model':<12} {'strategy':<9} {'predicted MiB':>14} {'measured MiB':>13} {'ratio':>6}")
     for name, sizes in MODELS.items():
         for kind in ("mirrored", "zero3"):
-            with tempfile.TemporaryDirectory() as d:
-                args = [name.split("-")[0], kind, d, *sizes]
-                results = run_cluster(WORKERS / "planner_memory.py", 2, Path(d), args=args)
-                for r in results:
-                    if r.returncode:
-                        raise SystemExit(f"{name} {kind} failed:\n{r.stderr[-3000:]}")
-                rows = [json.loads(p.read_text()) for p in sorted(Path(d).glob("*.json"))]
-            measured = max(r["measured"] for r in rows)
-            predicted = rows[0]["predicted"]
+            jobs = [one_job(name, kind, sizes) for _ in range(runs)]
+            predicted = jobs[0][0]
+            measured = statistics.median(m for _, m in jobs)
             print(
                 f"{name:<12} {kind:<9} {predicted / 2**20:>14.1f} {measured / 2**20:>13.1f} "
                 f"{predicted / measured:>6.2f}"

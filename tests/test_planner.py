@@ -3,7 +3,8 @@
 The chooser is checked against the same cost model enumerated exhaustively (every split of a
 pipeline, not only the balanced ones) over a table of 200+ cases; the trace against sizes
 computed by hand; the memory prediction against the measured peak of live tensor bytes in a
-real job of two processes (``workers/planner_memory.py``).
+real job of two processes (``workers/planner_memory.py``); the plan's HSDP against one process
+on the global batch (``workers/planner_hsdp.py``).
 """
 
 from __future__ import annotations
@@ -80,8 +81,22 @@ def test_communication_per_step_is_the_ring_formulas():
     assert (m.params, m.grads, m.optimizer) == (g // 4, g // 4, 2 * (g // 4))
 
 
+class _Towers(torch.nn.Module):
+    """Parallel towers, summed: no layers to pipeline, no projection Megatron splits; only data
+    parallelism and sharding (each tower an FSDP unit) apply."""
+
+    def __init__(self, width: int = 64, towers: int = 8) -> None:
+        super().__init__()
+        for i in range(towers):
+            self.add_module(f"tower{i}", torch.nn.Linear(width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(tower(x) for tower in self.children())
+
+
 def _base_models() -> dict[str, object]:
     return {
+        "towers": trace_model(_Towers(), torch.randn(4, 64)),
         "gpt2": trace_model(hf_models.gpt2().train(), _lm_batch()),
         "llama": trace_model(hf_models.llama().train(), _lm_batch()),
         "bert": trace_model(
@@ -190,19 +205,38 @@ MEASURED = {
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["mirrored", "zero3"])
 @pytest.mark.parametrize("name", sorted(MEASURED))
-def test_predicted_peak_is_within_15_percent_of_the_measured_peak_under_mwms(tmp_path, name):
-    """Two processes train under the MultiWorkerMirroredStrategy the planner builds; each
-    reads its peak of live tensor bytes from torch's profiler memory events and writes it
-    beside the plan's prediction (``workers/planner_memory.py``)."""
-    args = [name, "mirrored", str(tmp_path), *MEASURED[name]]
+def test_predicted_peak_is_within_15_percent_of_the_measured_peak(tmp_path, name, kind):
+    """Two processes train under the strategy the planner builds (MultiWorkerMirrored, or FSDP
+    ZeRO-3); each reads its peak of live tensor bytes from torch's profiler memory events and
+    writes it beside the plan's prediction (``workers/planner_memory.py``)."""
+    args = [name, kind, str(tmp_path), *MEASURED[name]]
     results = run_cluster(WORKERS / "planner_memory.py", 2, tmp_path, args=args, timeout=240)
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
     for rank in range(2):
-        found = json.loads((tmp_path / f"mirrored-rank{rank}.json").read_text())
+        found = json.loads((tmp_path / f"{kind}-rank{rank}.json").read_text())
         ratio = found["predicted"] / found["measured"]
         assert 0.85 <= ratio <= 1.15, (rank, found)
+
+
+@pytest.mark.multiprocess
+def test_the_plans_hsdp_trains_as_one_process_on_the_global_batch(tmp_path):
+    """Four processes build the plan's "HSDP 2x2" candidate as ``auto`` builds a choice
+    (``Plan.build``): a (replicate 2, shard 2) mesh, each parameter sharded over 2. Two SGD
+    steps, each process on its quarter of the global batch, leave the parameters one process
+    gets alone on the whole batch (``workers/planner_hsdp.py``)."""
+    results = run_cluster(
+        WORKERS / "planner_hsdp.py", 4, tmp_path, args=[str(tmp_path), "2", "2"], timeout=240
+    )
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    found = [json.loads((tmp_path / f"hsdp-rank{r}.json").read_text()) for r in range(4)]
+    for f in found:
+        assert f["mesh"] == {"replicate": 2, "shard": 2} and f["replicas"] == 4
+        assert f["local_shapes"]["0.weight"] == [8, 6]  # 16 rows over the 2 shards, not 4
+    assert found[0]["close"], found[0]
 
 
 def test_auto_builds_the_chosen_strategy():

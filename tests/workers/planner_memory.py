@@ -4,7 +4,8 @@ built, and write the measured peak of live tensor bytes next to the planner's pr
 argv: model name (``gpt2``, ``llama``, ...), candidate kind (``mirrored``, ``zero3``, ...),
 output folder; sizes as ``key=value`` after them (the model's config overrides). The peak is
 read from torch's profiler memory events (``profile_memory=True``): every CPU allocation and
-free from before the model is built, summed in time order, its maximum during two steps after
+free from before the model is built (a collective's scratch that gloo frees unseen, when it
+returns), summed in time order, its maximum during two steps after
 the first (which makes the optimizer's state) once the initial broadcasts are let go. Writes
 ``<out>/<kind>-rank<r>.json``.
 """
@@ -14,6 +15,7 @@ import json
 import sys
 
 import torch
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import stratagem as sg
@@ -59,17 +61,59 @@ def batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
+def _collective_around(event) -> object | None:
+    """The ``c10d::`` operation an allocation was made in, if any."""
+    parent = event.parent
+    while parent is not None:
+        if parent.name.startswith("c10d::"):
+            return parent
+        parent = parent.parent
+    return None
+
+
 def peak_during_last_steps(prof: profile) -> int:
     """The largest sum of the CPU allocations and frees recorded since profiling began, in
-    time order, during the last two steps."""
-    events = sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns())
-    start = min(e.start_ns() for e in events if e.name() == "planner-last-steps")
-    live = peak = 0
-    for e in events:
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU:
-            live += e.nbytes()
-            if e.start_ns() >= start:
-                peak = max(peak, live)
+    time order, during the last two steps. Gloo frees a collective's scratch copy (its
+    reduce-scatter clones the input) on its own thread, which the profiler does not record,
+    now and then: an allocation whose address is handed out again before its free is seen was
+    freed unseen, when the ``c10d::`` operation that made it returned (else by then); a
+    collective's scratch never seen freed, likewise."""
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        events.append(e)
+        stack.extend(e.children)
+    start = min(e.start_time_ns for e in events if e.name == "planner-last-steps")
+    allocations = sorted(
+        (e for e in events if e.tag == _EventType.Allocation and e.typed[1].device.type == "cpu"),
+        key=lambda e: e.start_time_ns,
+    )
+    live: dict[int, object] = {}
+    changes = []
+
+    def freed_unseen(e, by: int | None) -> None:
+        collective = _collective_around(e)
+        at = collective.end_time_ns if collective is not None else by
+        if at is not None:
+            changes.append((at if by is None else min(at, by), -e.typed[1].alloc_size))
+
+    for e in allocations:
+        fields = e.typed[1]
+        if fields.alloc_size > 0:
+            if fields.ptr in live:
+                freed_unseen(live[fields.ptr], e.start_time_ns)
+            live[fields.ptr] = e
+            changes.append((e.start_time_ns, fields.alloc_size))
+        elif fields.ptr in live:
+            del live[fields.ptr]
+            changes.append((e.start_time_ns, fields.alloc_size))
+    for e in live.values():
+        freed_unseen(e, None)
+    total = peak = 0
+    for at, size in sorted(changes, key=lambda c: c[0]):
+        total += size
+        if at >= start:
+            peak = max(peak, total)
     return peak
 
 

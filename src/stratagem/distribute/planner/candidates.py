@@ -71,14 +71,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(2, n + 1) if n % d == 0]
 
 
-def _unit_bytes(facts: ModelFacts) -> int:
-    """The largest FSDP unit when every layer is a unit and the root holds the rest."""
-    if not facts.layers:
-        return facts.largest_unit_bytes
-    rest = facts.pre.param_bytes + facts.post.param_bytes
-    return max(rest, *(x.param_bytes for x in facts.layers))
-
-
 def _pipeline_splits(
     facts: ModelFacts, stages: int, slots: int, exhaustive: bool
 ) -> Iterator[list[int]]:
@@ -132,13 +124,12 @@ def candidates(
     yield _priced(cluster, "MultiWorkerMirrored", "mirrored", memory, sent)
     if world == 1:
         return
-    unit = _unit_bytes(facts)
     for reshard, kind, name in ((True, "zero3", "FSDP ZeRO-3"), (False, "zero2", "FSDP ZeRO-2")):
-        memory, sent = cost_model.sharded(facts, world, 1, slots, reshard, unit)
+        memory, sent = cost_model.sharded(facts, world, 1, slots, reshard)
         yield _priced(cluster, name, kind, memory, sent, reshard=reshard)
     for shard in _divisors(world)[:-1]:
         replicate = world // shard
-        memory, sent = cost_model.sharded(facts, shard, replicate, slots, True, unit)
+        memory, sent = cost_model.sharded(facts, shard, replicate, slots, True)
         yield _priced(
             cluster,
             f"HSDP {replicate}x{shard}",

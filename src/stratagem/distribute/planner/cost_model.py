@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
+from stratagem.distribute.planner.fsdp_timeline import fsdp_peak
 from stratagem.distribute.planner.model_trace import LayerFacts, ModelFacts
 
 # Optimizer state kept per trainable parameter, in parameter-sized slots.
@@ -33,9 +34,22 @@ class Memory:
     gathered: int  # parameters and gradients a sharded strategy holds whole for a while
     temporary: int  # the optimizer step's scratch tensors
     buffers: int = 0  # communication buffers kept from step to step
+    # The fields are what is alive at one moment of a replayed step (``fsdp_timeline``), so
+    # the peak is their sum, rather than the larger of the two phases below.
+    one_moment: bool = False
 
     @property
     def peak(self) -> int:
+        if self.one_moment:
+            return (
+                self.params
+                + self.grads
+                + self.optimizer
+                + self.activations
+                + self.gathered
+                + self.temporary
+                + self.buffers
+            )
         at_backward = self.activations + self.gathered
         at_step = self.grads + self.temporary
         return self.params + self.optimizer + self.buffers + max(at_backward, at_step)
@@ -76,14 +90,21 @@ def mirrored(f: ModelFacts, world: int, slots: int) -> tuple[Memory, float]:
 
 
 def sharded(
-    f: ModelFacts, shard: int, replicate: int, slots: int, reshard: bool, unit: int
+    f: ModelFacts, shard: int, replicate: int, slots: int, reshard: bool
 ) -> tuple[Memory, float]:
     """FSDP over ``shard`` devices (ZeRO-3 when ``reshard``, else ZeRO-2), times ``replicate``
-    (HSDP). ZeRO-3 holds the largest unit gathered and its whole gradient; ZeRO-2 keeps every
-    gathered parameter from forward to the end of backward."""
-    params = f.param_bytes / shard
-    gathered = 2 * unit if reshard else f.param_bytes - params + unit
-    memory = _memory(f, params, slots, f.activation_bytes, gathered)
+    (HSDP): the peak of a step replayed buffer by buffer (``fsdp_timeline``)."""
+    live = fsdp_peak(f, shard, slots, reshard)
+    memory = Memory(
+        params=live.get("params", 0),
+        grads=live.get("grads", 0),
+        optimizer=live.get("optimizer", 0),
+        activations=live.get("activations", 0),
+        gathered=live.get("gathered", 0),
+        temporary=live.get("temporary", 0),
+        buffers=live.get("buffers", 0),
+        one_moment=True,
+    )
     gathers = 2 if reshard else 1
     sent = gathers * allgather(f.param_bytes, shard) + allgather(f.trainable_bytes, shard)
     sent += allreduce(f.trainable_bytes / shard, replicate)

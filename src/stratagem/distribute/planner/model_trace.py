@@ -64,6 +64,8 @@ class ModelFacts:
     layers: tuple[LayerFacts, ...]
     post: LayerFacts  # after the last pipeline layer (final norm, head, loss)
     layers_are_sequential: bool  # split points are layer indices (else module paths)
+    # Parameters of each top-level child holding some, in module order: FSDP's default units.
+    child_bytes: tuple[int, ...] = ()
 
     def scaled(self, width: float = 1.0, batch: float = 1.0) -> ModelFacts:
         """The facts of this model with ``width`` times the parameters and ``batch`` times the
@@ -91,6 +93,7 @@ class ModelFacts:
             pre=layer(self.pre),
             layers=tuple(layer(f) for f in self.layers),
             post=layer(self.post),
+            child_bytes=tuple(int(b * width) for b in self.child_bytes),
         )
 
 
@@ -276,4 +279,5 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
         ),
         post=LayerFacts("<post>", post_bytes, saved["<post>"], 0),
         layers_are_sequential=sequential,
+        child_bytes=tuple(b for b in units if b),
     )
