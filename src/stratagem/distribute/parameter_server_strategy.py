@@ -152,6 +152,14 @@ class ParameterServerStrategy(Strategy):
         return self._client.ps_stats()
 
 
+@dataclasses.dataclass(frozen=True)
+class VariableShard:
+    """One shard of a ps variable: its shape and the ps that holds it (TF's device string)."""
+
+    shape: tuple[int, ...]
+    device: str
+
+
 class ParameterServerExtended(StrategyExtended, ChiefCoordination):
     """One replica per worker; parameters sharded on the ps tasks, updated there by ``rule``."""
 
@@ -316,6 +324,26 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
         if new:
             scope_hooks.claim(p, self._container)
         return p, new
+
+    def variable_shards(self, v: torch.Tensor) -> list[VariableShard]:
+        """The shards of ps variable ``v`` in order, each with its ``shape`` and the ``device``
+        of the ps holding it, as TF's ``ShardedVariable.variables`` (``layer.weights``) shows
+        them: ``/job:ps/replica:0/task:I/device:CPU:0``. One shard for an uncut variable."""
+        shards = self.client.shards_of(v)
+        if shards is None:
+            raise ValueError(
+                f"this tensor of shape {tuple(v.shape)} is not a variable on the ps: build it in "
+                "ParameterServerStrategy.scope() (its scope's end places it)"
+            )
+        rest = tuple(v.shape[1:])
+        tasks = [name.rpartition(":")[2] for name in self.client.ps_names]  # "ps:1" -> "1"
+        return [
+            VariableShard(
+                shape=(s.rows, *rest) if v.dim() else (),
+                device=f"/job:ps/replica:0/task:{tasks[s.ps]}/device:CPU:0",
+            )
+            for s in shards
+        ]
 
     @override
     def check_optimizer(
