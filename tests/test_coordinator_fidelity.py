@@ -76,6 +76,18 @@ def test_coordinated_fit_takes_a_dataset_as_tfs_tutorial_passes_it(job):
 
 
 @pytest.mark.multiprocess
+def test_backup_and_restore_under_the_coordinator_resumes_at_the_next_epoch(job):
+    """TF's parameter-server tutorial passes ``BackupAndRestore`` to ``fit``: interrupted after
+    epoch 1's backup, the fit run again goes on from epoch 2 with the optimizer's 4 steps (2 a
+    function, 2 an epoch), and deletes the backup at its end."""
+    got = _part(job, "backup")
+    assert got["interrupted"] == "interrupted", got
+    assert got["epochs"] == [0, 1, 2, 3], got
+    assert got["steps"] == [4, 8], got
+    assert got["left"] == [], got
+
+
+@pytest.mark.multiprocess
 def test_iter_of_a_distributed_dataset_on_the_coordinator_is_a_value_error(job):
     got = _part(job, "iter")
     assert "you need to pass this dataset to ClusterCoordinator.create_per_worker_dataset" in (

@@ -668,8 +668,50 @@ def keras_fit():
     return result
 
 
+def backup_and_restore():
+    """TF's tutorial passes BackupAndRestore to a coordinated fit: a fit interrupted after its
+    second epoch's backup, then run again, goes on from the third epoch (the epoch, the
+    optimizer's step count and the weights from the backup), and the backup goes at its end."""
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = sg.keras.Model(torch.nn.Linear(2, 2))
+        model.compile(
+            sg.keras.optimizers.SGD(0.1),
+            loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=2,
+        )
+    epochs: list[int] = []
+
+    class Watch(sg.keras.callbacks.Callback):
+        def __init__(self, stop_after: int | None = None) -> None:
+            super().__init__()
+            self.stop_after = stop_after
+
+        def on_epoch_begin(self, epoch, logs=None):
+            epochs.append(epoch)
+
+        def on_epoch_end(self, epoch, logs=None):
+            if epoch == self.stop_after:
+                raise RuntimeError("interrupted")
+
+    backup_dir = OUT / "backup"
+    fit = dict(epochs=4, steps_per_epoch=2, verbose=0)
+    backup = sg.keras.callbacks.BackupAndRestore(backup_dir=str(backup_dir))
+    try:
+        model.fit(fit_data(), callbacks=[backup, Watch(stop_after=1)], **fit)
+    except RuntimeError as e:
+        interrupted = str(e)
+    steps = [model.optimizer.iterations]
+    backup = sg.keras.callbacks.BackupAndRestore(backup_dir=str(backup_dir))
+    model.fit(fit_data(), callbacks=[backup, Watch()], **fit)
+    steps.append(model.optimizer.iterations)
+    left = sorted(p.name for p in backup_dir.rglob("*")) if backup_dir.exists() else []
+    return {"interrupted": interrupted, "epochs": epochs, "steps": steps, "left": left}
+
+
 result = {
     "keras": outcome(keras_fit),
+    "backup": outcome(backup_and_restore),
     "iter": outcome(iter_on_the_coordinator),
     "datasets": outcome(datasets),
     "int64": outcome(int64_variable),
