@@ -4,7 +4,8 @@ tensorflow/docs site/en/tutorials/distribute/save_and_load.ipynb, cell by cell, 
 README's substitutions only: ``tf.`` → ``sg.``; the Keras ``Sequential`` → a ``torch.nn``
 ``Sequential`` in ``sg.keras.Model`` (channels first), whose first layer's ``input_shape=`` is
 ``model.build(...)``; ``tfds.load("mnist")`` → ``sg.data.datasets.load_digits()`` (no download);
-``hub.KerasLayer(loaded, trainable=True)`` → ``loaded.module``; ``/tmp/...`` paths → ``--dir``.
+``hub.KerasLayer(loaded, trainable=True)`` in a model → ``sg.keras.Model(loaded)``; ``/tmp/...``
+paths → ``--dir``.
 The distribution calls are the tutorial's: ``MirroredStrategy``, ``model.save``,
 ``tf.saved_model.save/load``, ``SaveOptions``/``LoadOptions(experimental_io_device=
 "/job:localhost")``, loading inside and outside a strategy's scope.
@@ -134,10 +135,10 @@ with another_strategy.scope():
         break
 
 
-# Continue training the loaded object: TF wraps it in hub.KerasLayer; here it is a torch module.
 def build_model(loaded):
-    # Wrap what's loaded in a Keras model
-    model = sg.keras.Model(loaded.module)
+    # Wrap what's loaded to a KerasLayer (port: the loaded object is a torch module, which
+    # sg.keras.Model wraps and trains as tf.keras.Model(x, hub.KerasLayer(loaded, trainable=True)))
+    model = sg.keras.Model(loaded)
     return model
 
 

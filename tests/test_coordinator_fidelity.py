@@ -76,6 +76,18 @@ def test_coordinated_fit_takes_a_dataset_as_tfs_tutorial_passes_it(job):
 
 
 @pytest.mark.multiprocess
+def test_backup_and_restore_under_the_coordinator_resumes_at_the_next_epoch(job):
+    """TF's parameter-server tutorial passes ``BackupAndRestore`` to ``fit``: interrupted after
+    epoch 1's backup, the fit run again goes on from epoch 2 with the optimizer's 4 steps (2 a
+    function, 2 an epoch), and deletes the backup at its end."""
+    got = _part(job, "backup")
+    assert got["interrupted"] == "interrupted", got
+    assert got["epochs"] == [0, 1, 2, 3], got
+    assert got["steps"] == [4, 8], got
+    assert got["left"] == [], got
+
+
+@pytest.mark.multiprocess
 def test_iter_of_a_distributed_dataset_on_the_coordinator_is_a_value_error(job):
     got = _part(job, "iter")
     assert "you need to pass this dataset to ClusterCoordinator.create_per_worker_dataset" in (
@@ -93,6 +105,19 @@ def test_an_int64_variable_made_in_scope_lives_on_the_ps(job):
     # coordinator reads 2.
     assert got["values"] == [1, 1] and got["chief_reads"] == 2, got
     assert got["dtype"] == "torch.int64" and got["in_scope"], got
+
+
+@pytest.mark.multiprocess
+def test_batchnorm_updates_from_two_workers_at_once_both_add_on_the_ps(job):
+    """tf_keras's BatchNormalization moves its statistics with ``assign_sub(delta)``, ``delta``
+    from the worker's read: two workers that read the same values both add their change on the
+    ps (neither overwrites the other). Batch [[1, 2], [3, 6]]: mean [2, 4], unbiased variance
+    [2, 8]; momentum 0.1 from mean 0 and variance 1, twice from the same read."""
+    got = _part(job, "batchnorm")
+    assert got["workers"] == [0, 1], got
+    assert got["mean"] == pytest.approx([0.4, 0.8]), got  # one update alone: [0.2, 0.4]
+    assert got["var"] == pytest.approx([1.2, 2.4]), got  # one alone: [1.1, 1.7]
+    assert got["batches"] == 2, got
 
 
 @pytest.mark.multiprocess

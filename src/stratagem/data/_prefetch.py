@@ -117,6 +117,9 @@ class Prefetcher:
         self._making = threading.Lock()
         self._stopping = threading.Event()
         self._send = send
+        # Set while the thread waits for room, the buffer full and nothing being made; cleared
+        # by each get(). For tests and diagnostics: it shows the thread idle without a sleep.
+        self.waiting_for_room = threading.Event()
         # Started by the first get(), as TF's prefetch starts at the first GetNext: an iterator
         # made and then restored from a checkpoint has made nothing in vain.
         self.thread = threading.Thread(target=self._fill, name="stratagem-prefetch", daemon=True)
@@ -154,6 +157,7 @@ class Prefetcher:
     def _wait_for_room(self) -> bool:
         with self._changed:
             while len(self._ready) >= self._size and not self._stopping.is_set():
+                self.waiting_for_room.set()
                 self._changed.wait()
         return not self._stopping.is_set()
 
@@ -169,6 +173,7 @@ class Prefetcher:
             while not self._ready:
                 self._changed.wait()
             kind, _, sent = self._ready.popleft()
+            self.waiting_for_room.clear()  # under the lock: set again only once full again
             self._changed.notify_all()
         return kind, sent
 
@@ -201,6 +206,11 @@ class Prefetcher:
         elif threading.current_thread() is not self.thread:
             self.thread.join()
         _live.discard(self)
+
+
+def running_prefetchers() -> list[Prefetcher]:
+    """The background threads' prefetchers not stopped yet (for tests and diagnostics)."""
+    return [worker for worker in list(_live) if worker.thread.ident is not None]
 
 
 @atexit.register

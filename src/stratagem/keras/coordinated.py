@@ -29,7 +29,7 @@ from stratagem.distribute.coordinator import (
     PerWorkerDistributedDataset,
     PerWorkerDistributedDatasetsFromFunction,
 )
-from stratagem.keras.data_adapter import _as_tensor
+from stratagem.keras.data_adapter import DataPosition, _as_tensor
 
 if TYPE_CHECKING:
     from stratagem.keras.callbacks import CallbackList
@@ -114,6 +114,20 @@ def per_worker_dataset(strategy: Any, x: Any) -> Any:
     return None
 
 
+class NoPosition:
+    """fit's data as a backup (``BackupAndRestore``) sees it on a coordinated chief: no position
+    to save or seek, since each worker's dataset repeats on its own and a restarted job's
+    workers make theirs anew (as TF's); the backup keeps the epoch, step and weights."""
+
+    position = DataPosition()
+
+    def seek(self, position: DataPosition, iterator_state: Any = None) -> None:
+        """Nothing to seek: the workers' datasets start again."""
+
+    def iterator_state(self) -> None:
+        return None
+
+
 @dataclass(frozen=True)
 class WorkerBatches:
     """``fit``'s data on the chief of a coordinated cluster: the per-worker iterator each
@@ -143,8 +157,9 @@ class CoordinatedSteps:
         return None if self._data is None else self._data.steps
 
     @property
-    def fit_data(self) -> None:
-        return None  # the workers' datasets repeat, with no position kept here
+    def fit_data(self) -> Any:
+        # The workers' datasets repeat, with no position kept here (a fit's backup has none).
+        return None if self._data is None else NoPosition()
 
     def batch_logs(self, wanted: bool) -> bool:
         return False
