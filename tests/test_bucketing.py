@@ -117,6 +117,25 @@ def test_a_slot_every_process_let_go_leaves_the_buckets_after_one_step() -> None
         torch.testing.assert_close(p.grad, 2 * g, msg=name)
 
 
+def test_the_buckets_a_rebuild_replaced_are_freed_at_once() -> None:
+    """After the tied-away weight's slot leaves the buckets, the old buckets' buffers are freed
+    when the rebuild drops them, without waiting for the cycle collector: a dropped entry no
+    longer points at its old bucket, which pointed back at it (under MWMS a tied GPT-2 kept a
+    second copy of its gradient buffers until Python's collector ran)."""
+    import gc
+    import weakref
+
+    _, reducer, model = _tied_under_a_reducer()
+    old = [weakref.ref(b.buffer) for b in reducer._buckets]
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    gc.disable()
+    try:
+        model(ids).square().mean().backward()  # the flush at its end rebuilds the buckets
+        assert [r() is None for r in old] == [True] * len(old)
+    finally:
+        gc.enable()
+
+
 class _Gathering(LocalCommunicator):
     """This process and ``others``, as the host, thread and core counts each reports."""
 

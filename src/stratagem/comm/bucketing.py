@@ -151,6 +151,10 @@ class GradientReducer:
         for entry in gone:
             for handle in entry.handles:
                 handle.remove()
+            # Its bucket points back at it: break the cycle, so that the old buckets (their
+            # buffers as big as the gradients) are freed when a rebuild drops them, not when
+            # the cycle collector runs.
+            entry.bucket = None
         dropped = set(gone)
         self._entries = [e for e in self._entries if e not in dropped]
 
