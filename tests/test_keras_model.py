@@ -190,6 +190,34 @@ def test_mirrored_fit_equals_one_device_on_the_global_batch():
     _assert_same_training(got, reference_model, reference_history, x, y)
 
 
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        lambda: sg.distribute.MirroredStrategy(["cpu:0", "cpu:1"]),
+        lambda: sg.distribute.experimental.CentralStorageStrategy(["cpu:0", "cpu:1"]),
+    ],
+    ids=["mirrored", "central_storage"],
+)
+def test_compile_refuses_a_module_built_outside_a_multi_replica_scope(strategy):
+    """tf.keras's ``Model.compile`` rule (training.py: every variable created in the strategy's
+    scope), with its words: a module built outside is one copy that every replica's thread
+    would train at once, a race that trained silently wrong (or failed in backward)."""
+    strategy = strategy()
+    outside = build_model()
+    with strategy.scope():
+        model = sg.keras.Model(outside)
+        with pytest.raises(ValueError) as refused:
+            model.compile("sgd", "sparse_categorical_crossentropy")
+        inside = sg.keras.Model(build_model())
+        inside.compile("sgd", "sparse_categorical_crossentropy")  # built in the scope: fine
+    assert str(refused.value).startswith(
+        "Variable (0.weight) was not created in the distribution strategy scope of ("
+    ), refused.value
+    assert "with strategy.scope():\n  model=_create_model()\n  model.compile(...)" in str(
+        refused.value
+    )
+
+
 @pytest.mark.multiprocess
 def test_multi_worker_fit_equals_one_device_on_the_global_batch(tmp_path):
     results = run_cluster(

@@ -206,6 +206,19 @@ class Model(Portable):
 
     # ------------------------------------------------------------------ compile
 
+    def _check_variables_in_scope(self) -> None:
+        """tf.keras's rule at ``compile``: every variable was created in the strategy's scope.
+        Applied where it matters here: a strategy whose replicas share this process (Mirrored,
+        CentralStorage on several devices) makes each replica's copy in its scope; a module
+        built outside it would be one copy that the replicas' threads all train at once (a
+        race, silently wrong). One replica per process adopts a module built outside."""
+        extended = self.distribute_strategy.extended
+        if len(extended.worker_devices) < 2:
+            return
+        for name, p in self.module.named_parameters():
+            if not extended.variable_created_in_scope(p):
+                raise _outside_scope_error(name, self.distribute_strategy)
+
     def compile(
         self,
         optimizer: Any = "rmsprop",
@@ -235,6 +248,7 @@ class Model(Portable):
         here, so each batch is still its own step; what changes is how often the callbacks run
         (and, under multi-worker strategies, the per-step collective of batch logs)."""
         _check_count("steps_per_execution", steps_per_execution, minimum=1)
+        self._check_variables_in_scope()
         self.steps_per_execution = steps_per_execution
         options = _compiled_forward_options(jit_compile)
         pipelined = isinstance(self.distribute_strategy.extended, capabilities.PipelinedSteps)
@@ -777,6 +791,17 @@ class Model(Portable):
 
 
 _metrics_module = metrics  # ``Model.metrics`` (a property) shadows the module name in the class
+
+
+def _outside_scope_error(variable: str, strategy: Strategy) -> ValueError:
+    """tf.keras's ``Model.compile`` error, word for word but the variable's name."""
+    return ValueError(
+        f"Variable ({variable}) was not created in the distribution strategy scope of "
+        f"({strategy}). It is most likely due to not all layers or the model or optimizer being "
+        "created outside the distribution strategy scope. Try to make sure your code looks "
+        "similar to the following.\nwith strategy.scope():\n  model=_create_model()\n  "
+        "model.compile(...)"
+    )
 
 
 def _strategy_of(module: torch.nn.Module, name: str) -> Strategy:
