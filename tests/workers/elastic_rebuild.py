@@ -1,11 +1,12 @@
 """One worker of an elastic job whose group is rebuilt in place: tests/test_elastic_rebuild.py.
 
 torchrun's environment, with the store hosted by the test (as the agent hosts it) and
-STRATAGEM_ELASTIC=1. VICTIM is the rank the test kills or stops; it waits outside collectives
-after the first all-reduce. The others all-reduce again, get ``MembershipChanged`` (a lost peer,
-or SIGUSR1: the agent's abandon), rebuild for round 1 without the victim and all-reduce; with
-NEWCOMER=1 they then admit one newcomer at round 2. Each contributes 2**(its first rank); a
-newcomer (JOINING=1, started at round 2) contributes 8. Lines: READY, LOST, REBUILT, SUM.
+STRATAGEM_ELASTIC=1. VICTIM is the rank the test kills or stops; it comes late to the first
+all-reduce and then waits outside collectives. The others all-reduce again, get
+``MembershipChanged`` (a lost peer, or SIGUSR1: the agent's abandon), rebuild for round 1
+without the victim and all-reduce; with NEWCOMER=1 they then admit one newcomer at round 2.
+Each contributes 2**(its first rank); a newcomer (JOINING=1, started at round 2) contributes 8.
+Lines: READY, LOST, REBUILT, SUM.
 """
 
 import os
@@ -44,6 +45,8 @@ if os.environ.get("JOINING") == "1":
     sys.exit(0)
 
 print(f"READY {first_rank} {comm._liveness.address}", flush=True)
+if first_rank == victim:
+    time.sleep(0.3)  # late: the others' wait for the first all-reduce outlasts several slices
 say(f"SUM {total(2.0**first_rank)}")
 if first_rank == victim:
     time.sleep(op_timeout * 2)  # killed or stopped by the test first

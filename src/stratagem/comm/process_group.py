@@ -8,7 +8,7 @@ that names the peer and the operation, by asking each peer's liveness server (``
 an error that is not the transport's (``is_communication_failure``) passes through as itself. At
 exit the group is destroyed, so a job ends with exit code 0 and without abort messages.
 
-In an elastic job (``STRATAGEM_ELASTIC=1``, set by the agent) collectives are waited by polling,
+In an elastic job (``STRATAGEM_ELASTIC=1``, set by the agent) collectives are waited in slices,
 so that ``abandon()`` (the agent's channel) ends a blocked one; a lost peer or an abandoned
 collective is ``MembershipChanged``; ``rebuild`` then abandons the group without joining gloo's
 threads and starts the round's group in place (store prefix ``stratagem/round-N/``).
@@ -77,10 +77,11 @@ LINGER_S = 2.0
 SETTLE_S = 1.5
 # The variable the elastic agent sets for its workers (see the module docstring).
 ELASTIC_VARIABLE = "STRATAGEM_ELASTIC"
-# An elastic job's polls of a pending collective: from 0.1 ms, doubling, to at most 1 ms (the
-# longest delay a completed collective can see, and how soon an abandon is noticed).
-POLL_FIRST_S = 0.0001
-POLL_MAX_S = 0.001
+# An elastic job waits for a collective in slices of this long (``_complete``): how soon an
+# abandon is noticed. A completed collective wakes the wait at once, as a blocking one does.
+WAIT_SLICE_S = 0.05
+# What gloo's ``Work.wait(timeout)`` raises when the slice ends first; the Work goes on.
+_SLICE_ENDED = "Operation timed out!"
 # Groups abandoned by ``rebuild``, with their last Works and tensors: never released.
 # Dropping the last reference to a gloo group joins its threads, which wait in an abandoned
 # collective until the operation timeout (measured: 18.5 s), and at interpreter exit too: the
@@ -518,21 +519,31 @@ class ProcessGroupCommunicator(Communicator):
             self._complete(work, f"{name} of {what}")
 
     def _complete(self, work: Any, op: str) -> None:
-        """Wait for ``work``: blocking, or in an elastic job by polling, so that ``abandon``
-        ends the wait (gloo's abort does not wake a blocked ``wait``)."""
+        """Wait for ``work``: blocking, or in an elastic job in slices (``WAIT_SLICE_S``), so
+        that ``abandon`` ends the wait (gloo's abort does not wake a blocked ``wait``).
+
+        Slices rather than polling ``is_completed``: a completed collective wakes the wait at
+        once (polling cost 5-90 % of a small all-reduce, measured). Slicing a wait is safe here
+        because an abandoned group is never destroyed (``_abandon_group``)."""
         if not self._elastic:
             work.wait()
             return
-        pause = POLL_FIRST_S
-        while not work.is_completed():
+        slice_ = datetime.timedelta(seconds=WAIT_SLICE_S)
+        while True:
+            try:
+                work.wait(slice_)
+                return
+            except RuntimeError as e:
+                if _SLICE_ENDED not in str(e):
+                    raise  # the collective's own error
+                if work.is_completed():
+                    work.wait()  # done just after the slice ended: returns, or raises its error
+                    return
             if self._abandoned.is_set():
                 raise MembershipChanged(
                     f"{op} (operation #{self._seq}) on {self._me} was abandoned: "
                     f"{self._abandon_why}"
                 )
-            time.sleep(pause)
-            pause = min(pause * 2, POLL_MAX_S)
-        work.wait()  # completed: returns at once, or raises the collective's error
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
