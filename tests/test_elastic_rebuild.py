@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from cluster_utils import WORKERS, Process, child_env, free_ports
@@ -216,11 +217,14 @@ def lone_worker(monkeypatch, elastic: str = "1") -> Iterator[ProcessGroupCommuni
         comm.shutdown()
 
 
-def test_a_group_made_before_a_rebuild_is_refused_by_name(monkeypatch):
+def test_a_group_or_a_pending_collective_of_an_earlier_round_is_refused_by_name(monkeypatch):
     with lone_worker(monkeypatch) as comm:
         group = GroupCommunicator(comm, dist.new_group([0]))
         group.barrier(what="a group's barrier")
+        pending = comm.all_reduce_async(torch.ones(1), what="a gradient")
         comm.rebuild(round=1, rank=0, world_size=1)
+        with pytest.raises(StaleGroupError, match="started in round 0 and waited in round 1"):
+            pending.wait()
         assert comm.round == 1 and comm.peer_name(0) == "rank 0 of round 1"
         with pytest.raises(StaleGroupError, match=r"ranks \[0\] made in round 0 was used in"):
             group.barrier(what="a stale group's barrier")

@@ -161,8 +161,16 @@ class _Pending(PendingOp):
     ) -> None:
         self._comm, self._work, self._name, self._what = comm, work, name, what
         self._staged = staged  # (the caller's CPU tensor, its copy on the GPU), see on_group
+        self._round = comm.round
 
     def wait(self) -> None:
+        if self._comm.round != self._round:
+            # Its group was abandoned: the wait could only end at the operation timeout.
+            raise StaleGroupError(
+                f"{self._name} of {self._what} was started in round {self._round} and waited "
+                f"in round {self._comm.round} on {self._comm.peer_name(self._comm.rank)}: an "
+                "elastic rebuild drops the collectives pending in the earlier round"
+            )
         with self._comm._operation(self._name, self._what), self._comm.waiting():
             self._comm._complete(self._work, f"{self._name} of {self._what}")
         if self._staged is not None:
