@@ -41,6 +41,16 @@ class PeerLostError(StratagemError, RuntimeError):
     """A peer process died or became unreachable during a collective operation."""
 
 
+class MembershipChanged(PeerLostError):
+    """In an elastic job: a collective ended because a peer was lost, or the agent abandoned it
+    for a new round; the elastic layer catches it and rebuilds the group (``rebuild``)."""
+
+
+class StaleGroupError(RendezvousError):
+    """A group made before an elastic rebuild (a mesh's dimension) used after it: such groups
+    are not rebuilt in place."""
+
+
 class PeerDataError(StratagemError, ValueError):
     """A peer sent data outside the fixed schema of an exchange (nothing a peer sends is
     unpickled: object exchanges carry plain data and tensors only)."""

@@ -7,6 +7,11 @@ inside ``_operation``, which turns gloo's anonymous "connection reset" or "timed
 that names the peer and the operation, by asking each peer's liveness server (``liveness.py``);
 an error that is not the transport's (``is_communication_failure``) passes through as itself. At
 exit the group is destroyed, so a job ends with exit code 0 and without abort messages.
+
+In an elastic job (``STRATAGEM_ELASTIC=1``, set by the agent) collectives are waited in slices,
+so that ``abandon()`` (the agent's channel) ends a blocked one; a lost peer or an abandoned
+collective is ``MembershipChanged``; ``rebuild`` then abandons the group without joining gloo's
+threads and starts the round's group in place (store prefix ``stratagem/round-N/``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import ctypes
 import datetime
 import os
 import re
@@ -53,8 +59,10 @@ from stratagem.comm.reduce_op import ReduceOp
 from stratagem.comm.rendezvous import Member, open_store, roll_call
 from stratagem.errors import (
     CollectiveTimeoutError,
+    MembershipChanged,
     PeerLostError,
     RendezvousError,
+    StaleGroupError,
     StratagemError,
 )
 
@@ -67,6 +75,28 @@ if TYPE_CHECKING:
 LINGER_S = 2.0
 # How long a broken connection that no peer's state explains yet is re-examined (``_diagnose``).
 SETTLE_S = 1.5
+# The variable the elastic agent sets for its workers (see the module docstring).
+ELASTIC_VARIABLE = "STRATAGEM_ELASTIC"
+# An elastic job waits for a collective in slices of this long (``_complete``): how soon an
+# abandon is noticed. A completed collective wakes the wait at once, as a blocking one does.
+WAIT_SLICE_S = 0.05
+# What gloo's ``Work.wait(timeout)`` raises when the slice ends first; the Work goes on.
+_SLICE_ENDED = "Operation timed out!"
+# Groups abandoned by ``rebuild``, with their last Works and tensors: never released.
+# Dropping the last reference to a gloo group joins its threads, which wait in an abandoned
+# collective until the operation timeout (measured: 18.5 s), and at interpreter exit too: the
+# list holds one reference no one drops, so the exit of a process whose silent peer is never
+# ended is not held up (measured: 60 s, the operation timeout, without it).
+_graveyard: list[Any] = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_graveyard))
+
+
+def elastic_job() -> bool:
+    """Whether the elastic agent started this process (``STRATAGEM_ELASTIC=1``)."""
+    raw = os.environ.get(ELASTIC_VARIABLE, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{ELASTIC_VARIABLE}={raw!r}; expected 1 (an elastic job) or 0")
+    return raw == "1"
 
 
 class Resolver(Protocol):
@@ -131,10 +161,18 @@ class _Pending(PendingOp):
     ) -> None:
         self._comm, self._work, self._name, self._what = comm, work, name, what
         self._staged = staged  # (the caller's CPU tensor, its copy on the GPU), see on_group
+        self._round = comm.round
 
     def wait(self) -> None:
+        if self._comm.round != self._round:
+            # Its group was abandoned: the wait could only end at the operation timeout.
+            raise StaleGroupError(
+                f"{self._name} of {self._what} was started in round {self._round} and waited "
+                f"in round {self._comm.round} on {self._comm.peer_name(self._comm.rank)}: an "
+                "elastic rebuild drops the collectives pending in the earlier round"
+            )
         with self._comm._operation(self._name, self._what), self._comm.waiting():
-            self._work.wait()
+            self._comm._complete(self._work, f"{self._name} of {self._what}")
         if self._staged is not None:
             tensor, moved = self._staged
             tensor.copy_(moved)
@@ -175,7 +213,13 @@ class ProcessGroupCommunicator(Communicator):
         self.backend = backend
         self.timeouts = timeouts
         self._resolver = resolver
-        self._me = resolver.peer_name(self.rank)
+        self._elastic = elastic_job()
+        # An elastic job's membership round (the attempt: a newcomer is started at the round
+        # it joins); ``rebuild`` moves it on. The agent's channel sets ``_abandoned``.
+        self.round = resolver.attempt
+        self._abandoned = threading.Event()
+        self._abandon_why = ""
+        self._me = self.peer_name(self.rank)
         error_report.install(self._me)  # the rendezvous's errors are reported as one block too
         self._seq = 0
         self._closed = False
@@ -205,40 +249,102 @@ class ProcessGroupCommunicator(Communicator):
         # reached by torch's C++ only while its Python object lives; once collected, a later
         # process group (a mesh's dimensions) would find "Not implemented" in its place.
         self._base_store = base
-        # One namespace per attempt: torchrun's agent store outlives restarts of the workers.
-        self._store = dist.PrefixStore(f"stratagem/{resolver.attempt}/", base)
         own_host = advertised_host(host)
         self._liveness = LivenessServer(own_host)
         # gloo's and TensorPipe's listeners on this task's address too (``comm.binding``).
         pin_transport_interfaces(own_host)
+        self._secret = secret
+        self._start_group()
+        self._watch_exit()
+
+    def _round_prefix(self) -> str:
+        """This group's namespace in the store: one per attempt (torchrun's agent store outlives
+        restarts of the workers), one per round in an elastic job."""
+        return f"stratagem/round-{self.round}/" if self._elastic else f"stratagem/{self.round}/"
+
+    def _start_group(self) -> None:
+        """Roll call on this round's prefix, the default group, the secret's check of its
+        connections and one barrier: the start of a job, or of an elastic round."""
+        self._store = dist.PrefixStore(self._round_prefix(), self._base_store)
+        # An elastic round's members agree on its size; the clusters they were each started
+        # with may differ (a newcomer's is the round's, a survivor's an earlier one).
+        cluster = _canonical(self._resolver)
+        if self._elastic:
+            cluster = f"elastic world={self.world_size}"
         member = Member(
             rank=self.rank,
             world_size=self.world_size,
             name=self._me,
-            cluster=_canonical(resolver),
+            cluster=cluster,
             pid=os.getpid(),
             host=socket.gethostname(),
             liveness=self._liveness.address,
         )
         members = roll_call(
-            self._store, member, timeout_s=timeouts.rendezvous, peer_name=resolver.peer_name
+            self._store, member, timeout_s=self.timeouts.rendezvous, peer_name=self.peer_name
         )
         self._peers = {m.rank: m.liveness for m in members if m.rank != self.rank}
         dist.init_process_group(
-            backend,
+            self.backend,
             store=dist.PrefixStore("pg/", self._store),
             rank=self.rank,
             world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeouts.operation),
+            timeout=datetime.timedelta(seconds=self.timeouts.operation),
         )
-        self._secret = secret
-        if secret is not None:
+        if self._secret is not None:
             check_peers(
-                secret, rank=self.rank, world_size=self.world_size, peer_name=self.peer_name
+                self._secret, rank=self.rank, world_size=self.world_size, peer_name=self.peer_name
             )
         # Everyone is past the store now: the rendezvous host may leave whenever it is done.
         self.barrier(what="the end of start-up")
-        self._watch_exit()
+
+    # ----------------------------------------------------------------- elastic rounds
+
+    def abandon(self, why: str = "the agent opens a new round") -> None:
+        """End the collective this process waits in, and any it starts until ``rebuild``, with
+        ``MembershipChanged`` (elastic jobs only). Safe from any thread or a signal handler."""
+        self._abandon_why = why
+        self._abandoned.set()
+
+    def rebuild(self, *, round: int, rank: int, world_size: int) -> None:
+        """Leave the current group without waiting for its pending collectives, and start the
+        group of elastic ``round`` in place, as ``rank`` of ``world_size``: roll call, group,
+        secret check and barrier as at start-up. Groups made from the old group
+        (``GroupCommunicator``, meshes) are refused from now on (``StaleGroupError``)."""
+        if not self._elastic:
+            raise RendezvousError(
+                f"{self._me} cannot rebuild its group in place: it was started outside an "
+                f"elastic job, whose collectives can be abandoned (expected {ELASTIC_VARIABLE}=1)"
+            )
+        if self._closed:
+            raise RendezvousError(f"{self._me} cannot rebuild its group: it was shut down")
+        if round <= self.round or not 0 <= rank < world_size:
+            raise RendezvousError(
+                f"{self._me} asked to rebuild as rank {rank} of {world_size} in round {round}; "
+                f"expected a round after {self.round} and a rank in 0..{world_size - 1}"
+            )
+        self._abandon_group()
+        self.round, self.rank, self.world_size = round, rank, world_size
+        self._me = self.peer_name(rank)
+        error_report.install(self._me)
+        # Operation numbers count from the round's start in every member, a newcomer's too: a
+        # hang report compares them across peers.
+        self._seq = 0
+        self._liveness.status, self._liveness.position = "running", "0:start"
+        self._abandoned.clear()
+        self._start_group()
+
+    def _abandon_group(self) -> None:
+        """Abort every group of this process and forget them in torch, without joining gloo's
+        threads: the groups and their pending Works stay referenced (``_graveyard``)."""
+        if not dist.is_initialized():
+            return
+        c10d = dist.distributed_c10d
+        _graveyard.append((list(c10d._pg_map), self._recent_works))
+        self._recent_works = collections.deque(maxlen=64)
+        # Aborts each group (gloo's abort returns at once) and clears torch's maps; the
+        # destructors that would join the threads do not run while the graveyard holds them.
+        c10d._abort_process_group()
 
     def _watch_exit(self) -> None:
         """Say at exit how this process ends (``shutdown``), "error" after an uncaught one; and
@@ -266,6 +372,9 @@ class ProcessGroupCommunicator(Communicator):
     # ----------------------------------------------------------------- naming and errors
 
     def peer_name(self, rank: int) -> str:
+        if self._elastic:
+            # The cluster the process was started with no longer says who holds a rank.
+            return f"rank {rank} of round {self.round}"
         return self._resolver.peer_name(rank)
 
     @contextlib.contextmanager
@@ -275,6 +384,8 @@ class ProcessGroupCommunicator(Communicator):
         self._liveness.position = operation_position(seq, f"{name} of {what}")
         try:
             yield
+        except MembershipChanged:
+            raise  # abandoned on the agent's word (``_complete``): nothing to diagnose
         except (RuntimeError, dist.DistError, CollectiveTimeoutError) as e:
             # Only a failure of the transport is about the peers. Anything else is this
             # process's own error (an operator DTensor refused, a shape, the user's exception)
@@ -340,7 +451,9 @@ class ProcessGroupCommunicator(Communicator):
                 if cut
                 else "Its own output says why it ended"
             )
-            return PeerLostError(
+            # An elastic job's layer catches the subclass, and rebuilds the group.
+            lost_error = MembershipChanged if self._elastic else PeerLostError
+            return lost_error(
                 f"{who} was lost during {op} on {self._me}{also}. Underlying error: "
                 f"{underlying_error(error, lost)}. {ended}; "
                 "`stratagem run --max-restarts N` restarts a job from its last checkpoint"
@@ -411,7 +524,34 @@ class ProcessGroupCommunicator(Communicator):
         """Run a collective to completion."""
         work = self._launch(name, what, launch, tensors)
         with self._operation(name, what), self.waiting():
+            self._complete(work, f"{name} of {what}")
+
+    def _complete(self, work: Any, op: str) -> None:
+        """Wait for ``work``: blocking, or in an elastic job in slices (``WAIT_SLICE_S``), so
+        that ``abandon`` ends the wait (gloo's abort does not wake a blocked ``wait``).
+
+        Slices rather than polling ``is_completed``: a completed collective wakes the wait at
+        once (polling cost 5-90 % of a small all-reduce, measured). Slicing a wait is safe here
+        because an abandoned group is never destroyed (``_abandon_group``)."""
+        if not self._elastic:
             work.wait()
+            return
+        slice_ = datetime.timedelta(seconds=WAIT_SLICE_S)
+        while True:
+            try:
+                work.wait(slice_)
+                return
+            except RuntimeError as e:
+                if _SLICE_ENDED not in str(e):
+                    raise  # the collective's own error
+                if work.is_completed():
+                    work.wait()  # done just after the slice ended: returns, or raises its error
+                    return
+            if self._abandoned.is_set():
+                raise MembershipChanged(
+                    f"{op} (operation #{self._seq}) on {self._me} was abandoned: "
+                    f"{self._abandon_why}"
+                )
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
@@ -526,6 +666,11 @@ class AdoptedGroupCommunicator(ProcessGroupCommunicator):
         self._secret = None
         self.timeouts = timeouts
         self._resolver = resolver
+        # Not elastic: the owner's group is not ours to abandon or rebuild.
+        self._elastic = False
+        self.round = resolver.attempt
+        self._abandoned = threading.Event()
+        self._abandon_why = ""
         self._me = resolver.peer_name(rank)
         self._seq = 0
         self._closed = False
@@ -566,10 +711,22 @@ class GroupCommunicator(Communicator):
 
     def __init__(self, job: ProcessGroupCommunicator, group: dist.ProcessGroup) -> None:
         self._job = job
-        self._group = group
+        self._made_in_round = job.round
+        self._group_itself = group
         self._ranks: list[int] = dist.get_process_group_ranks(group)
         self.rank = self._ranks.index(job.rank)
         self.world_size = len(self._ranks)
+
+    def _live_group(self) -> dist.ProcessGroup:
+        """The group, while the job's group it was made from lives (an elastic rebuild
+        replaces that one, not this)."""
+        if self._job.round != self._made_in_round:
+            raise StaleGroupError(
+                f"a group of ranks {self._ranks} made in round {self._made_in_round} was used "
+                f"in round {self._job.round} on {self._job.peer_name(self._job.rank)}: groups "
+                "and meshes are not rebuilt in place; only strategies without them rebuild"
+            )
+        return self._group_itself
 
     @property
     def is_chief(self) -> bool:
@@ -579,7 +736,7 @@ class GroupCommunicator(Communicator):
         return self._job.peer_name(self._ranks[rank])
 
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, what: str) -> None:
-        g, moved = self._group, self._job.on_group(tensor)
+        g, moved = self._live_group(), self._job.on_group(tensor)
         launch = lambda: dist.all_reduce(moved, op.to_dist(), group=g, async_op=True)  # noqa: E731
         self.traffic.count("all_reduce", moved.nbytes, self.world_size)
         self._job._run("all_reduce", what, launch, (moved,))
@@ -589,7 +746,7 @@ class GroupCommunicator(Communicator):
             tensor.copy_(moved)
 
     def all_reduce_async(self, tensor: torch.Tensor, *, what: str) -> PendingOp:
-        g, moved = self._group, self._job.on_group(tensor)
+        g, moved = self._live_group(), self._job.on_group(tensor)
         launch = lambda: dist.all_reduce(moved, group=g, async_op=True)  # noqa: E731
         self.traffic.count("all_reduce", moved.nbytes, self.world_size)
         work = self._job._launch("all_reduce", what, launch, (moved,))
@@ -599,14 +756,14 @@ class GroupCommunicator(Communicator):
     def all_to_all_async(
         self, output: torch.Tensor, tensor: torch.Tensor, *, what: str
     ) -> PendingOp:
-        g = self._group
+        g = self._live_group()
         launch = lambda: dist.all_to_all_single(output, tensor, group=g, async_op=True)  # noqa: E731
         self.traffic.count("all_to_all", tensor.nbytes, self.world_size)
         work = self._job._launch("all_to_all", what, launch, (output, tensor))
         return _Pending(self._job, work, "all_to_all", what)
 
     def all_gather_into(self, output: torch.Tensor, tensor: torch.Tensor, *, what: str) -> None:
-        g = self._group
+        g = self._live_group()
         launch = lambda: dist.all_gather_single(output, tensor, group=g, async_op=True)  # noqa: E731
         self.traffic.count("all_gather", tensor.nbytes, self.world_size)
         self._job._run("all_gather", what, launch, (output, tensor))
@@ -616,10 +773,11 @@ class GroupCommunicator(Communicator):
             raise ValueError(
                 f"a group's broadcast comes from the job's chief (src=0), got src={src}"
             )
+        self._live_group()  # a group of an earlier round is refused here too
         self._job.broadcast(tensor, 0, what=what)
 
     def all_gather(self, tensor: torch.Tensor, *, what: str) -> list[torch.Tensor]:
-        source, g = self._job.on_group(tensor).contiguous(), self._group
+        source, g = self._job.on_group(tensor).contiguous(), self._live_group()
         out = [torch.empty_like(source) for _ in range(self.world_size)]
         launch = lambda: dist.all_gather(out, source, group=g, async_op=True)  # noqa: E731
         self.traffic.count("all_gather", source.nbytes, self.world_size)
@@ -627,7 +785,7 @@ class GroupCommunicator(Communicator):
         return [o.to(tensor.device) for o in out]
 
     def barrier(self, *, what: str) -> None:
-        flag, g = self._job.on_group(torch.zeros(1)), self._group
+        flag, g = self._job.on_group(torch.zeros(1)), self._live_group()
         launch = lambda: dist.all_reduce(flag, group=g, async_op=True)  # noqa: E731
         self._job._run("barrier", what, launch, (flag,))
 

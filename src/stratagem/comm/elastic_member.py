@@ -1,0 +1,57 @@
+"""A worker's side of an elastic membership change: its rank in the next round, and the rebuild
+of its group in place (``ProcessGroupCommunicator.rebuild``), with no new process.
+
+Survivors keep their order: the next round's ranks are the old ones with the lost ranks taken
+out (the lowest survivor becomes rank 0, the next chief). Newcomers take the ranks after the
+survivors, whose ranks stay. Every member computes the same answer from the same facts (the
+round and the lost ranks, from the agent); the channel that tells them is not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Protocol
+
+
+class Rebuildable(Protocol):
+    """What a membership change needs of the communicator."""
+
+    rank: int
+    world_size: int
+    round: int
+
+    def rebuild(self, *, round: int, rank: int, world_size: int) -> None: ...
+
+
+def ranks_after_loss(world_size: int, lost: Collection[int]) -> dict[int, int]:
+    """Each survivor's old rank mapped to its rank in the next round, in the old order."""
+    bad = sorted(r for r in lost if isinstance(r, bool) or not isinstance(r, int))
+    wrong = sorted(r for r in lost if r not in bad and not 0 <= r < world_size)
+    if bad or wrong or not lost or len(set(lost)) != len(lost) or len(lost) >= world_size:
+        raise ValueError(
+            f"lost ranks {sorted(lost, key=str)} of a world of {world_size}: expected one or "
+            f"more distinct ranks in 0..{world_size - 1}, leaving at least one survivor"
+        )
+    survivors = [r for r in range(world_size) if r not in set(lost)]
+    return {old: new for new, old in enumerate(survivors)}
+
+
+def continue_without(comm: Rebuildable, *, round: int, lost: Collection[int]) -> int:
+    """Rebuild ``comm``'s group for ``round`` without the ``lost`` ranks; its new rank."""
+    after = ranks_after_loss(comm.world_size, lost)
+    if comm.rank not in after:
+        raise ValueError(
+            f"rank {comm.rank} is among the lost ranks {sorted(lost)}: a lost worker does not "
+            "rebuild, it ends"
+        )
+    rank = after[comm.rank]
+    comm.rebuild(round=round, rank=rank, world_size=len(after))
+    return rank
+
+
+def admit(comm: Rebuildable, *, round: int, newcomers: int) -> None:
+    """Rebuild ``comm``'s group for ``round`` with ``newcomers`` more members after it (each
+    started with its rank, the world's size and the round; see ``STRATAGEM_ELASTIC``)."""
+    if isinstance(newcomers, bool) or not isinstance(newcomers, int) or newcomers < 1:
+        raise ValueError(f"newcomers={newcomers!r}; expected a positive number of workers")
+    comm.rebuild(round=round, rank=comm.rank, world_size=comm.world_size + newcomers)
