@@ -476,6 +476,28 @@ def test_task_ignoring_sigterm_is_killed(tmp_path, monkeypatch):
     assert is_gone(read_pids(tmp_path, ["worker0.pid"])[0])
 
 
+def test_a_ps_job_with_a_range_of_workers_goes_on_down_to_its_minimum(tmp_path):
+    """``-n 2:3 --ps 1``, workers 1 and 2 lost: the first lost, the job goes on (2 left); the
+    second, the job fails: 1 would be left, fewer than 2."""
+    script = write_script(
+        tmp_path,
+        """
+        if TASK["type"] == "ps" or TASK["index"] == 0:
+            serve_forever()
+        os.kill(os.getpid(), signal.SIGKILL)
+        """,
+    )
+    result = run_launcher(tmp_path, "-n", "2:3", "--ps", "1", "--grace-period", "1", script)
+    assert result.returncode == 137, result.stderr
+    log = result.stderr
+    lost = r"worker (\d) was lost: killed by signal 9 \(SIGKILL\); "
+    gone_on = re.findall(lost + "the job goes on", log)
+    refused = re.findall(lost + "1 worker left, fewer than the 2 the job needs", log)
+    assert len(gone_on) == 1 and len(refused) == 1, log
+    assert sorted(gone_on + refused) == ["1", "2"], log
+    assert f"job failed: worker {refused[0]} failed: killed by signal 9 (SIGKILL)" in log, log
+
+
 def test_ps_failure_fails_the_job(tmp_path):
     script = write_script(
         tmp_path,

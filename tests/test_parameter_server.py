@@ -236,6 +236,24 @@ def test_async_training_goes_on_without_a_lost_worker(tmp_path):
 
 
 @pytest_multiprocess
+def test_sync_training_goes_on_with_the_workers_left_under_a_range_of_workers(tmp_path):
+    """``-n 2:3 --ps 1`` (a ps job keeps its own rule: workers come and go, the ps stays),
+    sync: the last worker is killed at its fourth step; the ps stops waiting for it, and each
+    later update is the mean of the two workers left (TF's rule, as with backup workers): 3
+    updates of 3 gradients, then 27 of 2."""
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2:3", "--ps", "1"]
+    argv += [str(WORKERS / "ps_faults.py"), "lost-worker-sync"]
+    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=240)
+    output = result.stdout
+    assert result.returncode == 0, output
+    assert "worker 2 was lost: killed by signal 9 (SIGKILL); the job goes on" in output, output
+    assert "[worker 0] chief trained to step 30" in output, output
+    stats = output.split("ps stats ", 1)[1].splitlines()[0]
+    assert "'steps': 30" in stats and "'applied': 63" in stats, stats
+    assert "job finished: 2 workers exited 0 (1 worker lost)" in output, output
+
+
+@pytest_multiprocess
 def test_a_lost_ps_is_named_and_the_restarted_job_resumes_from_the_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2", "--ps", "1"]

@@ -288,6 +288,37 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
         return 2
 
 
+def _run_ps_range(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, target: list[str]
+) -> int:
+    """``-n MIN:MAX --ps K``: a parameter-server job keeps its own rule, workers come and go and
+    the ps stays: MAX workers, and the job goes on without a lost one (not the chief) while MIN
+    are left (``--tolerate-worker-loss`` down to MIN); a lost ps or chief ends the attempt
+    (``--max-restarts`` restarts the job); ``--restart-workers`` starts a coordinator's lost
+    worker again, as for a fixed count."""
+    from stratagem.elastic.agent import WorkerRange
+
+    try:
+        workers = WorkerRange.parse(str(args.workers))
+        return launcher.launch(
+            target,
+            workers=workers.maximum,
+            ps=args.ps,
+            evaluator=args.evaluator,
+            chief=args.chief,
+            max_restarts=args.max_restarts,
+            grace_period=args.grace_period,
+            host="localhost" if args.host is None else args.host,
+            tolerate_worker_loss=True,
+            quiet=args.quiet,
+            restart_workers=args.restart_workers,
+            min_workers=workers.minimum,
+        )
+    except launcher.LaunchError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
+
+
 def _run_elastic(
     parser: argparse.ArgumentParser, args: argparse.Namespace, target: list[str]
 ) -> int:
@@ -311,6 +342,8 @@ def _run_elastic(
     ]
     if needed:
         parser.error(f"--nnodes {args.nnodes} needs {' and '.join(needed)}")
+    if args.ps and not several:
+        return _run_ps_range(parser, args, target)
     others = [
         flag
         for flag, given in (

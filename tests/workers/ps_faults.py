@@ -9,6 +9,9 @@ argv: fault [checkpoint_dir].
   then kills the ps (by the pid it signed in with at the roll call). The next push fails
   naming the ps; the restarted job restores step 10 (values and momentum sent back to the new
   ps), writes the checkpoint again as the ps now holds it (``roundtrip``), and trains to 30.
+- ``lost-worker-sync``: sync; the last worker SIGKILLs itself after 3 steps, the others train
+  30 steps (each update then the mean of the workers left) and the chief prints what the ps
+  applied.
 - ``stopped-worker``: sync; the last worker stops itself (SIGSTOP) after 3 steps: the others'
   next push waits for its gradient, and ends after the operation timeout naming it.
 - ``evaluator``: an evaluator task pulls the parameters and evaluates while the workers train
@@ -36,7 +39,7 @@ def wait_for(path, timeout=120.0):
 
 fault = sys.argv[1]
 bound = 1 if fault == "lost-worker" else None
-mode = "sync" if fault == "stopped-worker" else "async"
+mode = "sync" if fault in ("stopped-worker", "lost-worker-sync") else "async"
 strategy = sg.distribute.ParameterServerStrategy(mode=mode, max_staleness=bound)
 resolver = strategy.cluster_resolver
 chief = strategy.extended.should_checkpoint
@@ -79,7 +82,7 @@ if fault == "evaluator":
 g = torch.Generator().manual_seed(resolver.task_id * 1000 + int(step))
 first_attempt = os.environ.get("STRATAGEM_RESTART_COUNT") == "0"
 while int(step) < 30:
-    if fault == "lost-worker" and resolver.task_id == last and int(step) == 3:
+    if fault.startswith("lost-worker") and resolver.task_id == last and int(step) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     if fault == "stopped-worker" and resolver.task_id == last and int(step) == 3:
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -322,6 +322,7 @@ class Job:
         tolerate_worker_loss: bool = False,
         restart_workers: int = 0,
         remote: Callable[[], Outcome | None] | None = None,
+        min_workers: int = 0,
     ) -> None:
         self.tasks = list(tasks)
         # What decides the attempt from outside this node (another node's failure, node 0's
@@ -329,6 +330,8 @@ class Job:
         self.remote = remote
         # Asynchronous parameter-server training goes on without a lost worker (not the chief).
         self.tolerate_worker_loss = tolerate_worker_loss
+        # ... while at least this many workers are left (``-n MIN:MAX`` of a ps job).
+        self.min_workers = min_workers
         # A coordinator's worker that fails is restarted alone, up to this many times each.
         self.restart_workers = restart_workers
         self._restarts: dict[str, int] = {}  # task name -> times restarted
@@ -518,9 +521,14 @@ class Job:
             elif r.status != 0 and restart and self._may_restart(r):
                 restarting.append(r)
             elif r.status != 0 and self._may_lose(r):
+                why = (
+                    f"{plural(self.min_workers, 'worker')} or more left"
+                    if self.min_workers
+                    else "--tolerate-worker-loss"
+                )
                 self.console.log(
                     f"{r.task.name} was lost: {describe_status(r.status)}; the job goes on "
-                    "without it (--tolerate-worker-loss)"
+                    f"without it ({why})"
                 )
                 self._lost.append(r)
             elif r.status != 0:
@@ -604,10 +612,27 @@ class Job:
         return None
 
     def _may_lose(self, r: _Running) -> bool:
-        """Whether a failed task is a worker the job may go on without: never the chief."""
+        """Whether a failed task is a worker the job may go on without: never the chief, and
+        never below ``min_workers`` workers left."""
         if not self.tolerate_worker_loss or r.task.type != "worker" or r.stopped:
             return False
-        return self._has_chief or r.task.index != 0
+        if not (self._has_chief or r.task.index != 0):
+            return False
+        left = sum(
+            1
+            for o in self._running
+            if o.task.type == "worker"
+            and o is not r
+            and o not in self._lost
+            and o.status in (None, 0)
+        )
+        if left < self.min_workers:
+            self.console.log(
+                f"{r.task.name} was lost: {describe_status(r.status or 0)}; "
+                f"{plural(left, 'worker')} left, fewer than the {self.min_workers} the job needs"
+            )
+            return False
+        return True
 
     @staticmethod
     def _names(running: Iterable[_Running]) -> str:

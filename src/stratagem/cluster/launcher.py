@@ -174,11 +174,13 @@ def launch(
     quiet: bool = False,
     nodes: Nodes | None = None,
     restart_workers: int = 0,
+    min_workers: int = 0,
 ) -> int:
     """Run ``python *target`` as a local cluster job; return the exit code for the launcher.
 
-    With ``tolerate_worker_loss`` (asynchronous parameter-server training), a worker other than
-    the chief that fails is reported as lost and the job goes on without it. With
+    With ``tolerate_worker_loss`` (parameter-server training), a worker other than the chief
+    that fails is reported as lost and the job goes on without it, while ``min_workers`` are
+    left. With
     ``restart_workers`` R (a cluster with a chief and ps tasks: a ClusterCoordinator's), a
     worker that fails while the chief runs is restarted alone, up to R times per worker; it
     rejoins the running job. A failed chief or ps still ends the attempt (``max_restarts``).
@@ -214,6 +216,7 @@ def launch(
         base_env=base_env,
         nodes=nodes,
         restart_workers=restart_workers,
+        min_workers=min_workers,
     ).exit_code
 
 
@@ -235,6 +238,7 @@ def run_job(
     tolerate_worker_loss: bool = False,
     nodes: Nodes | None = None,
     restart_workers: int = 0,
+    min_workers: int = 0,
 ) -> Outcome:
     """``launch``, returning the job's ``Outcome`` (exit code and reason) instead of the code.
 
@@ -331,6 +335,7 @@ def run_job(
                     interrupts=interrupts,
                     tolerate_worker_loss=tolerate_worker_loss,
                     restart_workers=restart_workers,
+                    min_workers=min_workers,
                     remote=None if agreement is None else agreement.remote_failure,
                 ) as job:
                     try:
