@@ -114,7 +114,12 @@ def test_a_job_below_its_minimum_fails_naming_the_lost_worker(tmp_path):
         (["-n", "0:2"], "a range of workers needs 1 <= MIN <= MAX, got '0:2'"),
         (["-n", "a:2"], "expected a number of workers N or a range MIN:MAX"),
         (["-n", "two"], "expected a number of workers N or a range MIN:MAX, got 'two'"),
-        (["-n", "1:2", "--ps", "1"], "cannot be combined with --ps"),
+        (
+            ["--nnodes", "1:2", "--node-rank", "0", "--master-addr", "localhost", "--ps", "1"],
+            "cannot be combined with --ps",
+        ),
+        (["--nnodes", "1:2"], "--nnodes 1:2 needs --node-rank and --master-addr"),
+        (["--nnodes", "1:2", "-n", "1:2"], "takes a number of workers per node, not a range"),
         (["-n", "1:2", "--chief"], "cannot be combined with --chief"),
     ],
 )
