@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 import time
 from collections import Counter, defaultdict
@@ -20,10 +21,19 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import stratagem as sg
 from cluster_utils import WORKERS, Process, child_env, free_ports
 from stratagem import cli
 from test_multihost_netns import IP, Hosts, _namespaces, _why_no_namespaces
-from workers.resume_data import EPOCHS, EXAMPLES, uninterrupted, uninterrupted_fit
+from workers.resume_data import (
+    EPOCHS,
+    EXAMPLES,
+    GLOBAL_BATCH,
+    Ledgered,
+    examples,
+    uninterrupted,
+    uninterrupted_fit,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,8 +42,9 @@ STEPS = 20  # dataset(): 120 examples x 2 epochs in global batches of 12
 KILL = "killed by signal 9 (SIGKILL)"
 
 
-def _launch(tmp_path, options: list[str], kills: list[tuple[int, int, int, str]]):
+def _launch(tmp_path, options: list[str], kills: list[tuple[int, int, int, str]], *more: str):
     argv = [sys.executable, "-m", "stratagem.cli", "run", *options, str(SCRIPT), json.dumps(kills)]
+    argv += more
     process = Process(argv, child_env(), tmp_path, "launcher", merge_output=True)
     return process.wait(timeout=240)
 
@@ -47,10 +58,33 @@ def _ledger(tmp_path) -> dict[int, list[dict]]:
     return steps
 
 
-def _check_exact(tmp_path, output: str) -> list[int]:
+def _in_order() -> list[list[int]]:
+    """The global batches of a fit on the examples as arrays, in order, 2 epochs."""
+    ids = list(range(EXAMPLES))
+    one_pass = [ids[i : i + GLOBAL_BATCH] for i in range(0, EXAMPLES, GLOBAL_BATCH)]
+    return one_pass * EPOCHS
+
+
+def _arrays_fit() -> dict[str, torch.Tensor]:
+    """One process, no strategy, never stopped: fit on the examples as arrays, in order."""
+    features, labels = zip(*examples())
+    torch.manual_seed(0)
+    keras_model = sg.keras.Model(Ledgered())
+    keras_model.compile(
+        sg.keras.optimizers.SGD(0.1, momentum=0.9),
+        sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    keras_model.fit(
+        torch.stack(features), torch.stack(labels), batch_size=GLOBAL_BATCH, shuffle=False,
+        epochs=EPOCHS, verbose=0,
+    )  # fmt: skip
+    return {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
+
+
+def _check_exact(tmp_path, output: str, arrays: bool = False) -> list[int]:
     """The job's steps are the uninterrupted run's global batches, each once, and its weights
     the uninterrupted run's; returns the world size of each step."""
-    batches, _ = uninterrupted()
+    batches = _in_order() if arrays else uninterrupted()[0]
     assert Counter(i for b in batches for i in b) == {i: EPOCHS for i in range(EXAMPLES)}
     steps = _ledger(tmp_path)
     assert sorted(steps) == list(range(STEPS)), output
@@ -64,7 +98,7 @@ def _check_exact(tmp_path, output: str) -> list[int]:
         assert ids == batches[step], f"step {step} trained on other examples"
         worlds.append(world)
     final = torch.load(tmp_path / "final.pt", weights_only=True)
-    for name, value in uninterrupted_fit().items():
+    for name, value in (_arrays_fit() if arrays else uninterrupted_fit()).items():
         torch.testing.assert_close(final[name], value, rtol=1e-6, atol=1e-7, msg=name)
     return worlds
 
@@ -96,6 +130,29 @@ def test_lost_workers_are_started_again_then_the_job_goes_on_with_those_left(tmp
     # The new round's chief says it where the job resumed: after the last backup.
     assert f"[worker 0] {lost}: resumed at epoch 1, step {last}\n" in out, out
     assert "[stratagem] job finished: 2 workers exited 0" in out, out
+
+
+def test_survivors_go_on_in_their_own_processes_down_to_one(tmp_path):
+    """``-n 1:3``, ``fit`` on arrays: worker 2 killed at a random step, then (in the next round)
+    worker 1 at a later one (seed 11). Each time the workers left go on in their own processes
+    (the group rebuilt in place, the step they were in redone on the global batch cut for
+    them), no process started; the job ends exact, with the uninterrupted run's weights."""
+    rng = random.Random(11)
+    first, second = sorted(rng.sample(range(1, STEPS - 1), 2))
+    kills = [(0, 2, first, "kill"), (1, 1, second, "kill")]
+    result = _launch(tmp_path, ["-n", "1:3"], kills, "arrays")
+    out = result.stdout
+    assert result.returncode == 0, out
+    worlds = _check_exact(tmp_path, out, arrays=True)
+    assert worlds == [3] * first + [2] * (second - first) + [1] * (STEPS - second), worlds
+    lines = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    pids = {world: {r["pid"] for r in lines if r["world"] == world} for world in (3, 2, 1)}
+    assert pids[1] < pids[2] < pids[3], pids  # the same processes, fewer of them
+    assert len(re.findall(r"worker \d pid \d+ at", out)) == 3, out  # none started again
+    for lost, left, before, step in ((2, 2, 3, first), (1, 1, 2, second)):
+        said = f"continued with {left} of {before} workers; worker {lost} lost: {KILL} (in place)"
+        assert f"[stratagem] {said}\n" in out, out
+        assert f"[worker 0] {said}: went on in place at step {step % 10}\n" in out, out
 
 
 def test_a_job_below_its_minimum_fails_naming_the_lost_worker(tmp_path):

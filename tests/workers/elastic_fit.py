@@ -6,7 +6,9 @@ the worker of rank ``who`` (or on node ``who``: ``$TEST_NODE``) in that round
 ``at-<round>-<who>`` and waits until it is stopped (``"wait"``) or until the file ``go`` is
 there (``"hold"``).
 Each worker appends one line per committed step to ``ledger.jsonl``: round, world size, step,
-its rank and the ids it trained on; the chief writes ``final.pt``."""
+its rank, pid and the ids it trained on; the chief writes ``final.pt``. A second argument
+``arrays``: fit on the same examples as arrays, in order, for 2 epochs (a fit on arrays goes on
+in place after a lost peer)."""
 
 import json
 import os
@@ -18,17 +20,26 @@ import time
 import torch
 
 import stratagem as sg
-from workers.resume_data import Ledgered, dataset
+from workers.resume_data import EPOCHS, GLOBAL_BATCH, Ledgered, dataset, examples
 
 strategy = sg.distribute.MultiWorkerMirroredStrategy()
-rank = strategy.cluster_resolver.task_id or 0
-this_round = int(os.environ["STRATAGEM_ELASTIC_ROUND"])
+comm = strategy.extended.communicator
 node = os.environ.get("TEST_NODE")  # the test's name for this worker's machine, if any
-events = {
-    step: what
-    for r, who, step, what in json.loads(sys.argv[1])
-    if r == this_round and who in (rank, node)
-}
+plan = json.loads(sys.argv[1])
+
+
+def where() -> tuple[int, int]:
+    """This worker's round and rank now: a worker that went on in place has new ones (a job of
+    one has no group: the round it was started in)."""
+    if not hasattr(comm, "round"):
+        return int(os.environ["STRATAGEM_ELASTIC_ROUND"]), 0
+    return comm.round, comm.rank
+
+
+def event(step: int) -> str | None:
+    this_round, rank = where()
+    found = [w for r, who, at, w in plan if (r, at) == (this_round, step) and who in (rank, node)]
+    return found[0] if found else None
 
 
 class Ledger(sg.keras.callbacks.Callback):
@@ -38,23 +49,26 @@ class Ledger(sg.keras.callbacks.Callback):
     loss has written all it committed."""
 
     def on_train_batch_begin(self, batch, logs=None):
-        if events.get(batch) == "kill":
+        step = self.model.optimizer.iterations  # the job's step, over the epochs
+        what = event(step)
+        if what == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        if events.get(batch) in ("wait", "hold"):
+        if what in ("wait", "hold"):
+            this_round, rank = where()
             with open(f"at-{this_round}-{node or rank}", "w") as f:
                 f.write(str(os.getpid()))
-        if events.get(batch) == "wait":
+        if what == "wait":
             threading.Event().wait()  # until the launcher stops this worker
-        while events.get(batch) == "hold" and not os.path.exists("go"):
+        while what == "hold" and not os.path.exists("go"):
             time.sleep(0.05)  # the test writes it when the scenario's next act may begin
 
     def on_train_batch_end(self, batch, logs=None):
         ids = self.model.module.seen[-1]
         record = {
-            "round": this_round,
+            "round": where()[0],
             "world": strategy.num_replicas_in_sync,
-            "step": batch,
-            "rank": rank,
+            "step": self.model.optimizer.iterations - 1,  # the job's step, over the epochs
+            "rank": where()[1],
             "pid": os.getpid(),
             "ids": ids,
         }
@@ -71,7 +85,14 @@ keras_model.compile(
     sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
 )
 callbacks = [sg.keras.callbacks.BackupAndRestore("backup", save_freq=1), Ledger()]
-keras_model.fit(dataset(), epochs=1, verbose=0, callbacks=callbacks)
-if rank == 0:
+if len(sys.argv) > 2 and sys.argv[2] == "arrays":  # the same examples, as arrays, in order
+    features, labels = zip(*examples())
+    keras_model.fit(
+        torch.stack(features), torch.stack(labels), batch_size=GLOBAL_BATCH, shuffle=False,
+        epochs=EPOCHS, verbose=0, callbacks=callbacks,
+    )  # fmt: skip
+else:
+    keras_model.fit(dataset(), epochs=1, verbose=0, callbacks=callbacks)
+if where()[1] == 0:
     final = {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
     torch.save(final, "final.pt")

@@ -14,20 +14,20 @@ def _mapped(features: torch.Tensor, label: torch.Tensor) -> tuple[torch.Tensor, 
     return features * 1.0, label
 
 
-def dataset() -> sg.data.Dataset:
-    """Examples whose last feature is their id, through a streaming shuffle (a buffer of 37 of
-    120), map, batch, repeat and prefetch: 20 global batches of 12."""
+def examples() -> sg.data.Dataset:
+    """The 120 examples, (features with their id last, label), in their first order."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(EXAMPLES, 5, generator=g)
     y = torch.randint(0, 3, (EXAMPLES,), generator=g)
     ids = torch.arange(EXAMPLES, dtype=torch.float32)[:, None]
+    return sg.data.Dataset.from_tensor_slices((torch.cat([x, ids], 1), y))
+
+
+def dataset() -> sg.data.Dataset:
+    """Examples whose last feature is their id, through a streaming shuffle (a buffer of 37 of
+    120), map, batch, repeat and prefetch: 20 global batches of 12."""
     return (
-        sg.data.Dataset.from_tensor_slices((torch.cat([x, ids], 1), y))
-        .shuffle(37, seed=7)
-        .map(_mapped)
-        .batch(GLOBAL_BATCH)
-        .repeat(EPOCHS)
-        .prefetch(2)
+        examples().shuffle(37, seed=7).map(_mapped).batch(GLOBAL_BATCH).repeat(EPOCHS).prefetch(2)
     )
 
 

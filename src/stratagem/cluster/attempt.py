@@ -540,6 +540,16 @@ class Job:
         for r in restarting:
             self._restart(r)
 
+    def set_aside(self, task: Task) -> None:
+        """Count a failed task as lost, no longer a failure of the job (its peers went on in
+        place without it: the elastic agent's decision)."""
+        for r in list(self._failures):
+            if r.task is task:
+                self._failures.remove(r)
+                self._lost.append(r)
+                if self._first_failure is r:
+                    self._first_failure = self._failures[0] if self._failures else None
+
     def pids(self) -> list[int]:
         """The tasks' process ids, in the order of ``tasks``."""
         return [r.proc.pid for r in self._running]

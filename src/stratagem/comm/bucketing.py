@@ -366,6 +366,14 @@ class GradientReducer:
             entry.state = 0
         self._next_launch = 0
 
+    def forget_step(self) -> None:
+        """Drop what the step under way had launched or gathered (its collectives failed: a
+        peer was lost), so that the step can run again on a new group from its start."""
+        for bucket in self._buckets:
+            bucket.pending, bucket.complete = None, False
+        self._in_backward = False
+        self._reset()
+
     def remove(self) -> None:
         """Detach every hook (the strategy is done with these parameters)."""
         for entry in self._entries:

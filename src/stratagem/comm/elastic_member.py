@@ -9,8 +9,46 @@ round and the lost ranks, from the agent); the channel that tells them is not he
 
 from __future__ import annotations
 
+import datetime
+import json
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Protocol
+
+import torch.distributed as dist
+
+from stratagem.errors import RendezvousError
+
+#: Where the agent posts what follows a round (``RoundDecision``), in the job's store.
+DECISION_KEY = "stratagem/elastic/after-round-{round}"
+#: Where a worker says it goes on in place after a change (every survivor must have).
+IN_PLACE_KEY = "stratagem/elastic/in-place/{round}/{rank}"
+
+
+@dataclass(frozen=True)
+class RoundDecision:
+    """The agent's word after a lost worker: the next round, the lost ranks, why (in words)."""
+
+    round: int
+    lost: tuple[int, ...]
+    why: str
+
+    def encode(self) -> bytes:
+        return json.dumps({"round": self.round, "lost": list(self.lost), "why": self.why}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes, *, key: str) -> RoundDecision:
+        try:
+            fields = json.loads(raw)
+            lost = tuple(int(r) for r in fields["lost"])
+            decision = cls(int(fields["round"]), lost, fields["why"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise RendezvousError(
+                f"the elastic agent's decision at {key!r} is not one: {raw[:200]!r} ({e})"
+            ) from None
+        if not isinstance(decision.why, str):
+            raise RendezvousError(f"the elastic agent's decision at {key!r} has no reason")
+        return decision
 
 
 class Rebuildable(Protocol):
@@ -55,3 +93,31 @@ def admit(comm: Rebuildable, *, round: int, newcomers: int) -> None:
     if isinstance(newcomers, bool) or not isinstance(newcomers, int) or newcomers < 1:
         raise ValueError(f"newcomers={newcomers!r}; expected a positive number of workers")
     comm.rebuild(round=round, rank=comm.rank, world_size=comm.world_size + newcomers)
+
+
+def offer_in_place(store: dist.Store, *, round: int, rank: int) -> None:
+    """Say that this worker goes on in place after a change in ``round`` (its fit can)."""
+    store.set(IN_PLACE_KEY.format(round=round, rank=rank), b"1")
+
+
+def all_in_place(store: dist.Store, *, round: int, ranks: Collection[int]) -> bool:
+    """Whether every one of ``ranks`` said it goes on in place in ``round`` (the agent asks)."""
+    return store.check([IN_PLACE_KEY.format(round=round, rank=r) for r in ranks])
+
+
+def post_decision(store: dist.Store, *, after: int, decision: RoundDecision) -> None:
+    """The agent's word to the survivors of round ``after``."""
+    store.set(DECISION_KEY.format(round=after), decision.encode())
+
+
+def await_decision(store: dist.Store, *, after: int, timeout_s: float) -> RoundDecision:
+    """The agent's word after round ``after``, waited for up to ``timeout_s``."""
+    key = DECISION_KEY.format(round=after)
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as e:
+        raise RendezvousError(
+            f"no word from the elastic agent on round {after + 1} within {timeout_s:g} s after "
+            f"a peer was lost ({e}); expected the agent to post the next round"
+        ) from None
+    return RoundDecision.decode(store.get(key), key=key)

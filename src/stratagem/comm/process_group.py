@@ -300,6 +300,17 @@ class ProcessGroupCommunicator(Communicator):
 
     # ----------------------------------------------------------------- elastic rounds
 
+    @property
+    def job_store(self) -> dist.Store:
+        """The job's store, sealed, outside any round's space: where the elastic agent posts
+        its decisions (``comm.elastic_member``)."""
+        return self._base_store
+
+    @property
+    def elastic(self) -> bool:
+        """Whether this process was started by the elastic agent (its group can be rebuilt)."""
+        return self._elastic
+
     def abandon(self, why: str = "the agent opens a new round") -> None:
         """End the collective this process waits in, and any it starts until ``rebuild``, with
         ``MembershipChanged`` (elastic jobs only). Safe from any thread or a signal handler."""

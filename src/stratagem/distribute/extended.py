@@ -168,6 +168,19 @@ class StrategyExtended(ABC):
         "" when nothing did."""
         return os.environ.get(ELASTIC_CHANGE_VARIABLE, "")
 
+    def offer_in_place(self) -> bool:
+        """Whether this worker goes on in its own process after a peer of an elastic job is
+        lost (then it tells the agent so). No by default: the agent starts a new round of new
+        processes, which resume from the newest checkpoint."""
+        return False
+
+    def rejoin(self, state: Sequence[torch.Tensor], committed: int) -> tuple[str, int]:
+        """After ``MembershipChanged`` (a peer lost), for a strategy that ``offer_in_place``:
+        the agent's word, the group rebuilt in place without the lost, and every survivor given
+        the newest ``state`` (from the one that committed the most steps, ``committed`` here).
+        Returns (what happened, the steps the newest holder had committed)."""
+        raise NotImplementedError(f"{type(self).__name__} does not rebuild in place")
+
     def barrier(self, what: str) -> None:
         """Wait until every process of the job reaches this point (``what`` names it)."""
         self._comm.barrier(what=what)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import socket
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,8 @@ from stratagem.cluster import ClusterResolver
 from stratagem.comm import ReduceOp
 from stratagem.comm.bucketing import ONE_PACK, GradientReducer
 from stratagem.comm.communicator import Communicator
+from stratagem.comm.elastic_member import await_decision, continue_without, offer_in_place
+from stratagem.comm.process_group import ProcessGroupCommunicator
 from stratagem.comm.stragglers import StragglerWatch
 from stratagem.comm.stragglers import enabled as stragglers_enabled
 from stratagem.config.threading import usable_cpus
@@ -210,6 +213,45 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
             self._comm.traffic.collectives > self._collectives_before_run
         ):
             self._stragglers.step_done()
+
+    @override
+    def offer_in_place(self) -> bool:
+        # Every worker holds the whole state, so the workers left can go on alone.
+        comm = self._comm
+        if not (isinstance(comm, ProcessGroupCommunicator) and comm.elastic):
+            return False
+        offer_in_place(comm.job_store, round=comm.round, rank=comm.rank)
+        return True
+
+    @override
+    def rejoin(self, state: Sequence[torch.Tensor], committed: int) -> tuple[str, int]:
+        comm = self._comm
+        assert isinstance(comm, ProcessGroupCommunicator)
+        decision = await_decision(
+            comm.job_store, after=comm.round, timeout_s=comm.timeouts.rendezvous
+        )
+        continue_without(comm, round=decision.round, lost=decision.lost)
+        offer_in_place(comm.job_store, round=comm.round, rank=comm.rank)  # for the next change
+        self._reducer.forget_step()
+        self._stragglers = (
+            StragglerWatch(comm) if comm.world_size > 1 and stragglers_enabled() else None
+        )
+        # The commit point is the optimizer step after the all-reduce: a survivor may have
+        # committed the step the others failed in. The one with the most steps holds the
+        # newest state, and every other takes it.
+        counts = [
+            int(c)
+            for c in comm.all_gather(
+                torch.tensor([committed], dtype=torch.int64), what="the steps each one committed"
+            )
+        ]
+        newest = max(counts)
+        if min(counts) < newest:
+            holder = counts.index(newest)
+            with torch.no_grad():
+                for tensor in state:
+                    comm.broadcast(tensor, holder, what="the newest state, from its holder")
+        return decision.why, newest
 
     @override
     def defer_gradient_reduction(self, defer: bool) -> None:

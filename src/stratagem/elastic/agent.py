@@ -50,6 +50,8 @@ from stratagem.cluster.tasks import (
     plural,
 )
 from stratagem.cluster.torchrun import ELASTIC_CHANGE_VARIABLE, ELASTIC_ROUND_VARIABLE
+from stratagem.comm.elastic_member import RoundDecision, all_in_place, post_decision
+from stratagem.comm.process_group import ELASTIC_VARIABLE
 from stratagem.elastic.sealed_rendezvous import SealedRendezvous, explain, sealed_handler
 
 _MONITOR_S = 0.05
@@ -109,6 +111,7 @@ class StratagemAgent(SimpleElasticAgent):
         self.nodes = nodes  # None: a job on this machine alone, whose workers may change
         self.node_name = node_name
         self._members: list[str] = []  # the nodes of the round, by group rank
+        self._order: list[str] = []  # this node's workers by rank in the round, by task name
         self._checked_at = 0.0  # when the rendezvous was last asked about waiting nodes
         self._unreachable = False  # the store did not answer the last time it was asked
         self.target = list(target)
@@ -166,6 +169,7 @@ class StratagemAgent(SimpleElasticAgent):
             TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
         )
         env[ELASTIC_ROUND_VARIABLE] = self._round
+        env[ELASTIC_VARIABLE] = "1"  # collectives a lost peer can end, groups rebuilt in place
         if self._change:
             env[ELASTIC_CHANGE_VARIABLE] = self._change
         return env
@@ -175,6 +179,7 @@ class StratagemAgent(SimpleElasticAgent):
             Task("worker", w.global_rank, self.host, self._worker_env(worker_group, w))
             for w in worker_group.workers
         ]
+        self._order = [t.name for t in tasks]  # the round's ranks, as its workers see them
         self._job = Job(
             tasks,
             self.target,
@@ -328,6 +333,29 @@ class StratagemAgent(SimpleElasticAgent):
         self._start_round()
         return True
 
+    def _go_on_in_place(self, lost: list[Task]) -> bool:
+        """The workers left go on in their own processes, if each said at its start that it can
+        (``elastic_member.offer_in_place``): a new round of torch's rendezvous, and the agent's
+        word to them in the job's store (the round and the lost ranks); they rebuild their group
+        and redo the step they were in. False: they are started again instead."""
+        assert self._job is not None
+        gone = [self._order.index(t.name) for t in lost]
+        stay = [r for r in range(len(self._order)) if r not in gone]
+        store = self.rendezvous.store
+        if not all_in_place(store, round=int(self._round), ranks=stay):
+            return False
+        after = int(self._round)
+        self._rendezvous(self._worker_group)  # torch's next round, the same on every node
+        why = f"{self._change} (in place)"
+        decision = RoundDecision(int(self._round), tuple(gone), why)
+        post_decision(store, after=after, decision=decision)
+        for task in lost:
+            self._job.set_aside(task)
+        self._order = [n for n in self._order if n not in {t.name for t in lost}]
+        self._change = why
+        self.console.log(why)
+        return True
+
     def _membership_change(self) -> bool:
         """After a worker's failure: start the next round (True), or say why the job ends."""
         assert self._job is not None
@@ -356,6 +384,8 @@ class StratagemAgent(SimpleElasticAgent):
         elif left >= self.workers.minimum:
             spec.local_world_size = left
             self._change = f"continued with {left} of {before} workers; {lost}"
+            if self._go_on_in_place([t for t, _ in state.failed]):
+                return True
         else:
             self.outcome = Outcome(
                 exit_code_of(first_status),

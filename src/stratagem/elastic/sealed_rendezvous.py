@@ -87,6 +87,7 @@ class SealedRendezvous(RendezvousHandler):
         torch_handler: DynamicRendezvousHandler,
         *,
         base_store: dist.Store,
+        store: dist.Store | None = None,
         host: str,
         port: int,
         where: str,
@@ -94,6 +95,7 @@ class SealedRendezvous(RendezvousHandler):
         self._torch = torch_handler
         # Held for the handler's life: the host's store server lives as long as this object.
         self._base_store = base_store
+        self._store = store  # the sealed store torch's handler runs over
         self._store_info = RendezvousStoreInfo(master_addr=host, master_port=port)
         self._address = format_address(host, port)
         self._where = where
@@ -105,6 +107,13 @@ class SealedRendezvous(RendezvousHandler):
         if self._round is None:
             raise RendezvousError(f"{self._where} has joined no round of the rendezvous yet")
         return self._round
+
+    @property
+    def store(self) -> dist.Store:
+        """The job's store, sealed, as the workers see it (the agent tells them its decisions
+        there)."""
+        assert self._store is not None
+        return self._store
 
     @property
     def store_address(self) -> tuple[str, int]:
@@ -273,7 +282,9 @@ def sealed_handler(
         keep_alive_max_attempt=keep_alive_max_attempt,
     )
     os.environ[SHARE_STORE_VARIABLE] = "1"
-    return SealedRendezvous(torch_handler, base_store=base, host=host, port=port, where=where)
+    return SealedRendezvous(
+        torch_handler, base_store=base, store=store, host=host, port=port, where=where
+    )
 
 
 def _seconds(params: RendezvousParameters, key: str, default: float) -> float:

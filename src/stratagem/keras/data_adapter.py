@@ -182,6 +182,11 @@ class FitData:
         self._restored_state: dict[str, Any] | None = None
         self._ended: Iterator[Any] | None = None  # the last pass's iterator, once it ended
 
+    @property
+    def positioned_by_numbers(self) -> bool:
+        """Whether ``position`` alone says where the fit is (arrays), with no iterator state."""
+        return self._examples is not None
+
     def seek(self, position: DataPosition, iterator_state: dict[str, Any] | None = None) -> None:
         """Go on from ``position`` (a saved one) at the next ``next_batch``; for an
         ``sg.data.Dataset``, exactly where ``iterator_state`` (``iterator_state()``'s) stood."""

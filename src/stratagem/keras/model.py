@@ -33,6 +33,7 @@ from stratagem.distribute import (
     has_strategy,
     owner_of,
 )
+from stratagem.errors import MembershipChanged
 from stratagem.keras import callbacks as callbacks_module
 from stratagem.keras import (
     coordinated,
@@ -552,6 +553,7 @@ class Model(Portable):
         batch_logs = runner.batch_logs(any(cb.needs_batch_logs for cb in cbs.callbacks))
         self._fit_data, self._initial_epoch, self._initial_step = runner.fit_data, initial_epoch, 0
         cbs.on_train_begin()  # BackupAndRestore may move the start on (see resume_fit)
+        in_place = self._offers_in_place(runner.fit_data)
         logs: Logs = {}
         for epoch in range(self._initial_epoch, epochs):
             step = self._initial_step if epoch == self._initial_epoch else 0
@@ -563,7 +565,14 @@ class Model(Portable):
                 limit = self.steps_per_execution
                 if steps_per_epoch is not None:
                     limit = min(limit, steps_per_epoch - step)
-                done, ended = runner.train(step, limit, steps_per_epoch is None, cbs)
+                before = (self._fit_data.position, self.optimizer.iterations, step)
+                try:
+                    done, ended = runner.train(step, limit, steps_per_epoch is None, cbs)
+                except MembershipChanged:
+                    if not in_place:
+                        raise
+                    step = self._go_on_in_place(*before)
+                    continue
                 if done:
                     step += done
                     cbs.on_train_batch_end(step - 1, self._logs() if batch_logs else {})
@@ -580,6 +589,39 @@ class Model(Portable):
         self._fit_data = None
         cbs.on_train_end(logs)
         return self.history
+
+    def _offers_in_place(self, data: FitData | None) -> bool:
+        """Whether this fit goes on in its own process when a peer of an elastic job is lost:
+        where the strategy can (every worker holding the whole state) and the fit's position
+        is plain numbers (arrays: a redone step is the same global batch, cut for the workers
+        left), one optimizer step a batch."""
+        if data is None or not data.positioned_by_numbers or self.optimizer is None:
+            return False
+        if self.optimizer.gradient_accumulation_steps not in (None, 1):
+            return False
+        return self.distribute_strategy.extended.offer_in_place()
+
+    def _go_on_in_place(self, position: DataPosition, iterations: int, step: int) -> int:
+        """After a lost peer, within a step: the group rebuilt without it, the newest state
+        everywhere, and the data at the step's start again, cut for the workers left (or after
+        it, where the newest holder committed it). The step to go on from."""
+        assert self.optimizer is not None and self._fit_data is not None
+        committed = self.optimizer.iterations
+        if committed > iterations:  # this worker committed the step: go on after it
+            position, step = self._fit_data.position, step + 1
+        where = torch.tensor(
+            [position.seed, position.pass_index, position.batch, step, committed],
+            dtype=torch.int64,
+        )
+        state = [where, *self.module.parameters(), *self.module.buffers()]
+        state += optimizer_state_tensors(self.optimizer.torch_optimizer)
+        why, _ = self.distribute_strategy.extended.rejoin(state, committed)
+        seed, pass_index, batch, step, committed = (int(v) for v in where)
+        self.optimizer.iterations = committed
+        self._fit_data.seek(DataPosition(seed, pass_index, batch))
+        if self.distribute_strategy.extended.should_save_summary:
+            print(f"{why}: went on in place at step {step}", flush=True)
+        return step
 
     def _step_runner(
         self, coordinator: ClusterCoordinator | None, data: FitData | WorkerBatches | None = None
@@ -791,6 +833,16 @@ class Model(Portable):
 
 
 _metrics_module = metrics  # ``Model.metrics`` (a property) shadows the module name in the class
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors in one fixed order: its parameters', slots by name."""
+    found: list[torch.Tensor] = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            slots = optimizer.state.get(p, {})
+            found += [slots[k] for k in sorted(slots) if isinstance(slots[k], torch.Tensor)]
+    return found
 
 
 def _outside_scope_error(variable: str, strategy: Strategy) -> ValueError:
