@@ -6,9 +6,10 @@ before the kill); worker 2 kills itself with SIGKILL at the start of step ``--ki
 writing the time. The chief writes the time of every completed step. Recovery = the first
 completed step after the kill minus the kill. Variants, in rounds whose order rotates:
 
-- ``ours -n 2:3``: ``stratagem run -n 2:3`` (the job goes on with the 2 left);
+- ``ours -n 2:3``: ``stratagem run -n 2:3`` (the job goes on with the 2 left, in their own
+  processes: the group rebuilt in place, the step redone);
 - ``ours --max-restarts 1``: ``stratagem run -n 3:3 --max-restarts 1`` (the worker started
-  again, the job goes on with 3: the same work as torchrun's);
+  again, every worker a new process, the job goes on with 3: the same work as torchrun's);
 - ``torchrun``: ``torchrun --standalone --nproc-per-node 3 --max-restarts 1``.
 
 Reported: each variant's median recovery, and ours against torchrun's in the same round (the

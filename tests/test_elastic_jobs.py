@@ -346,7 +346,8 @@ def test_an_unreachable_store_is_said_once_and_training_goes_on(capsys):
     from torch.distributed.elastic.agent.server.api import WorkerSpec
 
     from stratagem.cluster.attempt import Console, Interrupts
-    from stratagem.elastic.agent import StratagemAgent, WorkerRange
+    from stratagem.cluster.tasks import WorkerRange
+    from stratagem.elastic.agent import StratagemAgent
 
     handler = _CutStore()
     spec = WorkerSpec(role="worker", local_world_size=1, rdzv_handler=handler, entrypoint="x")

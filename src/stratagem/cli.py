@@ -19,6 +19,7 @@ from typing import NoReturn
 import stratagem
 from stratagem.cluster import launcher
 from stratagem.cluster.progress import LEVEL_VARIABLE
+from stratagem.cluster.tasks import WorkerRange
 
 
 class _Parser(argparse.ArgumentParser):
@@ -259,23 +260,28 @@ def _count_or_range(what: str) -> Callable[[str], int | str]:
 def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     options, target = split_command(argv)
     args = parser.parse_args(options)
-    if isinstance(args.workers, str) or isinstance(args.nnodes, str):
+    ps_range = isinstance(args.workers, str) and args.ps and args.nnodes is None
+    if (isinstance(args.workers, str) and not ps_range) or isinstance(args.nnodes, str):
         return _run_elastic(parser, args, target)
     nodes, host = _nodes(parser, args)
     try:
+        # -n MIN:MAX --ps K: a ps job keeps its own rule, workers come and go and the ps
+        # stays: MAX workers, going on without a lost one (not the chief) while MIN are left.
+        workers = WorkerRange.parse(args.workers) if ps_range else None
         return launcher.launch(
             target,
-            workers=args.workers,
+            workers=args.workers if workers is None else workers.maximum,
             ps=args.ps,
             evaluator=args.evaluator,
             chief=args.chief,
             max_restarts=args.max_restarts,
             grace_period=args.grace_period,
             host=host,
-            tolerate_worker_loss=args.tolerate_worker_loss,
+            tolerate_worker_loss=args.tolerate_worker_loss or workers is not None,
             quiet=args.quiet,
             nodes=nodes,
             restart_workers=args.restart_workers,
+            min_workers=0 if workers is None else workers.minimum,
         )
     except launcher.JoinTimeoutError as exc:  # not a usage error: the same command may work later
         print(f"{parser.prog}: {exc}", file=sys.stderr)
@@ -283,37 +289,6 @@ def _run(parser: argparse.ArgumentParser, argv: list[str]) -> int:
     except launcher.NodeLostError as exc:  # the job ran and failed, as a task's failure would
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 1
-    except launcher.LaunchError as exc:
-        print(f"{parser.prog}: {exc}", file=sys.stderr)
-        return 2
-
-
-def _run_ps_range(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, target: list[str]
-) -> int:
-    """``-n MIN:MAX --ps K``: a parameter-server job keeps its own rule, workers come and go and
-    the ps stays: MAX workers, and the job goes on without a lost one (not the chief) while MIN
-    are left (``--tolerate-worker-loss`` down to MIN); a lost ps or chief ends the attempt
-    (``--max-restarts`` restarts the job); ``--restart-workers`` starts a coordinator's lost
-    worker again, as for a fixed count."""
-    from stratagem.elastic.agent import WorkerRange
-
-    try:
-        workers = WorkerRange.parse(str(args.workers))
-        return launcher.launch(
-            target,
-            workers=workers.maximum,
-            ps=args.ps,
-            evaluator=args.evaluator,
-            chief=args.chief,
-            max_restarts=args.max_restarts,
-            grace_period=args.grace_period,
-            host="localhost" if args.host is None else args.host,
-            tolerate_worker_loss=True,
-            quiet=args.quiet,
-            restart_workers=args.restart_workers,
-            min_workers=workers.minimum,
-        )
     except launcher.LaunchError as exc:
         print(f"{parser.prog}: {exc}", file=sys.stderr)
         return 2
@@ -342,8 +317,6 @@ def _run_elastic(
     ]
     if needed:
         parser.error(f"--nnodes {args.nnodes} needs {' and '.join(needed)}")
-    if args.ps and not several:
-        return _run_ps_range(parser, args, target)
     others = [
         flag
         for flag, given in (
@@ -383,7 +356,7 @@ def _run_elastic(
             grace_period=args.grace_period,
             host=host or "localhost",
         )
-        from stratagem.elastic.agent import NodePlace, WorkerRange, run_elastic
+        from stratagem.elastic.agent import NodePlace, run_elastic
 
         workers = WorkerRange.parse(str(args.workers))
         place = None

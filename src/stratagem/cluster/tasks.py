@@ -98,6 +98,35 @@ def build_tf_configs(cluster: Mapping[str, Sequence[str]]) -> dict[tuple[str, in
     }
 
 
+@dataclass(frozen=True)
+class WorkerRange:
+    """``-n MIN:MAX`` (or ``--nnodes MIN:MAX``): the job runs while at least ``minimum`` workers
+    (nodes) live, up to ``maximum``."""
+
+    minimum: int
+    maximum: int
+
+    @classmethod
+    def parse(cls, text: str, *, what: str = "workers") -> WorkerRange:
+        low, sep, high = text.partition(":")
+        try:
+            minimum, maximum = int(low), int(high if sep else low)
+        except ValueError:
+            raise LaunchError(
+                f"expected a number of {what} N or a range MIN:MAX (as torchrun's --nnodes), "
+                f"got {text!r}"
+            ) from None
+        if not 1 <= minimum <= maximum:
+            raise LaunchError(
+                f"a range of {what} needs 1 <= MIN <= MAX, got {text!r} (MIN={minimum}, "
+                f"MAX={maximum})"
+            )
+        return cls(minimum, maximum)
+
+    def __str__(self) -> str:
+        return f"{self.minimum}:{self.maximum}"
+
+
 def task_env(
     base: Mapping[str, str], tf_config: str, restart: int, omp_threads: int | None
 ) -> dict[str, str]:

@@ -44,8 +44,8 @@ from stratagem.cluster.job_secret import SECRET_VARIABLE, job_secret, new_secret
 from stratagem.cluster.tasks import (
     CONFLICTING_ENV,
     CONFLICTING_ENV_PREFIXES,
-    LaunchError,
     Task,
+    WorkerRange,
     free_ports,
     plural,
 )
@@ -55,35 +55,6 @@ from stratagem.comm.process_group import ELASTIC_VARIABLE
 from stratagem.elastic.sealed_rendezvous import SealedRendezvous, explain, sealed_handler
 
 _MONITOR_S = 0.05
-
-
-@dataclass(frozen=True)
-class WorkerRange:
-    """``-n MIN:MAX`` (or ``--nnodes MIN:MAX``): the job runs while at least ``minimum`` workers
-    (nodes) live, up to ``maximum``."""
-
-    minimum: int
-    maximum: int
-
-    @classmethod
-    def parse(cls, text: str, *, what: str = "workers") -> WorkerRange:
-        low, sep, high = text.partition(":")
-        try:
-            minimum, maximum = int(low), int(high if sep else low)
-        except ValueError:
-            raise LaunchError(
-                f"expected a number of {what} N or a range MIN:MAX (as torchrun's --nnodes), "
-                f"got {text!r}"
-            ) from None
-        if not 1 <= minimum <= maximum:
-            raise LaunchError(
-                f"a range of {what} needs 1 <= MIN <= MAX, got {text!r} (MIN={minimum}, "
-                f"MAX={maximum})"
-            )
-        return cls(minimum, maximum)
-
-    def __str__(self) -> str:
-        return f"{self.minimum}:{self.maximum}"
 
 
 class StratagemAgent(SimpleElasticAgent):
