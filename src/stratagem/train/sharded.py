@@ -246,6 +246,7 @@ def restore(tracked: Tracked, path: str, meta: dict[str, Any]) -> LoadStatus:
     wanted = {
         name: value for name, value in state.items() if name in saved or name == "save_counter"
     }
+    _expect_saved_shapes(wanted, metadata, path)
     try:
         # Never DCP's own reader and planner: they unpickle (dcp_reader).
         dcp.load(wanted, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
@@ -294,6 +295,40 @@ def _expect_saved_entries(
         if expected:
             live = state[name]
             state[name] = {**live, **expected} if isinstance(live, dict) else expected
+
+
+def _expect_saved_shapes(state: dict[str, Any], metadata: Any, path: str) -> None:
+    """Refuse, by name, tensors whose global shape differs from the one saved (a model of
+    another width): DCP reshards to any mesh and layout, but not to another shape, and would
+    fail inside its planner on every process with its own traceback."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = metadata.state_dict_metadata
+    differ = [
+        f"{key}: saved {list(saved[key].size)}, here {list(tensor.shape)}"
+        for key, tensor in _flat_tensors(state, "")
+        if isinstance(saved.get(key), TensorStorageMetadata)
+        and tuple(saved[key].size) != tuple(tensor.shape)
+    ]
+    if differ:
+        shown = "; ".join(differ[:6]) + ("; ..." if len(differ) > 6 else "")
+        raise CheckpointError(
+            f"cannot restore sharded checkpoint {path!r}: {len(differ)} tensor(s) have another "
+            f"global shape than saved ({shown}); a sharded checkpoint restores on any mesh and "
+            "layouts, into objects of the saved shapes (the same model)"
+        )
+
+
+def _flat_tensors(state: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a nested state under DCP's flattened key (the path joined by dots)."""
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            yield from _flat_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(state, list | tuple):
+        for i, value in enumerate(state):
+            yield from _flat_tensors(value, f"{prefix}.{i}" if prefix else str(i))
 
 
 def _unsafe_cause(error: BaseException) -> CheckpointError | None:
