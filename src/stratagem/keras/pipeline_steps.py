@@ -164,7 +164,7 @@ class KerasPipeline:
         outputs = pipe.train_replica_batch(
             # A middle stage too: its inputs come from the stage before, but its schedule is
             # picked by the batch's size.
-            x_part if not pipe.is_last_stage else None,
+            None if pipe.is_last_stage and not pipe.is_first_stage else x_part,
             rows if pipe.is_last_stage else None,
             self.model.optimizer.torch_optimizer,
         )
