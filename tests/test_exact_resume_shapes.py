@@ -66,8 +66,8 @@ def _mesh_steps(outs: list[dict]) -> list[list[int]]:
 
 def _pipe_steps(outs: list[dict]) -> list[list[int]]:
     """Each step's ids over the replicas, from the ledger of each replica's first stage: one
-    entry per micro-batch, after the one forward the pipeline runs when it cuts the model (to
-    learn the stages' shapes; it trains nothing)."""
+    entry per micro-batch, after the one forward torch's schedule runs at its first step to
+    infer the stages' shapes (on the first micro-batch; it changes no weight)."""
     per_replica = [o["seen"][1:] for o in outs if o["stage"] == 0]
     for o in outs:
         assert o["stage"] == 0 or o["seen"] == [], "only the first stage runs the first layer"
