@@ -11,11 +11,12 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import stratagem as sg
 from cluster_utils import WORKERS, run_cluster
+from stratagem import dtensor
 from workers.resume_data import GLOBAL_BATCH, STOP, uninterrupted, uninterrupted_fit
-
-pytestmark = pytest.mark.multiprocess
 
 SCRIPT = WORKERS / "resume_shapes.py"
 MICROBATCHES = 2  # the worker's pipelines: GPipe, 2 micro-batches
@@ -29,6 +30,38 @@ def _run(workdir, tasks: list[str], processes: int) -> dict[str, list[dict]]:
         task: [torch.load(workdir / f"{task.replace(':', '-')}-{i}.pt") for i in range(processes)]
         for task in tasks
     }
+
+
+@pytest.fixture
+def one_process_mesh():
+    assert not dist.is_initialized()
+    yield dtensor.create_mesh([("batch", 1), ("model", 1)], devices=["CPU:0"])
+    dist.destroy_process_group()
+
+
+def test_a_sharded_checkpoint_refuses_another_model_naming_each_tensor(one_process_mesh, tmp_path):
+    """DCP reshards to any mesh and layout but not to other shapes or layers: the restore names
+    what does not fit (saved and live shapes, or the tensors the checkpoint lacks)."""
+
+    def laid_out(*layers: torch.nn.Module) -> torch.nn.Module:
+        return dtensor.apply_layout_map(
+            torch.nn.Sequential(*layers), dtensor.LayoutMap(one_process_mesh)
+        )
+
+    path = str(tmp_path / "ckpt")
+    sg.train.Checkpoint(model=laid_out(torch.nn.Linear(4, 4))).write(path)
+    sg.train.Checkpoint(model=laid_out(torch.nn.Linear(4, 4))).restore(path).assert_consumed()
+    with pytest.raises(sg.errors.CheckpointError) as wider:
+        sg.train.Checkpoint(model=laid_out(torch.nn.Linear(4, 8))).restore(path)
+    assert "2 tensor(s) have another global shape than saved (model.0.weight: saved [4, 4], " in (
+        str(wider.value)
+    )
+    assert "model.0.bias: saved [4], here [8])" in str(wider.value)
+    with pytest.raises(sg.errors.CheckpointError) as deeper:
+        sg.train.Checkpoint(model=laid_out(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))).restore(
+            path
+        )
+    assert "2 tensor(s) are not in it (model.1.weight; model.1.bias)" in str(deeper.value)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +119,7 @@ def reference():
     return batches, custom, uninterrupted_fit()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("tasks", "processes"),
     [

@@ -298,37 +298,54 @@ def _expect_saved_entries(
 
 
 def _expect_saved_shapes(state: dict[str, Any], metadata: Any, path: str) -> None:
-    """Refuse, by name, tensors whose global shape differs from the one saved (a model of
-    another width): DCP reshards to any mesh and layout, but not to another shape, and would
-    fail inside its planner on every process with its own traceback."""
+    """Refuse, by name, tensors the checkpoint lacks or saved with another global shape (a
+    model with other layers or widths): DCP reshards to any mesh and layout, but not to another
+    model, and would fail inside its planner on every process with its own traceback."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    saved = metadata.state_dict_metadata
-    differ = [
-        f"{key}: saved {list(saved[key].size)}, here {list(tensor.shape)}"
-        for key, tensor in _flat_tensors(state, "")
-        if isinstance(saved.get(key), TensorStorageMetadata)
-        and tuple(saved[key].size) != tuple(tensor.shape)
-    ]
+    paths = metadata.planner_data or {}
+    saved = {
+        tuple(str(part) for part in paths.get(key, key.split("."))): md
+        for key, md in metadata.state_dict_metadata.items()
+    }
+    differ, missing = [], []
+    for where, tensor in _flat_tensors(state, ()):
+        name, md = ".".join(where), saved.get(where)
+        if md is None:
+            # (A value saved whole above this one, such as a list, is DCP's to match.)
+            if not any(where[:i] in saved for i in range(1, len(where))):
+                missing.append(name)
+        elif isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(tensor.shape):
+            differ.append(f"{name}: saved {list(md.size)}, here {list(tensor.shape)}")
+    problems = []
     if differ:
-        shown = "; ".join(differ[:6]) + ("; ..." if len(differ) > 6 else "")
+        problems.append(
+            f"{len(differ)} tensor(s) have another global shape than saved ({_some(differ)})"
+        )
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) are not in it ({_some(missing)})")
+    if problems:
         raise CheckpointError(
-            f"cannot restore sharded checkpoint {path!r}: {len(differ)} tensor(s) have another "
-            f"global shape than saved ({shown}); a sharded checkpoint restores on any mesh and "
-            "layouts, into objects of the saved shapes (the same model)"
+            f"cannot restore sharded checkpoint {path!r}: {'; and '.join(problems)}; a sharded "
+            "checkpoint restores on any mesh and layouts, into objects of the saved shapes (the "
+            "same model)"
         )
 
 
-def _flat_tensors(state: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of a nested state under DCP's flattened key (the path joined by dots)."""
+def _some(items: list[str]) -> str:
+    return "; ".join(items[:6]) + ("; ..." if len(items) > 6 else "")
+
+
+def _flat_tensors(state: Any, where: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Each tensor of a nested state with its path (DCP's, before it joins it with dots)."""
     if isinstance(state, torch.Tensor):
-        yield prefix, state
+        yield where, state
     elif isinstance(state, dict):
         for key, value in state.items():
-            yield from _flat_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+            yield from _flat_tensors(value, (*where, str(key)))
     elif isinstance(state, list | tuple):
         for i, value in enumerate(state):
-            yield from _flat_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+            yield from _flat_tensors(value, (*where, str(i)))
 
 
 def _unsafe_cause(error: BaseException) -> CheckpointError | None:
