@@ -162,7 +162,9 @@ class KerasPipeline:
         self.loss.set_batch(y_part, w_part, hi - lo, m * replicas / n)
         rows = torch.arange(padded)
         outputs = pipe.train_replica_batch(
-            x_part if pipe.is_first_stage else None,
+            # A middle stage too: its inputs come from the stage before, but its schedule is
+            # picked by the batch's size.
+            None if pipe.is_last_stage and not pipe.is_first_stage else x_part,
             rows if pipe.is_last_stage else None,
             self.model.optimizer.torch_optimizer,
         )

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from stratagem.comm import Communicator
+from stratagem.errors import CheckpointError
 from stratagem.pipeline.shared import SharedParameter
 from stratagem.pipeline.stage_layout import PipelineLayout
 
@@ -146,18 +147,26 @@ class StageCheckpoints:
         """Load this rank's stage file of ``path`` (and optimizer, and ``tensors`` in place)."""
         self._flush()  # what is in flight belongs to the weights being replaced
         file = os.path.join(path, f"stage-{self.stage}.pt")
-        if not os.path.exists(file):
+        first = os.path.join(path, "stage-0.pt")  # every save has one: its cut, if not mine
+        if not os.path.exists(file) and not os.path.exists(first):
             raise FileNotFoundError(
                 f"no pipeline checkpoint for stage {self.stage} at {file!r} (expected the "
                 "directory PipelineModel.save wrote)"
             )
-        state = torch.load(file, weights_only=True)
-        saved = state["layout"]
-        mine = self._cut()
+        state = torch.load(file if os.path.exists(file) else first, weights_only=True)
+        saved, mine = state["layout"], self._cut()
         if any(saved[k] != v for k, v in mine.items()):
-            raise ValueError(
-                f"checkpoint {path!r} was saved by a pipeline with {saved}; this one has {mine}: "
-                "restore it with the same stages and split points"
+            raise CheckpointError(
+                f"checkpoint {path!r} was saved by a pipeline cut into {_cut_words(saved)}; "
+                f"this one is cut into {_cut_words(mine)}: a pipeline's own checkpoint restores "
+                "into the same stages and split points only (on any number of replicas); to "
+                "change the stages, checkpoint the whole model (sg.train.Checkpoint of the "
+                "sg.keras.Model, or BackupAndRestore), which gathers every stage"
+            )
+        if not os.path.exists(file):
+            raise FileNotFoundError(
+                f"pipeline checkpoint {path!r} has no file for stage {self.stage} ({file!r}): "
+                "it is incomplete"
             )
         missing = [k for k in tensors if k not in state["tensors"]]
         if missing or (optimizer is not None and state["optimizer"] is None):
@@ -188,3 +197,11 @@ class StageCheckpoints:
                 )
             values[name] = files[owner][first]
         return values
+
+
+def _cut_words(cut: Mapping[str, Any]) -> str:
+    """A cut (``StageCheckpoints._cut``) in words."""
+    return (
+        f"{cut['num_stages']} stage(s) at split points {cut['split_points']} "
+        f"({cut['stages_per_rank']} per process)"
+    )

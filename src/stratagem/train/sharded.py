@@ -246,6 +246,7 @@ def restore(tracked: Tracked, path: str, meta: dict[str, Any]) -> LoadStatus:
     wanted = {
         name: value for name, value in state.items() if name in saved or name == "save_counter"
     }
+    _expect_saved_shapes(wanted, metadata, path)
     try:
         # Never DCP's own reader and planner: they unpickle (dcp_reader).
         dcp.load(wanted, storage_reader=SafeReader(path, metadata), planner=SafeLoadPlanner())
@@ -294,6 +295,57 @@ def _expect_saved_entries(
         if expected:
             live = state[name]
             state[name] = {**live, **expected} if isinstance(live, dict) else expected
+
+
+def _expect_saved_shapes(state: dict[str, Any], metadata: Any, path: str) -> None:
+    """Refuse, by name, tensors the checkpoint lacks or saved with another global shape (a
+    model with other layers or widths): DCP reshards to any mesh and layout, but not to another
+    model, and would fail inside its planner on every process with its own traceback."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    paths = metadata.planner_data or {}
+    saved = {
+        tuple(str(part) for part in paths.get(key, key.split("."))): md
+        for key, md in metadata.state_dict_metadata.items()
+    }
+    differ, missing = [], []
+    for where, tensor in _flat_tensors(state, ()):
+        name, md = ".".join(where), saved.get(where)
+        if md is None:
+            # (A value saved whole above this one, such as a list, is DCP's to match.)
+            if not any(where[:i] in saved for i in range(1, len(where))):
+                missing.append(name)
+        elif isinstance(md, TensorStorageMetadata) and tuple(md.size) != tuple(tensor.shape):
+            differ.append(f"{name}: saved {list(md.size)}, here {list(tensor.shape)}")
+    problems = []
+    if differ:
+        problems.append(
+            f"{len(differ)} tensor(s) have another global shape than saved ({_some(differ)})"
+        )
+    if missing:
+        problems.append(f"{len(missing)} tensor(s) are not in it ({_some(missing)})")
+    if problems:
+        raise CheckpointError(
+            f"cannot restore sharded checkpoint {path!r}: {'; and '.join(problems)}; a sharded "
+            "checkpoint restores on any mesh and layouts, into objects of the saved shapes (the "
+            "same model)"
+        )
+
+
+def _some(items: list[str]) -> str:
+    return "; ".join(items[:6]) + ("; ..." if len(items) > 6 else "")
+
+
+def _flat_tensors(state: Any, where: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """Each tensor of a nested state with its path (DCP's, before it joins it with dots)."""
+    if isinstance(state, torch.Tensor):
+        yield where, state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            yield from _flat_tensors(value, (*where, str(key)))
+    elif isinstance(state, list | tuple):
+        for i, value in enumerate(state):
+            yield from _flat_tensors(value, (*where, str(i)))
 
 
 def _unsafe_cause(error: BaseException) -> CheckpointError | None:
