@@ -590,12 +590,14 @@ class Model(Portable):
         cbs.on_train_end(logs)
         return self.history
 
-    def _offers_in_place(self, data: FitData | None) -> bool:
+    def _offers_in_place(self, data: object) -> bool:
         """Whether this fit goes on in its own process when a peer of an elastic job is lost:
         where the strategy can (every worker holding the whole state) and the fit's position
         is plain numbers (arrays: a redone step is the same global batch, cut for the workers
         left), one optimizer step a batch."""
-        if data is None or not data.positioned_by_numbers or self.optimizer is None:
+        if not isinstance(data, FitData) or not data.positioned_by_numbers:
+            return False
+        if self.optimizer is None:
             return False
         if self.optimizer.gradient_accumulation_steps not in (None, 1):
             return False
