@@ -78,7 +78,9 @@ def test_communication_per_step_is_the_ring_formulas():
     assert found["FSDP ZeRO-3"].bytes_per_step == pytest.approx(3 * 3 / 4 * g)
     assert found["FSDP ZeRO-2"].bytes_per_step == pytest.approx(2 * 3 / 4 * g)
     m = found["FSDP ZeRO-3"].memory
-    assert (m.params, m.grads, m.optimizer) == (g // 4, g // 4, 2 * (g // 4))
+    # At its largest moment (in backward here) a device holds a quarter of the parameters and
+    # of the optimizer state, and at most a quarter of the gradients.
+    assert (m.params, m.optimizer) == (g // 4, 2 * (g // 4)) and m.grads <= g // 4
 
 
 class _Towers(torch.nn.Module):

@@ -45,6 +45,9 @@ class LayerFacts:
     param_bytes: int
     saved_bytes: int  # activations saved for backward while it runs, on the example batch
     input_bytes: int  # the activation entering it: what a stage boundary before it sends
+    # The gradient of that input its backward makes: none when nothing before it trains, or
+    # when it returns a view of its input (``Flatten``), whose gradient is a view too.
+    grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class ModelFacts:
                 int(f.param_bytes * width),
                 int(f.saved_bytes * batch),
                 int(f.input_bytes * batch),
+                int(f.grad_bytes * batch),
             )
 
         return replace(
@@ -116,6 +120,10 @@ def _pipeline_layers(model: nn.Module) -> tuple[str, list[str], bool]:
         return "", [], False
     children = [f"{best}.{name}" for name, _ in model.get_submodule(best).named_children()]
     return best, children, False
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
 def _megatron_modules(model: nn.Module) -> dict[str, str]:
@@ -179,8 +187,11 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
     regions = ["<pre>", *layer_paths, "<post>"]
     saved = dict.fromkeys(regions, 0)
     inputs = dict.fromkeys(regions, 0)
+    grads = dict.fromkeys(regions, 0)
+    entering: dict[str, torch.Tensor | None] = {}
     state = {"region": "<pre>", "split": None, "allreduce": 0, "sharded_saved": 0}
     seen: dict[int, torch.Tensor] = {}  # keeps each saved tensor alive so ids stay unique
+    counted: dict[tuple[int, int], int] = {}  # bytes counted per (storage, offset)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if id(t) in param_ids or id(t) in seen or (t.is_leaf and t.requires_grad):
@@ -191,7 +202,11 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
         ):
             return t  # a view of a parameter (its transpose, say): no new memory
         seen[id(t)] = t
-        size = _nbytes(t)
+        # A view of a tensor already saved (``Flatten``'s output of a saved ``ReLU`` output,
+        # say) keeps no new memory: count each start in a storage once, its largest view.
+        where = (t.untyped_storage()._cdata, t.storage_offset())
+        size = max(_nbytes(t) - counted.get(where, 0), 0)
+        counted[where] = counted.get(where, 0) + size
         saved[state["region"]] += size
         if state["split"] is not None:
             state["sharded_saved"] += size
@@ -220,8 +235,16 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
                 (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None
             )
             inputs[p] = _nbytes(first) if first is not None else 0
+            entering[p] = first
 
-        def leave(*_: Any, last: bool = i == len(layer_paths) - 1) -> None:
+        def leave(
+            _m: nn.Module, _a: Any, out: Any, p: str = path, last: bool = i == len(layer_paths) - 1
+        ) -> None:
+            first = entering.pop(p, None)
+            if first is not None and first.requires_grad:
+                out = next(iter(pytree.tree_leaves(out)), None)
+                view = isinstance(out, torch.Tensor) and _same_storage(out, first)
+                grads[p] = 0 if view else _nbytes(first)
             if last:
                 state["region"] = "<post>"
 
@@ -274,7 +297,7 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
         megatron_sharded_saved_bytes=state["sharded_saved"],
         pre=LayerFacts("<pre>", total - in_layers - post_bytes, saved["<pre>"], 0),
         layers=tuple(
-            LayerFacts(p, b, saved[p], inputs[p])
+            LayerFacts(p, b, saved[p], inputs[p], grads[p])
             for p, b in zip(layer_paths, layer_bytes, strict=True)
         ),
         post=LayerFacts("<post>", post_bytes, saved["<post>"], 0),
