@@ -5,7 +5,8 @@ per device, in bytes, for one training step on a global batch of ``world`` examp
 
 - memory: parameters + buffers + optimizer state, then the larger of two phases: the end of
   forward (activations saved for backward, and whatever the strategy keeps gathered) and the
-  optimizer step (gradients and the optimizer's temporaries);
+  optimizer step (gradients and the optimizer's temporaries); MWMS and FSDP take the largest
+  moment of a step, backward's among them (the gradient flowing back through the layers);
 - communication: bytes each device sends, ring algorithms: an all-reduce of n bytes over k
   devices sends 2(k-1)/k n, an all-gather or reduce-scatter (k-1)/k n; a pipeline stage sends
   its boundary activations forward and their gradients back, once per micro-batch.
@@ -30,7 +31,7 @@ class Memory:
     params: int
     grads: int
     optimizer: int
-    activations: int
+    activations: int  # with the example batch, which the training loop holds
     gathered: int  # parameters and gradients a sharded strategy holds whole for a while
     temporary: int  # the optimizer step's scratch tensors
     buffers: int = 0  # communication buffers kept from step to step
@@ -109,9 +110,9 @@ def mirrored(f: ModelFacts, world: int, slots: int) -> tuple[Memory, float]:
     memory = _memory(f, f.param_bytes, slots, f.activation_bytes, 0)
     activations, made = backward_moment(f)
     moments = [
-        (f.activation_bytes, 0, 0),
-        (activations, made, 0),
-        (0, memory.grads, memory.temporary),
+        (f.activation_bytes + f.batch_bytes, 0, 0),
+        (activations + f.batch_bytes, made, 0),
+        (f.batch_bytes, memory.grads, memory.temporary),
     ]
     activations, grads, temporary = max(moments, key=sum)
     memory = replace(

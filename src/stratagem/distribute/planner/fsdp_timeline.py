@@ -86,6 +86,7 @@ class _Step:
         share = facts.trainable_bytes / facts.param_bytes if facts.param_bytes else 0.0
         self.heap.alloc(facts.param_bytes / shard + facts.buffer_bytes, "params", "model")
         self.heap.alloc(slots * facts.param_bytes * share / shard, "optimizer", "model")
+        self.heap.alloc(facts.batch_bytes, "activations", "loop")  # the batch, held all step
 
     def _hold_collective(self, buffers: list[str]) -> None:
         # _HeldAllGather/_HeldReduceScatter append (work, output, input) after the collective:

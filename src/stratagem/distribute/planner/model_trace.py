@@ -4,8 +4,9 @@
 and input replaced by a meta tensor (``torch.func.functional_call``; no real memory is used
 and the model is not changed) and returns ``ModelFacts``: plain numbers, in bytes, of the
 parameters (a tied parameter once), their gradients, the activations autograd saves for the
-backward pass (``saved_tensors_hooks``; one tensor saved by several operations counts once,
-parameters and their views not at all), the largest FSDP unit, the Megatron-splittable
+backward pass (``saved_tensors_hooks``; one tensor saved by several operations, or views of
+it, counts once, parameters and their views and the batch not at all), the gradient of each
+layer's input its backward makes, the largest FSDP unit, the Megatron-splittable
 projections and the activations they all-reduce, and the pipeline's layers in call order
 (the biggest ``nn.ModuleList``, or an ``nn.Sequential``'s children). ``ModelFacts.scaled``
 gives the facts of a model k times as wide and a batch m times as large (the simulations).
@@ -69,6 +70,9 @@ class ModelFacts:
     layers_are_sequential: bool  # split points are layer indices (else module paths)
     # Parameters of each top-level child holding some, in module order: FSDP's default units.
     child_bytes: tuple[int, ...] = ()
+    # The example batch's tensors, which the training loop holds through the step (not among
+    # the activations, even where an operation saves them).
+    batch_bytes: int = 0
 
     def scaled(self, width: float = 1.0, batch: float = 1.0) -> ModelFacts:
         """The facts of this model with ``width`` times the parameters and ``batch`` times the
@@ -89,6 +93,7 @@ class ModelFacts:
             trainable_bytes=int(self.trainable_bytes * width),
             buffer_bytes=int(self.buffer_bytes * width),
             activation_bytes=int(self.activation_bytes * batch),
+            batch_bytes=int(self.batch_bytes * batch),
             largest_param_bytes=int(self.largest_param_bytes * width),
             largest_unit_bytes=int(self.largest_unit_bytes * width),
             megatron_bytes=int(self.megatron_bytes * width),
@@ -193,9 +198,15 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
     seen: dict[int, torch.Tensor] = {}  # keeps each saved tensor alive so ids stay unique
     counted: dict[tuple[int, int], int] = {}  # bytes counted per (storage, offset)
 
+    batch = _to_meta(example_batch)
+    batch_tensors = [v for v in pytree.tree_leaves(batch) if isinstance(v, torch.Tensor)]
+    batch_storages = {v.untyped_storage()._cdata for v in batch_tensors}
+
     def pack(t: torch.Tensor) -> torch.Tensor:
         if id(t) in param_ids or id(t) in seen or (t.is_leaf and t.requires_grad):
             return t
+        if t.untyped_storage()._cdata in batch_storages:
+            return t  # the batch (or a view of it): counted on its own, held all step
         fn = t.grad_fn
         if type(fn).__name__ in _VIEWS and all(
             f is None or type(f).__name__ == "AccumulateGrad" for f, _ in fn.next_functions
@@ -266,7 +277,7 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
         handles.append(module.register_forward_hook(end))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = _loss_of(_call(model, meta, _to_meta(example_batch)))
+            loss = _loss_of(_call(model, meta, batch))
         loss.backward()
     finally:
         for h in handles:
@@ -303,4 +314,5 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
         post=LayerFacts("<post>", post_bytes, saved["<post>"], 0),
         layers_are_sequential=sequential,
         child_bytes=tuple(b for b in units if b),
+        batch_bytes=sum(_nbytes(v) for v in batch_tensors),
     )
