@@ -1,12 +1,14 @@
 """The planner's predicted peak per process against the measured peak of live tensor bytes.
 
-For Hugging Face models built from configs (tens of MB of parameters; nothing downloaded),
-under MultiWorkerMirroredStrategy and FSDP ZeRO-3 on 2 CPU processes, each process trains
-Adam steps (``tests/workers/planner_memory.py``) and reads its peak of live tensor bytes from
-torch's profiler memory events. Prints one row per (model, strategy): predicted, measured (the
-larger of the two processes; the median of ``--runs`` jobs), predicted/measured.
+For Hugging Face models built from configs (tens of MB of parameters; nothing downloaded)
+and the models our examples train (``examples/``: at their own batches), under
+MultiWorkerMirroredStrategy and FSDP ZeRO-3 on 2 CPU processes, each process trains Adam steps
+(``tests/workers/planner_memory.py``) and reads its peak of live tensor bytes from torch's
+profiler memory events. Prints one row per (model, strategy): predicted, measured (the larger
+of the two processes; the median of ``--runs`` jobs), predicted/measured. The figures of
+torch 2.13 on gloo are in ``docs/guides/planner.md`` (every row within 0.96-1.01).
 
-    .venv/bin/python benchmarks/planner_memory.py --runs 3
+    .venv/bin/python benchmarks/planner_memory.py --runs 3 [--models hf|examples|NAME ...]
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def main() -> None:
             predicted = jobs[0][0]
             measured = statistics.median(m for _, m in jobs)
             print(
-                f"{name:<12} {kind:<9} {predicted / 2**20:>14.1f} {measured / 2**20:>13.1f} "
+                f"{name:<12} {kind:<9} {predicted / 2**20:>14.2f} {measured / 2**20:>13.2f} "
                 f"{predicted / measured:>6.2f}"
             )
 

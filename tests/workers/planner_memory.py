@@ -1,8 +1,9 @@
 """One process of the planner's memory check: train a few steps under a strategy the planner
 built, and write the measured peak of live tensor bytes next to the planner's prediction.
 
-argv: model name (``gpt2``, ``llama``, ...), candidate kind (``mirrored``, ``zero3``, ...),
-output folder; sizes as ``key=value`` after them (the model's config overrides). The peak is
+argv: model name (a Hugging Face one, ``gpt2``, ``llama``, ..., or one of ``EXAMPLES``, the
+models our examples train), candidate kind (``mirrored``, ``zero3``, ...), output folder;
+sizes as ``key=value`` after them (a Hugging Face config's overrides). The peak is
 read from torch's profiler memory events (``profile_memory=True``): every CPU allocation and
 free from before the model is built (a collective's scratch that gloo frees unseen, when it
 returns), summed in time order, its maximum during two steps after
