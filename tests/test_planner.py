@@ -46,9 +46,10 @@ def test_trace_counts_parameters_and_saved_activations_as_by_hand():
     facts = trace_model(model, batch)
     params = 4 * (2 * (8 * 8 + 8) + 8 * 3 + 3)
     # Each Linear saves its input (for its weight's gradient), each Tanh its output; the Tanhs'
-    # outputs are the next Linears' inputs, the same tensors: the batch and two outputs, 5x8.
+    # outputs are the next Linears' inputs, the same tensors: two outputs, 5x8; the batch, which
+    # the first Linear saves, is counted apart (the loop holds it all step).
     assert facts.param_bytes == facts.trainable_bytes == params
-    assert facts.activation_bytes == 4 * 5 * 8 * 3
+    assert (facts.activation_bytes, facts.batch_bytes) == (4 * 5 * 8 * 2, 4 * 5 * 8)
     assert [x.path for x in facts.layers] == [str(i) for i in range(5)]
     assert facts.layers_are_sequential and facts.megatron_bytes == 0
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
@@ -78,7 +79,9 @@ def test_communication_per_step_is_the_ring_formulas():
     assert found["FSDP ZeRO-3"].bytes_per_step == pytest.approx(3 * 3 / 4 * g)
     assert found["FSDP ZeRO-2"].bytes_per_step == pytest.approx(2 * 3 / 4 * g)
     m = found["FSDP ZeRO-3"].memory
-    assert (m.params, m.grads, m.optimizer) == (g // 4, g // 4, 2 * (g // 4))
+    # At its largest moment (in backward here) a device holds a quarter of the parameters and
+    # of the optimizer state, and at most a quarter of the gradients.
+    assert (m.params, m.optimizer) == (g // 4, 2 * (g // 4)) and m.grads <= g // 4
 
 
 class _Towers(torch.nn.Module):

@@ -5,7 +5,8 @@ per device, in bytes, for one training step on a global batch of ``world`` examp
 
 - memory: parameters + buffers + optimizer state, then the larger of two phases: the end of
   forward (activations saved for backward, and whatever the strategy keeps gathered) and the
-  optimizer step (gradients and the optimizer's temporaries);
+  optimizer step (gradients and the optimizer's temporaries); MWMS and FSDP take the largest
+  moment of a step, backward's among them (the gradient flowing back through the layers);
 - communication: bytes each device sends, ring algorithms: an all-reduce of n bytes over k
   devices sends 2(k-1)/k n, an all-gather or reduce-scatter (k-1)/k n; a pipeline stage sends
   its boundary activations forward and their gradients back, once per micro-batch.
@@ -30,7 +31,7 @@ class Memory:
     params: int
     grads: int
     optimizer: int
-    activations: int
+    activations: int  # with the example batch, which the training loop holds
     gathered: int  # parameters and gradients a sharded strategy holds whole for a while
     temporary: int  # the optimizer step's scratch tensors
     buffers: int = 0  # communication buffers kept from step to step
@@ -80,12 +81,48 @@ def _memory(
     )
 
 
+def backward_moment(f: ModelFacts) -> tuple[int, int]:
+    """The largest moment of backward as (activations, parameter gradients): walking the
+    layers last to first, each one's backward holds the activations saved up to it, the
+    gradient of its output, the gradient of its input it makes, and the parameter gradients
+    made so far (the layers after it and its own)."""
+    share = f.trainable_bytes / f.param_bytes if f.param_bytes else 0.0
+    saved = f.activation_bytes - f.post.saved_bytes
+    made = f.post.param_bytes * share
+    flowing = 0  # the gradient of the current layer's output
+    best = (f.activation_bytes, int(made))
+    for layer in reversed(f.layers):
+        made += layer.param_bytes * share
+        moment = (saved + flowing + layer.grad_bytes, int(made))
+        if sum(moment) > sum(best):
+            best = moment
+        saved -= layer.saved_bytes
+        # A layer that makes no gradient of its input returns a view of it (its output's
+        # gradient flows on) or is the first to need none (nothing flows on that matters).
+        flowing = layer.grad_bytes or flowing
+    return best
+
+
 def mirrored(f: ModelFacts, world: int, slots: int) -> tuple[Memory, float]:
     """MultiWorkerMirroredStrategy: everything whole; gradients copied into buckets that it
-    keeps (``comm.bucketing``) and all-reduced there."""
+    keeps (``comm.bucketing``) and all-reduced there. The peak is the largest of three
+    moments: the end of forward, the largest moment of backward, the optimizer step."""
     memory = _memory(f, f.param_bytes, slots, f.activation_bytes, 0)
-    if world > 1:
-        memory = replace(memory, buffers=memory.grads)
+    activations, made = backward_moment(f)
+    moments = [
+        (f.activation_bytes + f.batch_bytes, 0, 0),
+        (activations + f.batch_bytes, made, 0),
+        (f.batch_bytes, memory.grads, memory.temporary),
+    ]
+    activations, grads, temporary = max(moments, key=sum)
+    memory = replace(
+        memory,
+        activations=activations,
+        grads=grads,
+        temporary=temporary,
+        buffers=memory.grads if world > 1 else 0,
+        one_moment=True,
+    )
     return memory, allreduce(f.trainable_bytes, world)
 
 

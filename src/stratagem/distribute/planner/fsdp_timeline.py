@@ -10,6 +10,7 @@ largest sum of live buffers. Pure arithmetic; each step below names the torch co
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -65,6 +66,7 @@ class _Unit:
     name: str
     param_bytes: int
     saved_bytes: int
+    grad_bytes: int = 0  # the gradient of its input its backward makes
 
 
 class _Step:
@@ -84,6 +86,7 @@ class _Step:
         share = facts.trainable_bytes / facts.param_bytes if facts.param_bytes else 0.0
         self.heap.alloc(facts.param_bytes / shard + facts.buffer_bytes, "params", "model")
         self.heap.alloc(slots * facts.param_bytes * share / shard, "optimizer", "model")
+        self.heap.alloc(facts.batch_bytes, "activations", "loop")  # the batch, held all step
 
     def _hold_collective(self, buffers: list[str]) -> None:
         # _HeldAllGather/_HeldReduceScatter append (work, output, input) after the collective:
@@ -96,6 +99,8 @@ class _Step:
                 self.heap.release(name, "held")
 
     def all_gather(self, unit: _Unit) -> None:
+        if not unit.param_bytes:
+            return  # fully_shard makes no param group, so no collective, for a unit without any
         # foreach_all_gather (_fsdp_collectives.py): one flat output of the whole unit, its
         # input a view into it (all_gather_copy_in); gloo's all_gather_into_tensor copies
         # through a scratch tensor of the output's size while it runs.
@@ -107,7 +112,7 @@ class _Step:
     def wait_for_unshard(self, unit: _Unit) -> None:
         # FSDPParamGroup.wait_for_unshard: foreach_all_gather_copy_out allocates the unsharded
         # parameters (alloc_storage) and drops the all-gather result.
-        if unit.name in self.gathered:
+        if unit.name in self.gathered or not unit.param_bytes:
             return
         if unit.name not in self.pending:
             self.all_gather(unit)
@@ -125,6 +130,9 @@ class _Step:
         # foreach_reduce: a flat input of the whole unit's gradients (copied in, then the
         # unsharded gradients freed) and an output of the shard, which the sharded gradients
         # view; gloo's reduce_scatter_tensor works in a scratch tensor of the input's size.
+        if not unit.param_bytes:
+            self.heap.release(unsharded_grad, "autograd")
+            return
         self.heap.release(self.rs_state, "rs_state")
         rs_in = self.heap.alloc(unit.param_bytes, "buffers", "rs_state")
         self.heap.release(unsharded_grad, "autograd")
@@ -152,23 +160,33 @@ class _Step:
                 self.free_unsharded(unit)
         self._save(self.f.post.saved_bytes)
         # Backward: FSDPParamGroup._backward_prefetch all-gathers the unit before the current
-        # one (post_forward_order[index - 1]) as the current one's backward starts; the root's
-        # pre_backward prefetches the last layer.
-        if layers and self.reshard:
-            self.all_gather(layers[-1])
+        # one (post_forward_order[index - 1], which lists units holding parameters only) as the
+        # current one's backward starts; the root's pre_backward prefetches the last layer.
+        holding = [i for i, unit in enumerate(layers) if unit.param_bytes]
+        before = {b: a for a, b in itertools.pairwise(holding)}
+        if holding and self.reshard:
+            self.all_gather(layers[holding[-1]])
         # The head's gradients (the root's parameters after the layers) come first.
         root_grad = self.heap.alloc(self.f.post.param_bytes, "gathered", "autograd")
         self._unsave(self.f.post.saved_bytes)
+        flowing = None  # the gradient of the current unit's output (cost_model.backward_moment)
         for i in range(len(layers) - 1, -1, -1):
             unit = layers[i]
             self.wait_for_unshard(unit)
-            if i > 0 and self.reshard:
-                self.all_gather(layers[i - 1])
+            if i in before and self.reshard:
+                self.all_gather(layers[before[i]])
             grad = self.heap.alloc(unit.param_bytes, "gathered", "autograd")
+            if unit.grad_bytes:
+                # The gradient of its input, alive until the unit before it has run backward
+                # (through its post-backward reduce-scatter below).
+                made = self.heap.alloc(unit.grad_bytes, "activations", "autograd")
+                self.heap.release(flowing, "autograd")
+                flowing = made
             self._unsave(unit.saved_bytes)
             self.free_unsharded(unit)
             self.reduce_scatter(unit, grad)
         # The root's post_backward runs last, when the embeddings' gradients are made.
+        self.heap.release(flowing, "autograd")
         self.heap.release(root_grad, "autograd")
         root_grad = self.heap.alloc(root.param_bytes, "gathered", "autograd")
         self._unsave(self.f.pre.saved_bytes)
@@ -194,7 +212,7 @@ def units_of(facts: ModelFacts) -> list[_Unit]:
     root holding the rest; without layers, FullyShardedStrategy's default, each top-level
     child holding parameters (a tied parameter's children the root's: counted in it)."""
     if facts.layers:
-        units = [_Unit(x.path, x.param_bytes, x.saved_bytes) for x in facts.layers]
+        units = [_Unit(x.path, x.param_bytes, x.saved_bytes, x.grad_bytes) for x in facts.layers]
     else:
         # Without layers the trace puts every saved activation before them (facts.pre).
         units = [_Unit(f"child{i}", b, 0) for i, b in enumerate(facts.child_bytes)]

@@ -4,8 +4,9 @@
 and input replaced by a meta tensor (``torch.func.functional_call``; no real memory is used
 and the model is not changed) and returns ``ModelFacts``: plain numbers, in bytes, of the
 parameters (a tied parameter once), their gradients, the activations autograd saves for the
-backward pass (``saved_tensors_hooks``; one tensor saved by several operations counts once,
-parameters and their views not at all), the largest FSDP unit, the Megatron-splittable
+backward pass (``saved_tensors_hooks``; one tensor saved by several operations, or views of
+it, counts once, parameters and their views and the batch not at all), the gradient of each
+layer's input its backward makes, the largest FSDP unit, the Megatron-splittable
 projections and the activations they all-reduce, and the pipeline's layers in call order
 (the biggest ``nn.ModuleList``, or an ``nn.Sequential``'s children). ``ModelFacts.scaled``
 gives the facts of a model k times as wide and a batch m times as large (the simulations).
@@ -45,6 +46,9 @@ class LayerFacts:
     param_bytes: int
     saved_bytes: int  # activations saved for backward while it runs, on the example batch
     input_bytes: int  # the activation entering it: what a stage boundary before it sends
+    # The gradient of that input its backward makes: none when nothing before it trains, or
+    # when it returns a view of its input (``Flatten``), whose gradient is a view too.
+    grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,9 @@ class ModelFacts:
     layers_are_sequential: bool  # split points are layer indices (else module paths)
     # Parameters of each top-level child holding some, in module order: FSDP's default units.
     child_bytes: tuple[int, ...] = ()
+    # The example batch's tensors, which the training loop holds through the step (not among
+    # the activations, even where an operation saves them).
+    batch_bytes: int = 0
 
     def scaled(self, width: float = 1.0, batch: float = 1.0) -> ModelFacts:
         """The facts of this model with ``width`` times the parameters and ``batch`` times the
@@ -77,6 +84,7 @@ class ModelFacts:
                 int(f.param_bytes * width),
                 int(f.saved_bytes * batch),
                 int(f.input_bytes * batch),
+                int(f.grad_bytes * batch),
             )
 
         return replace(
@@ -85,6 +93,7 @@ class ModelFacts:
             trainable_bytes=int(self.trainable_bytes * width),
             buffer_bytes=int(self.buffer_bytes * width),
             activation_bytes=int(self.activation_bytes * batch),
+            batch_bytes=int(self.batch_bytes * batch),
             largest_param_bytes=int(self.largest_param_bytes * width),
             largest_unit_bytes=int(self.largest_unit_bytes * width),
             megatron_bytes=int(self.megatron_bytes * width),
@@ -116,6 +125,10 @@ def _pipeline_layers(model: nn.Module) -> tuple[str, list[str], bool]:
         return "", [], False
     children = [f"{best}.{name}" for name, _ in model.get_submodule(best).named_children()]
     return best, children, False
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
 def _megatron_modules(model: nn.Module) -> dict[str, str]:
@@ -179,19 +192,32 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
     regions = ["<pre>", *layer_paths, "<post>"]
     saved = dict.fromkeys(regions, 0)
     inputs = dict.fromkeys(regions, 0)
+    grads = dict.fromkeys(regions, 0)
+    entering: dict[str, torch.Tensor | None] = {}
     state = {"region": "<pre>", "split": None, "allreduce": 0, "sharded_saved": 0}
     seen: dict[int, torch.Tensor] = {}  # keeps each saved tensor alive so ids stay unique
+    counted: dict[tuple[int, int], int] = {}  # bytes counted per (storage, offset)
+
+    batch = _to_meta(example_batch)
+    batch_tensors = [v for v in pytree.tree_leaves(batch) if isinstance(v, torch.Tensor)]
+    batch_storages = {v.untyped_storage()._cdata for v in batch_tensors}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if id(t) in param_ids or id(t) in seen or (t.is_leaf and t.requires_grad):
             return t
+        if t.untyped_storage()._cdata in batch_storages:
+            return t  # the batch (or a view of it): counted on its own, held all step
         fn = t.grad_fn
         if type(fn).__name__ in _VIEWS and all(
             f is None or type(f).__name__ == "AccumulateGrad" for f, _ in fn.next_functions
         ):
             return t  # a view of a parameter (its transpose, say): no new memory
         seen[id(t)] = t
-        size = _nbytes(t)
+        # A view of a tensor already saved (``Flatten``'s output of a saved ``ReLU`` output,
+        # say) keeps no new memory: count each start in a storage once, its largest view.
+        where = (t.untyped_storage()._cdata, t.storage_offset())
+        size = max(_nbytes(t) - counted.get(where, 0), 0)
+        counted[where] = counted.get(where, 0) + size
         saved[state["region"]] += size
         if state["split"] is not None:
             state["sharded_saved"] += size
@@ -220,8 +246,16 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
                 (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None
             )
             inputs[p] = _nbytes(first) if first is not None else 0
+            entering[p] = first
 
-        def leave(*_: Any, last: bool = i == len(layer_paths) - 1) -> None:
+        def leave(
+            _m: nn.Module, _a: Any, out: Any, p: str = path, last: bool = i == len(layer_paths) - 1
+        ) -> None:
+            first = entering.pop(p, None)
+            if first is not None and first.requires_grad:
+                out = next(iter(pytree.tree_leaves(out)), None)
+                view = isinstance(out, torch.Tensor) and _same_storage(out, first)
+                grads[p] = 0 if view else _nbytes(first)
             if last:
                 state["region"] = "<post>"
 
@@ -243,7 +277,7 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
         handles.append(module.register_forward_hook(end))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = _loss_of(_call(model, meta, _to_meta(example_batch)))
+            loss = _loss_of(_call(model, meta, batch))
         loss.backward()
     finally:
         for h in handles:
@@ -274,10 +308,11 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
         megatron_sharded_saved_bytes=state["sharded_saved"],
         pre=LayerFacts("<pre>", total - in_layers - post_bytes, saved["<pre>"], 0),
         layers=tuple(
-            LayerFacts(p, b, saved[p], inputs[p])
+            LayerFacts(p, b, saved[p], inputs[p], grads[p])
             for p, b in zip(layer_paths, layer_bytes, strict=True)
         ),
         post=LayerFacts("<post>", post_bytes, saved["<post>"], 0),
         layers_are_sequential=sequential,
         child_bytes=tuple(b for b in units if b),
+        batch_bytes=sum(_nbytes(v) for v in batch_tensors),
     )
