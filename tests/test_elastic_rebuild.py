@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from cluster_utils import WORKERS, Process, child_env, free_ports
 from stratagem.cluster import TorchrunClusterResolver
+from stratagem.comm.binding import TRANSPORT_INTERFACE_VARIABLES
 from stratagem.comm.elastic_member import admit, continue_without, ranks_after_loss
 from stratagem.comm.liveness import probe
 from stratagem.comm.process_group import GroupCommunicator, ProcessGroupCommunicator, Timeouts
@@ -204,8 +205,12 @@ def test_a_member_rebuilds_to_its_rank_after_a_loss_or_an_admission():
 
 @contextmanager
 def lone_worker(monkeypatch, elastic: str = "1") -> Iterator[ProcessGroupCommunicator]:
-    """A job of one process that hosts its own store (elastic or not)."""
+    """A job of one process that hosts its own store (elastic or not). It pins gloo's
+    interfaces in this process's environment, which every later test's children would inherit
+    (loopback: the network-namespace jobs could not reach each other): restored after."""
     monkeypatch.setenv("STRATAGEM_ELASTIC", elastic)
+    for variable in TRANSPORT_INTERFACE_VARIABLES:
+        monkeypatch.setenv(variable, "")  # set by the communicator; the original comes back
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     env["MASTER_PORT"] = str(free_ports(1)[0])
     comm = ProcessGroupCommunicator(
