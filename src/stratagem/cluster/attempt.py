@@ -343,8 +343,7 @@ class Job:
         self.console = console or Console(sys.stdout, sys.stderr)
         self.interrupts = interrupts or Interrupts()
         self._running: list[_Running] = []
-        self._first_failure: _Running | None = None
-        self._failures: list[_Running] = []  # in the order they happened
+        self._failures: list[_Running] = []  # in the order they happened; the first decides
         self._stopped = False
         # Whether the job has a chief, perhaps on another node of a multi-node job: then no
         # worker here is the chief, whatever this launcher's own tasks are.
@@ -533,7 +532,6 @@ class Job:
                 self._lost.append(r)
             elif r.status != 0:
                 self.console.log(f"{r.task.name} failed: {describe_status(r.status)}")
-                self._first_failure = self._first_failure or r
                 self._failures.append(r)
             else:
                 self.console.log(f"{r.task.name} exited 0")
@@ -547,8 +545,6 @@ class Job:
             if r.task is task:
                 self._failures.remove(r)
                 self._lost.append(r)
-                if self._first_failure is r:
-                    self._first_failure = self._failures[0] if self._failures else None
 
     def pids(self) -> list[int]:
         """The tasks' process ids, in the order of ``tasks``."""
@@ -597,7 +593,7 @@ class Job:
         )
 
     def _decide(self) -> Outcome | None:
-        failed = self._first_failure
+        failed = self._failures[0] if self._failures else None
         if failed is not None:
             assert failed.status is not None
             reason = f"{failed.task.name} failed: {describe_status(failed.status)}"

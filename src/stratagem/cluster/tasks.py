@@ -127,21 +127,27 @@ class WorkerRange:
         return f"{self.minimum}:{self.maximum}"
 
 
-def task_env(
-    base: Mapping[str, str], tf_config: str, restart: int, omp_threads: int | None
-) -> dict[str, str]:
-    """The environment of one task: ``base`` without conflicting launcher variables, plus ours."""
+def launched_env(base: Mapping[str, str]) -> dict[str, str]:
+    """What a process the launcher starts inherits: ``base`` without conflicting launcher
+    variables (an enclosing torchrun's, an outer stratagem's), plus the launcher's own marks."""
     env = {
         key: value
         for key, value in base.items()
         if key not in CONFLICTING_ENV and not key.startswith(CONFLICTING_ENV_PREFIXES)
     }
     env.update(
-        TF_CONFIG=tf_config,
         PYTHONUNBUFFERED="1",  # lines reach the launcher when printed, not when a buffer fills
-        STRATAGEM_RESTART_COUNT=str(restart),
         STRATAGEM_LAUNCHER="1",
     )
+    return env
+
+
+def task_env(
+    base: Mapping[str, str], tf_config: str, restart: int, omp_threads: int | None
+) -> dict[str, str]:
+    """The environment of one task: ``launched_env(base)`` with its TF_CONFIG and attempt."""
+    env = launched_env(base)
+    env.update(TF_CONFIG=tf_config, STRATAGEM_RESTART_COUNT=str(restart))
     if omp_threads is not None:
         env["OMP_NUM_THREADS"] = str(omp_threads)
     return env

@@ -41,14 +41,7 @@ from stratagem.cluster.attempt import (
     exit_code_of,
 )
 from stratagem.cluster.job_secret import SECRET_VARIABLE, job_secret, new_secret
-from stratagem.cluster.tasks import (
-    CONFLICTING_ENV,
-    CONFLICTING_ENV_PREFIXES,
-    Task,
-    WorkerRange,
-    free_ports,
-    plural,
-)
+from stratagem.cluster.tasks import Task, WorkerRange, free_ports, launched_env, plural
 from stratagem.cluster.torchrun import ELASTIC_CHANGE_VARIABLE, ELASTIC_ROUND_VARIABLE
 from stratagem.comm.elastic_member import RoundDecision, all_in_place, post_decision
 from stratagem.comm.process_group import ELASTIC_VARIABLE
@@ -114,14 +107,8 @@ class StratagemAgent(SimpleElasticAgent):
 
     def _worker_env(self, worker_group: WorkerGroup, worker: Any) -> dict[str, str]:
         spec = worker_group.spec
-        env = {
-            key: value
-            for key, value in self.base_env.items()
-            if key not in CONFLICTING_ENV and not key.startswith(CONFLICTING_ENV_PREFIXES)
-        }
+        env = launched_env(self.base_env)
         env.update(
-            PYTHONUNBUFFERED="1",
-            STRATAGEM_LAUNCHER="1",
             LOCAL_RANK=str(worker.local_rank),
             RANK=str(worker.global_rank),
             GROUP_RANK=str(worker_group.group_rank),
@@ -243,7 +230,8 @@ class StratagemAgent(SimpleElasticAgent):
             before = list(self._members)
             self._next_round("a node asks to join")
             joined = [m for m in self._members if m not in before]
-            count = f"{len(self._members)} of {self.nodes.maximum if self.nodes else 1} nodes"
+            assert self.nodes is not None  # asked only in a job over several nodes
+            count = f"{len(self._members)} of {self.nodes.maximum} nodes"
             self._change = (
                 f"{', '.join(joined)} admitted: {count}"
                 if joined
