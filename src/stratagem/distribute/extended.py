@@ -174,11 +174,11 @@ class StrategyExtended(ABC):
         processes, which resume from the newest checkpoint."""
         return False
 
-    def rejoin(self, state: Sequence[torch.Tensor], committed: int) -> tuple[str, int]:
+    def rejoin(self, state: Sequence[torch.Tensor], committed: int) -> str:
         """After ``MembershipChanged`` (a peer lost), for a strategy that ``offer_in_place``:
         the agent's word, the group rebuilt in place without the lost, and every survivor given
         the newest ``state`` (from the one that committed the most steps, ``committed`` here).
-        Returns (what happened, the steps the newest holder had committed)."""
+        Returns what happened, in words."""
         raise NotImplementedError(f"{type(self).__name__} does not rebuild in place")
 
     def barrier(self, what: str) -> None:

@@ -97,6 +97,12 @@ class MultiWorkerMirroredStrategy(Strategy):
         )
 
 
+def _straggler_watch(comm: Communicator) -> StragglerWatch | None:
+    """The straggler watch of a world (``comm.stragglers``): none in a world of one or with
+    ``STRATAGEM_STRAGGLERS=0``."""
+    return StragglerWatch(comm) if comm.world_size > 1 and stragglers_enabled() else None
+
+
 class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
     """One replica per process; gradients all-reduced in buckets during backward."""
 
@@ -160,9 +166,7 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
         )
         self._previous_ddp_module: object = None
         # Each run that synchronised the workers is a step the straggler watch times.
-        self._stragglers = (
-            StragglerWatch(comm) if comm.world_size > 1 and stragglers_enabled() else None
-        )
+        self._stragglers = _straggler_watch(comm)
         self._collectives_before_run = 0
 
     @property
@@ -224,7 +228,7 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
         return True
 
     @override
-    def rejoin(self, state: Sequence[torch.Tensor], committed: int) -> tuple[str, int]:
+    def rejoin(self, state: Sequence[torch.Tensor], committed: int) -> str:
         comm = self._comm
         assert isinstance(comm, ProcessGroupCommunicator)
         decision = await_decision(
@@ -233,9 +237,7 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
         continue_without(comm, round=decision.round, lost=decision.lost)
         offer_in_place(comm.job_store, round=comm.round, rank=comm.rank)  # for the next change
         self._reducer.forget_step()
-        self._stragglers = (
-            StragglerWatch(comm) if comm.world_size > 1 and stragglers_enabled() else None
-        )
+        self._stragglers = _straggler_watch(comm)  # the new world's figures
         # The commit point is the optimizer step after the all-reduce: a survivor may have
         # committed the step the others failed in. The one with the most steps holds the
         # newest state, and every other takes it.
@@ -251,7 +253,7 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
             with torch.no_grad():
                 for tensor in state:
                     comm.broadcast(tensor, holder, what="the newest state, from its holder")
-        return decision.why, newest
+        return decision.why
 
     @override
     def defer_gradient_reduction(self, defer: bool) -> None:

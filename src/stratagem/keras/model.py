@@ -617,7 +617,7 @@ class Model(Portable):
         )
         state = [where, *self.module.parameters(), *self.module.buffers()]
         state += optimizer_state_tensors(self.optimizer.torch_optimizer)
-        why, _ = self.distribute_strategy.extended.rejoin(state, committed)
+        why = self.distribute_strategy.extended.rejoin(state, committed)
         seed, pass_index, batch, step, committed = (int(v) for v in where)
         self.optimizer.iterations = committed
         self._fit_data.seek(DataPosition(seed, pass_index, batch))
