@@ -60,7 +60,6 @@ class ModelFacts:
     buffer_bytes: int
     activation_bytes: int
     largest_param_bytes: int  # the largest single parameter (an optimizer's temporaries)
-    largest_unit_bytes: int  # the largest FSDP unit: a top-level child holding parameters
     megatron_bytes: int  # parameters of the projections Megatron splits
     megatron_allreduce_bytes: int  # outputs of the row-wise projections (one step, forward)
     megatron_sharded_saved_bytes: int  # activations saved between and in split projections
@@ -95,7 +94,6 @@ class ModelFacts:
             activation_bytes=int(self.activation_bytes * batch),
             batch_bytes=int(self.batch_bytes * batch),
             largest_param_bytes=int(self.largest_param_bytes * width),
-            largest_unit_bytes=int(self.largest_unit_bytes * width),
             megatron_bytes=int(self.megatron_bytes * width),
             megatron_allreduce_bytes=int(self.megatron_allreduce_bytes * batch),
             megatron_sharded_saved_bytes=int(self.megatron_sharded_saved_bytes * batch),
@@ -302,7 +300,6 @@ def trace_model(model: nn.Module, example_batch: Any) -> ModelFacts:
         buffer_bytes=sum(_nbytes(b) for b in buffers.values()),
         activation_bytes=sum(saved.values()),
         largest_param_bytes=max((_nbytes(p) for p in params.values()), default=0),
-        largest_unit_bytes=max([*units, total - sum(units)], default=0),
         megatron_bytes=owned(list(megatron)),
         megatron_allreduce_bytes=state["allreduce"],
         megatron_sharded_saved_bytes=state["sharded_saved"],
