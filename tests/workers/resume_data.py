@@ -61,6 +61,14 @@ def custom_loop(strategy, phase: str, path: str) -> Ledgered:
     if phase == "second":
         checkpoint.restore(path)
 
+    train_steps(strategy, model, optimizer, iterator, step, checkpoint, phase, path)
+    return model
+
+
+def train_steps(strategy, model, optimizer, iterator, step, checkpoint, phase, path) -> None:
+    """The custom loop's steps over ``iterator`` (``step`` counted in place); ``first`` writes
+    ``checkpoint`` at ``path`` after STOP steps and stops there."""
+
     def train(batch):
         features, labels = batch
         per_example = torch.nn.functional.cross_entropy(model(features), labels, reduction="none")
@@ -75,7 +83,6 @@ def custom_loop(strategy, phase: str, path: str) -> Ledgered:
         if phase == "first" and int(step) == STOP:
             checkpoint.write(path)
             break
-    return model
 
 
 def uninterrupted() -> tuple[list[list[int]], dict[str, torch.Tensor]]:

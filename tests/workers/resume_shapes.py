@@ -19,13 +19,12 @@ first also writes the pipeline's own stage files, which the second restores or r
 import sys
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import stratagem as sg
 from stratagem import dtensor
 from workers.common import build_model
-from workers.resume_data import STOP, Ledgered, dataset
+from workers.resume_data import STOP, Ledgered, dataset, train_steps
 
 U = dtensor.UNSHARDED
 
@@ -70,21 +69,7 @@ def mesh_loop(phase: str, batch: int, model_dim: int) -> dict:
         return {"error": None}
     if phase == "second":
         checkpoint.restore(path)
-
-    def train(batch):
-        features, labels = batch
-        per_example = F.cross_entropy(model(features), labels, reduction="none")
-        loss = sg.nn.compute_average_loss(per_example)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-    for batch in iterator:
-        strategy.run(train, args=(batch,))
-        step += 1
-        if phase == "first" and int(step) == STOP:
-            checkpoint.write(path)
-            break
+    train_steps(strategy, model, optimizer, iterator, step, checkpoint, phase, path)
     final = {k: v.full_tensor() for k, v in model.net.state_dict().items()}
     local = {k: list(v.to_local().shape) for k, v in model.net.state_dict().items()}
     return {
