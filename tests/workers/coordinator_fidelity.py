@@ -640,6 +640,19 @@ def applied() -> int:
     return sum(s["applied"] for s in strategy.ps_stats())
 
 
+def fit_model() -> sg.keras.Model:
+    """The coordinated fits' model, seeded and compiled in the strategy's scope."""
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = sg.keras.Model(torch.nn.Linear(2, 2))
+        model.compile(
+            sg.keras.optimizers.SGD(0.1),
+            loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=2,
+        )
+    return model
+
+
 def keras_fit():
     """Model.fit under the coordinator on a dataset, as TF's tutorial passes it (and on a
     DatasetCreator, as its older version did): how many epochs and steps, how many gradients
@@ -647,14 +660,7 @@ def keras_fit():
     result = {}
     creator = sg.keras.utils.experimental.DatasetCreator(fit_data)
     for name, data in (("dataset", fit_data().prefetch(2)), ("creator", creator)):
-        torch.manual_seed(0)
-        with strategy.scope():
-            model = sg.keras.Model(torch.nn.Linear(2, 2))
-            model.compile(
-                sg.keras.optimizers.SGD(0.1),
-                loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                steps_per_execution=2,
-            )
+        model = fit_model()
         before = {k: v.tolist() for k, v in model.module.state_dict().items()}
         applied_before = applied()
         history = model.fit(data, epochs=2, steps_per_epoch=4, verbose=0)
@@ -672,14 +678,7 @@ def backup_and_restore():
     """TF's tutorial passes BackupAndRestore to a coordinated fit: a fit interrupted after its
     second epoch's backup, then run again, goes on from the third epoch (the epoch, the
     optimizer's step count and the weights from the backup), and the backup goes at its end."""
-    torch.manual_seed(0)
-    with strategy.scope():
-        model = sg.keras.Model(torch.nn.Linear(2, 2))
-        model.compile(
-            sg.keras.optimizers.SGD(0.1),
-            loss=sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            steps_per_execution=2,
-        )
+    model = fit_model()
     epochs: list[int] = []
 
     class Watch(sg.keras.callbacks.Callback):
