@@ -81,9 +81,10 @@ def _arrays_fit() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
 
 
-def _check_exact(tmp_path, output: str, arrays: bool = False) -> list[int]:
+def _check_exact(tmp_path, output: str, arrays: bool = False, loop: bool = False) -> list[int]:
     """The job's steps are the uninterrupted run's global batches, each once, and its weights
-    the uninterrupted run's; returns the world size of each step."""
+    the uninterrupted run's (``fit``'s, on arrays with ``arrays``, the custom loop's with
+    ``loop``); returns the world size of each step."""
     batches = _in_order() if arrays else uninterrupted()[0]
     assert Counter(i for b in batches for i in b) == {i: EPOCHS for i in range(EXAMPLES)}
     steps = _ledger(tmp_path)
@@ -98,7 +99,8 @@ def _check_exact(tmp_path, output: str, arrays: bool = False) -> list[int]:
         assert ids == batches[step], f"step {step} trained on other examples"
         worlds.append(world)
     final = torch.load(tmp_path / "final.pt", weights_only=True)
-    for name, value in (_arrays_fit() if arrays else uninterrupted_fit()).items():
+    reference = _arrays_fit() if arrays else uninterrupted()[1] if loop else uninterrupted_fit()
+    for name, value in reference.items():
         torch.testing.assert_close(final[name], value, rtol=1e-6, atol=1e-7, msg=name)
     return worlds
 
@@ -153,6 +155,22 @@ def test_survivors_go_on_in_their_own_processes_down_to_one(tmp_path):
         said = f"continued with {left} of {before} workers; worker {lost} lost: {KILL} (in place)"
         assert f"[stratagem] {said}\n" in out, out
         assert f"[worker 0] {said}: went on in place at step {step % 10}\n" in out, out
+
+
+def test_a_custom_loop_resumes_from_its_newest_checkpoint_with_the_workers_left(tmp_path):
+    """``-n 2:3``, a custom loop (``PreemptionCheckpointHandler`` over a ``CheckpointManager``
+    saving model, optimizer, distributed iterator and step after every step): a worker killed
+    at a random step (seed 5); the two left are started again, restore the newest checkpoint and
+    train on the global batches cut for two. Ends exact: every global batch once, the weights
+    of one process on the global batches; the new chief says where it resumed."""
+    rng = random.Random(5)
+    rank, step = rng.randrange(3), rng.randrange(1, STEPS - 1)
+    result = _launch(tmp_path, ["-n", "2:3"], [(0, rank, step, "kill")], "loop")
+    out = result.stdout
+    assert result.returncode == 0, out
+    assert _check_exact(tmp_path, out, loop=True) == [3] * step + [2] * (STEPS - step)
+    lost = f"continued with 2 of 3 workers; worker {rank} lost: {KILL}"
+    assert f"[worker 0] {lost}: resumed at step {step} from ckpt-{step}\n" in out, out
 
 
 def test_a_job_below_its_minimum_fails_naming_the_lost_worker(tmp_path):

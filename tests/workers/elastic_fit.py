@@ -8,7 +8,8 @@ there (``"hold"``).
 Each worker appends one line per committed step to ``ledger.jsonl``: round, world size, step,
 its rank, pid and the ids it trained on; the chief writes ``final.pt``. A second argument
 ``arrays``: fit on the same examples as arrays, in order, for 2 epochs (a fit on arrays goes on
-in place after a lost peer)."""
+in place after a lost peer); ``loop``: the exact-resume checks' custom loop under
+``PreemptionCheckpointHandler``, with a ``CheckpointManager`` save after every step."""
 
 import json
 import os
@@ -20,7 +21,7 @@ import time
 import torch
 
 import stratagem as sg
-from workers.resume_data import EPOCHS, GLOBAL_BATCH, Ledgered, dataset, examples
+from workers.resume_data import EPOCHS, GLOBAL_BATCH, Ledgered, dataset, examples, train_steps
 
 strategy = sg.distribute.MultiWorkerMirroredStrategy()
 comm = strategy.extended.communicator
@@ -49,32 +50,70 @@ class Ledger(sg.keras.callbacks.Callback):
     loss has written all it committed."""
 
     def on_train_batch_begin(self, batch, logs=None):
-        step = self.model.optimizer.iterations  # the job's step, over the epochs
-        what = event(step)
-        if what == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if what in ("wait", "hold"):
-            this_round, rank = where()
-            with open(f"at-{this_round}-{node or rank}", "w") as f:
-                f.write(str(os.getpid()))
-        if what == "wait":
-            threading.Event().wait()  # until the launcher stops this worker
-        while what == "hold" and not os.path.exists("go"):
-            time.sleep(0.05)  # the test writes it when the scenario's next act may begin
+        act(self.model.optimizer.iterations)  # the job's step, over the epochs
 
     def on_train_batch_end(self, batch, logs=None):
-        ids = self.model.module.seen[-1]
-        record = {
-            "round": where()[0],
-            "world": strategy.num_replicas_in_sync,
-            "step": self.model.optimizer.iterations - 1,  # the job's step, over the epochs
-            "rank": where()[1],
-            "pid": os.getpid(),
-            "ids": ids,
-        }
-        with open("ledger.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        strategy.extended.barrier("the ledger's line of a step")
+        # The job's step, over the epochs.
+        record(self.model.optimizer.iterations - 1, self.model.module.seen[-1])
+
+
+def act(step: int) -> None:
+    """The event planned for the start of ``step``, if any."""
+    what = event(step)
+    if what == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if what in ("wait", "hold"):
+        this_round, rank = where()
+        with open(f"at-{this_round}-{node or rank}", "w") as f:
+            f.write(str(os.getpid()))
+    if what == "wait":
+        threading.Event().wait()  # until the launcher stops this worker
+    while what == "hold" and not os.path.exists("go"):
+        time.sleep(0.05)  # the test writes it when the scenario's next act may begin
+
+
+def record(step: int, ids: list[int]) -> None:
+    """The ledger's line of a committed step, then a barrier (see ``Ledger``)."""
+    line = {
+        "round": where()[0],
+        "world": strategy.num_replicas_in_sync,
+        "step": step,
+        "rank": where()[1],
+        "pid": os.getpid(),
+        "ids": ids,
+    }
+    with open("ledger.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+    strategy.extended.barrier("the ledger's line of a step")
+
+
+def custom_loop() -> Ledgered:
+    """The exact-resume checks' custom loop: model, optimizer, distributed iterator and step
+    in a checkpoint saved after every step; the handler restores the newest when the job's
+    workers are started again after a change."""
+    torch.manual_seed(0)
+    with strategy.scope():
+        model = Ledgered()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    iterator = iter(strategy.experimental_distribute_dataset(dataset()))
+    step = torch.zeros((), dtype=torch.int64)
+    checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, iterator=iterator, step=step)
+    manager = sg.train.CheckpointManager(checkpoint, "checkpoints", 2, step_counter=step)
+    sg.train.PreemptionCheckpointHandler(strategy.cluster_resolver, manager)
+
+    def end(done: int) -> None:
+        manager.save()
+        record(done, model.seen[-1])
+
+    train_steps(strategy, model, optimizer, iterator, step, checkpoint, "loop", "", act, end)
+    return model
+
+
+if len(sys.argv) > 2 and sys.argv[2] == "loop":
+    trained = custom_loop()
+    if where()[1] == 0:
+        torch.save({k: v.detach().clone() for k, v in trained.net.state_dict().items()}, "final.pt")
+    sys.exit(0)
 
 
 torch.manual_seed(0)

@@ -65,9 +65,12 @@ def custom_loop(strategy, phase: str, path: str) -> Ledgered:
     return model
 
 
-def train_steps(strategy, model, optimizer, iterator, step, checkpoint, phase, path) -> None:
+def train_steps(
+    strategy, model, optimizer, iterator, step, checkpoint, phase, path, begin=None, end=None
+) -> None:
     """The custom loop's steps over ``iterator`` (``step`` counted in place); ``first`` writes
-    ``checkpoint`` at ``path`` after STOP steps and stops there."""
+    ``checkpoint`` at ``path`` after STOP steps and stops there. ``begin(step)`` and
+    ``end(step)``, if given, are called around each step (``step``: the step's number)."""
 
     def train(batch):
         features, labels = batch
@@ -78,8 +81,12 @@ def train_steps(strategy, model, optimizer, iterator, step, checkpoint, phase, p
         optimizer.step()
 
     for batch in iterator:
+        if begin is not None:
+            begin(int(step))
         strategy.run(train, args=(batch,))
         step += 1
+        if end is not None:
+            end(int(step) - 1)
         if phase == "first" and int(step) == STOP:
             checkpoint.write(path)
             break

@@ -558,3 +558,14 @@ def is_writer(checkpoint: Checkpoint) -> bool:
     """Whether this process writes ``checkpoint`` (the chief of the strategy of what it
     tracks); the others only read."""
     return checkpoint._extended().should_checkpoint
+
+
+def say_resumed(checkpoint: Checkpoint, path: str, step: torch.Tensor | None) -> None:
+    """After a restore at a job's start: the chief says where an elastic job resumed when its
+    workers changed (what the agent told it, then the checkpoint and step), as ``fit``'s
+    ``BackupAndRestore`` does for ``fit``; nothing otherwise."""
+    extended = checkpoint._extended()
+    change = extended.membership_change
+    if change and extended.should_checkpoint:
+        at = f"step {int(step)} " if step is not None else ""
+        print(f"{change}: resumed at {at}from {os.path.basename(path)}", flush=True)
