@@ -65,9 +65,13 @@ def _in_order() -> list[list[int]]:
     return one_pass * EPOCHS
 
 
-def _arrays_fit() -> dict[str, torch.Tensor]:
-    """One process, no strategy, never stopped: fit on the examples as arrays, in order."""
-    features, labels = zip(*examples())
+def _arrays_fit(order: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """One process, no strategy, never stopped: fit on the examples as arrays, in order for 2
+    epochs, or once through the examples of ``order`` (ids, in global batches of 12)."""
+    features, labels = (torch.stack(t) for t in zip(*examples()))
+    epochs = EPOCHS if order is None else 1
+    if order is not None:
+        features, labels = features[order], labels[order]
     torch.manual_seed(0)
     keras_model = sg.keras.Model(Ledgered())
     keras_model.compile(
@@ -75,10 +79,30 @@ def _arrays_fit() -> dict[str, torch.Tensor]:
         sg.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
     )
     keras_model.fit(
-        torch.stack(features), torch.stack(labels), batch_size=GLOBAL_BATCH, shuffle=False,
-        epochs=EPOCHS, verbose=0,
-    )  # fmt: skip
+        features, labels, batch_size=GLOBAL_BATCH, shuffle=False, epochs=epochs, verbose=0
+    )
     return {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
+
+
+def _check_replayed(tmp_path, output: str) -> list[int]:
+    """For a job whose shuffle the job seeds (another order each job): each pass of the
+    ledger holds every example once, and the weights are one process's fit on the global
+    batches in the ledger's order; returns the world size of each step."""
+    steps = _ledger(tmp_path)
+    assert sorted(steps) == list(range(STEPS)), output
+    order, worlds = [], []
+    for step, records in sorted(steps.items()):
+        (world,) = {r["world"] for r in records}
+        assert sorted(r["rank"] for r in records) == list(range(world)), (step, records)
+        order += [i for r in sorted(records, key=lambda r: r["rank"]) for i in r["ids"]]
+        worlds.append(world)
+    one_pass = len(order) // EPOCHS
+    for i in range(EPOCHS):
+        assert sorted(order[i * one_pass : (i + 1) * one_pass]) == list(range(EXAMPLES)), order
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for name, value in _arrays_fit(order).items():
+        torch.testing.assert_close(final[name], value, rtol=1e-6, atol=1e-7, msg=name)
+    return worlds
 
 
 def _check_exact(tmp_path, output: str, arrays: bool = False, loop: bool = False) -> list[int]:
@@ -115,8 +139,9 @@ def _kills(seed: int, count: int) -> list[tuple[int, int, int, str]]:
 
 def test_lost_workers_are_started_again_then_the_job_goes_on_with_those_left(tmp_path):
     """``-n 2:3 --max-restarts 4``, five workers killed at random steps (seed 3): the first four
-    are started again (each admitted: the job trains on with 3), the fifth is not (no restart
-    left): the job finishes with 2, exact, and says what happened where it resumed."""
+    are started again (each admitted: the job trains on with 3, every worker a new process
+    resuming from the newest backup), the fifth is not (no restart left: the two left go on in
+    place): the job finishes with 2, exact, and says what happened where it resumed."""
     kills = _kills(3, 5)
     result = _launch(tmp_path, ["-n", "2:3", "--max-restarts", "4"], kills)
     assert result.returncode == 0, result.stdout
@@ -124,28 +149,39 @@ def test_lost_workers_are_started_again_then_the_job_goes_on_with_those_left(tmp
     last = kills[-1][2]
     assert worlds == [3] * last + [2] * (STEPS - last), (kills, worlds)
     out = result.stdout
-    for i, (_, rank, _, _) in enumerate(kills[:-1]):
+    # The new rounds' chiefs say where each resumed: after the last backup.
+    for i, (_, rank, step, _) in enumerate(kills[:-1]):
         said = f"worker {rank} lost: {KILL}; started again with 3 workers (restart {i + 1} of 4)"
-        assert said in out, out
-    lost = f"continued with 2 of 3 workers; worker {kills[-1][1]} lost: {KILL}"
+        assert f"[worker 0] {said}: resumed at epoch 1, step {step}\n" in out, out
+    # No restart left: the two left go on in their own processes, from the step they were in.
+    lost = f"continued with 2 of 3 workers; worker {kills[-1][1]} lost: {KILL} (in place)"
     assert f"[stratagem] {lost}\n" in out, out
-    # The new round's chief says it where the job resumed: after the last backup.
-    assert f"[worker 0] {lost}: resumed at epoch 1, step {last}\n" in out, out
+    chief = min({0, 1, 2} - {kills[-1][1]})  # the survivors' new rank 0
+    assert f"[worker {chief}] {lost}: went on in place at step {last}\n" in out, out
     assert "[stratagem] job finished: 2 workers exited 0" in out, out
 
 
-def test_survivors_go_on_in_their_own_processes_down_to_one(tmp_path):
-    """``-n 1:3``, ``fit`` on arrays: worker 2 killed at a random step, then (in the next round)
-    worker 1 at a later one (seed 11). Each time the workers left go on in their own processes
-    (the group rebuilt in place, the step they were in redone on the global batch cut for
-    them), no process started; the job ends exact, with the uninterrupted run's weights."""
+@pytest.mark.parametrize("data", ["arrays", "unseeded"])
+def test_survivors_go_on_in_their_own_processes_down_to_one(tmp_path, data):
+    """``-n 1:3``, ``fit`` on arrays (2 epochs of 10 steps) or on the checks' ``sg.data``
+    pipeline with its shuffle seeded by the job (shuffle, map, batch, repeat, prefetch: one
+    pass of 20 steps): worker 2 killed at a random step, then (in the next round) worker 1 at a
+    later one (seed 11). Each time the workers left go on in their own processes (the group
+    rebuilt in place, the step they were in redone on the global batch cut for them, the
+    dataset's iterator back at that step's start: counting batches again would not do, the
+    group's new shuffle seed would reorder the rest), no process started; the job ends exact:
+    the uninterrupted run's weights (arrays), or each pass's examples once and one process's
+    weights on the ledger's order (the pipeline)."""
     rng = random.Random(11)
     first, second = sorted(rng.sample(range(1, STEPS - 1), 2))
     kills = [(0, 2, first, "kill"), (1, 1, second, "kill")]
-    result = _launch(tmp_path, ["-n", "1:3"], kills, "arrays")
+    result = _launch(tmp_path, ["-n", "1:3"], kills, data)
     out = result.stdout
     assert result.returncode == 0, out
-    worlds = _check_exact(tmp_path, out, arrays=True)
+    if data == "arrays":
+        worlds = _check_exact(tmp_path, out, arrays=True)
+    else:
+        worlds = _check_replayed(tmp_path, out)
     assert worlds == [3] * first + [2] * (second - first) + [1] * (STEPS - second), worlds
     lines = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
     pids = {world: {r["pid"] for r in lines if r["world"] == world} for world in (3, 2, 1)}
@@ -154,7 +190,8 @@ def test_survivors_go_on_in_their_own_processes_down_to_one(tmp_path):
     for lost, left, before, step in ((2, 2, 3, first), (1, 1, 2, second)):
         said = f"continued with {left} of {before} workers; worker {lost} lost: {KILL} (in place)"
         assert f"[stratagem] {said}\n" in out, out
-        assert f"[worker 0] {said}: went on in place at step {step % 10}\n" in out, out
+        in_epoch = step % 10 if data == "arrays" else step
+        assert f"[worker 0] {said}: went on in place at step {in_epoch}\n" in out, out
 
 
 def test_a_custom_loop_resumes_from_its_newest_checkpoint_with_the_workers_left(tmp_path):

@@ -7,9 +7,10 @@ the worker of rank ``who`` (or on node ``who``: ``$TEST_NODE``) in that round
 there (``"hold"``).
 Each worker appends one line per committed step to ``ledger.jsonl``: round, world size, step,
 its rank, pid and the ids it trained on; the chief writes ``final.pt``. A second argument
-``arrays``: fit on the same examples as arrays, in order, for 2 epochs (a fit on arrays goes on
-in place after a lost peer); ``loop``: the exact-resume checks' custom loop under
-``PreemptionCheckpointHandler``, with a ``CheckpointManager`` save after every step."""
+``arrays``: fit on the same examples as arrays, in order, for 2 epochs; ``unseeded``: fit on
+the pipeline with its shuffle seeded by the job (another order in each job); ``loop``: the
+exact-resume checks' custom loop under ``PreemptionCheckpointHandler``, with a
+``CheckpointManager`` save after every step."""
 
 import json
 import os
@@ -130,8 +131,9 @@ if len(sys.argv) > 2 and sys.argv[2] == "arrays":  # the same examples, as array
         torch.stack(features), torch.stack(labels), batch_size=GLOBAL_BATCH, shuffle=False,
         epochs=EPOCHS, verbose=0, callbacks=callbacks,
     )  # fmt: skip
-else:
-    keras_model.fit(dataset(), epochs=1, verbose=0, callbacks=callbacks)
+else:  # the checks' pipeline; "unseeded": its shuffle seeded by the job
+    seed = None if len(sys.argv) > 2 and sys.argv[2] == "unseeded" else 7
+    keras_model.fit(dataset(seed), epochs=1, verbose=0, callbacks=callbacks)
 if where()[1] == 0:
     final = {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
     torch.save(final, "final.pt")

@@ -23,12 +23,12 @@ def examples() -> sg.data.Dataset:
     return sg.data.Dataset.from_tensor_slices((torch.cat([x, ids], 1), y))
 
 
-def dataset() -> sg.data.Dataset:
+def dataset(seed: int | None = 7) -> sg.data.Dataset:
     """Examples whose last feature is their id, through a streaming shuffle (a buffer of 37 of
-    120), map, batch, repeat and prefetch: 20 global batches of 12."""
-    return (
-        examples().shuffle(37, seed=7).map(_mapped).batch(GLOBAL_BATCH).repeat(EPOCHS).prefetch(2)
-    )
+    120; ``seed=None``: the job's seed, another in each job), map, batch, repeat and prefetch:
+    20 global batches of 12."""
+    shuffled = examples().shuffle(37, seed=seed)
+    return shuffled.map(_mapped).batch(GLOBAL_BATCH).repeat(EPOCHS).prefetch(2)
 
 
 class Ledgered(torch.nn.Module):

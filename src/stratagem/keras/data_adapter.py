@@ -165,13 +165,14 @@ class FitData:
         self._source = x
         self._examples: sg_data.Dataset | None = None
         self._distributed: Iterable[Any] | None = None
+        self._batches: Iterable[Any] | None = None  # the user's global batches (not arrays)
         if _is_arrays(x):
             self._batch_size = _check_batch_size(batch_size)
             self._examples, n = _examples(x, y)
             self.steps: int | None = math.ceil(n / self._batch_size)
         else:
-            batches, self.steps = global_batches(x, y, batch_size, what="fit")
-            self._distributed = strategy.experimental_distribute_dataset(batches)
+            self._batches, self.steps = global_batches(x, y, batch_size, what="fit")
+            self._distributed = strategy.experimental_distribute_dataset(self._batches)
         self._shuffle = shuffle and self._examples is not None
         seed = torch.randint(0, 1 << 62, (1,), dtype=torch.int64) if self._shuffle else None
         if seed is not None and strategy.extended.communicator.world_size > 1:
@@ -183,9 +184,21 @@ class FitData:
         self._ended: Iterator[Any] | None = None  # the last pass's iterator, once it ended
 
     @property
-    def positioned_by_numbers(self) -> bool:
-        """Whether ``position`` alone says where the fit is (arrays), with no iterator state."""
-        return self._examples is not None
+    def restores_anywhere(self) -> bool:
+        """Whether the fit's position restores on any number of workers: arrays (``position``
+        says it all) or an ``sg.data.Dataset`` that every worker reads as one global stream
+        (its iterator's state is the job's)."""
+        if self._examples is not None:
+            return True
+        return isinstance(self._source, sg_data.Dataset) and bool(
+            getattr(self._distributed, "reads_one_stream", False)
+        )
+
+    def regroup(self) -> None:
+        """After the job's workers changed in place: the user's dataset distributed again,
+        over the workers now in the group (arrays are distributed anew as each pass opens)."""
+        if self._examples is None:
+            self._distributed = self._strategy.experimental_distribute_dataset(self._batches)
 
     def seek(self, position: DataPosition, iterator_state: dict[str, Any] | None = None) -> None:
         """Go on from ``position`` (a saved one) at the next ``next_batch``; for an

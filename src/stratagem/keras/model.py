@@ -14,6 +14,7 @@ The pieces that stand alone live beside it (``data_adapter``, ``pipeline_steps``
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import warnings
@@ -62,6 +63,18 @@ if TYPE_CHECKING:
     from stratagem.keras.pipeline_steps import KerasPipeline
 
 Logs = dict[str, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class InPlaceStart:
+    """Where an execution of ``fit``'s steps started: what going on in place after a lost
+    peer goes back to (the data's position and iterator state, the optimizer's steps, the
+    epoch's step)."""
+
+    position: DataPosition
+    iterator_state: dict[str, Any] | None
+    iterations: int
+    step: int
 
 
 class Model(Portable):
@@ -565,13 +578,13 @@ class Model(Portable):
                 limit = self.steps_per_execution
                 if steps_per_epoch is not None:
                     limit = min(limit, steps_per_epoch - step)
-                before = (self._fit_data.position, self.optimizer.iterations, step)
+                before = self._before_step(in_place, step)
                 try:
                     done, ended = runner.train(step, limit, steps_per_epoch is None, cbs)
                 except MembershipChanged:
                     if not in_place:
                         raise
-                    step = self._go_on_in_place(*before)
+                    step = self._go_on_in_place(before)
                     continue
                 if done:
                     step += done
@@ -593,9 +606,10 @@ class Model(Portable):
     def _offers_in_place(self, data: object) -> bool:
         """Whether this fit goes on in its own process when a peer of an elastic job is lost:
         where the strategy can (every worker holding the whole state) and the fit's position
-        is plain numbers (arrays: a redone step is the same global batch, cut for the workers
-        left), one optimizer step a batch."""
-        if not isinstance(data, FitData) or not data.positioned_by_numbers:
+        restores on any number of workers (arrays, or a dataset read as one global stream: a
+        redone step is the same global batch, cut for the workers left), one optimizer step a
+        batch."""
+        if not isinstance(data, FitData) or not data.restores_anywhere:
             return False
         if self.optimizer is None:
             return False
@@ -603,24 +617,33 @@ class Model(Portable):
             return False
         return self.distribute_strategy.extended.offer_in_place()
 
-    def _go_on_in_place(self, position: DataPosition, iterations: int, step: int) -> int:
-        """After a lost peer, within a step: the group rebuilt without it, the newest state
-        everywhere, and the data at the step's start again, cut for the workers left (or after
-        it, where the newest holder committed it). The step to go on from."""
-        assert self.optimizer is not None and self._fit_data is not None
-        committed = self.optimizer.iterations
-        if committed > iterations:  # this worker committed the step: go on after it
-            position, step = self._fit_data.position, step + 1
-        where = torch.tensor(
-            [position.seed, position.pass_index, position.batch, step, committed],
-            dtype=torch.int64,
-        )
-        state = [where, *self.module.parameters(), *self.module.buffers()]
+    def _before_step(self, in_place: bool, step: int) -> InPlaceStart | None:
+        """Where an execution of steps starts, if this fit goes on in place after a loss:
+        kept until the next (plain numbers, and a dataset iterator's state, references to
+        its buffers: no copy of the model)."""
+        if not in_place:
+            return None
+        assert self._fit_data is not None and self.optimizer is not None
+        data = self._fit_data
+        return InPlaceStart(data.position, data.iterator_state(), self.optimizer.iterations, step)
+
+    def _go_on_in_place(self, start: InPlaceStart | None) -> int:
+        """After a lost peer, within an execution of steps: the group rebuilt without it, the
+        newest state everywhere (from the survivor that committed the most steps), and the
+        data at the execution's start again, then past the steps that survivor committed: the
+        workers were in step at the start, so each skips as many. The step to go on from."""
+        assert start is not None and self.optimizer is not None and self._fit_data is not None
+        newest = torch.tensor([self.optimizer.iterations], dtype=torch.int64)
+        state = [newest, *self.module.parameters(), *self.module.buffers()]
         state += optimizer_state_tensors(self.optimizer.torch_optimizer)
-        why = self.distribute_strategy.extended.rejoin(state, committed)
-        seed, pass_index, batch, step, committed = (int(v) for v in where)
-        self.optimizer.iterations = committed
-        self._fit_data.seek(DataPosition(seed, pass_index, batch))
+        why = self.distribute_strategy.extended.rejoin(state, self.optimizer.iterations)
+        done = int(newest) - start.iterations  # steps of the execution the newest committed
+        self.optimizer.iterations = int(newest)
+        self._fit_data.regroup()
+        self._fit_data.seek(start.position, start.iterator_state)
+        for _ in range(done):
+            self._fit_data.next_batch()
+        step = start.step + done
         if self.distribute_strategy.extended.should_save_summary:
             print(f"{why}: went on in place at step {step}", flush=True)
         return step

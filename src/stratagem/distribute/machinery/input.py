@@ -505,6 +505,12 @@ class DistributedDataset:
         self._dataset = dataset
 
     @property
+    def reads_one_stream(self) -> bool:
+        """Whether every worker reads the same global batches (AUTO, DATA): then its
+        iterators' position is the job's and restores on any number of workers."""
+        return not self._own_stream
+
+    @property
     def auto_shard_policy(self) -> sg_data.AutoShardPolicy:
         """The policy in effect across workers (the dataset's option; AUTO for non-sg.data)."""
         return self._policy
