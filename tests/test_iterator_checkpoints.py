@@ -130,7 +130,11 @@ def test_a_generator_source_is_a_named_error_at_save():
     def numbers():
         yield from range(5)
 
-    iterator = iter(D.from_generator(numbers, output_types=torch.int64).batch(2))
+    generated = D.from_generator(numbers, output_types=torch.int64).batch(2)
+    # What the pipeline says of itself (an elastic fit asks it) is what a save finds.
+    assert not generated.position_saveable()
+    assert D.range(5).shuffle(3).map(lambda v: v).batch(2).prefetch(1).position_saveable()
+    iterator = iter(generated)
     next(iterator)
     with pytest.raises(sg.errors.InputError, match=r"from_generator\(numbers\).*cannot be saved"):
         iterator.state_dict()

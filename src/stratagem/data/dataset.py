@@ -528,6 +528,12 @@ class Dataset:
         assert isinstance(dataset, Dataset)
         return dataset
 
+    def position_saveable(self) -> bool:
+        """Whether an iterator's position over this pipeline can be saved: no ``from_generator``
+        source, which refuses as TF refuses a ``py_function`` source (an ``interleave``'s
+        datasets are made as it runs: an iterator's ``state_dict`` says for those)."""
+        return not any(isinstance(s, Generated) for s in self._node.stages())
+
     def has_shard_hints(self) -> bool:
         """Whether the pipeline holds ``shard(SHARD_HINT, SHARD_HINT)`` placeholders."""
         return any(isinstance(s, ShardNode) and s.is_hint for s in self._node.stages())

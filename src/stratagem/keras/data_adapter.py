@@ -190,8 +190,10 @@ class FitData:
         (its iterator's state is the job's)."""
         if self._examples is not None:
             return True
-        return isinstance(self._source, sg_data.Dataset) and bool(
-            getattr(self._distributed, "reads_one_stream", False)
+        return (
+            isinstance(self._source, sg_data.Dataset)
+            and self._source.position_saveable()
+            and bool(getattr(self._distributed, "reads_one_stream", False))
         )
 
     def regroup(self) -> None:

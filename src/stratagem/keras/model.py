@@ -34,7 +34,7 @@ from stratagem.distribute import (
     has_strategy,
     owner_of,
 )
-from stratagem.errors import MembershipChanged
+from stratagem.errors import InputError, MembershipChanged
 from stratagem.keras import callbacks as callbacks_module
 from stratagem.keras import (
     coordinated,
@@ -582,7 +582,7 @@ class Model(Portable):
                 try:
                     done, ended = runner.train(step, limit, steps_per_epoch is None, cbs)
                 except MembershipChanged:
-                    if not in_place:
+                    if before is None:
                         raise
                     step = self._go_on_in_place(before)
                     continue
@@ -625,14 +625,18 @@ class Model(Portable):
             return None
         assert self._fit_data is not None and self.optimizer is not None
         data = self._fit_data
-        return InPlaceStart(data.position, data.iterator_state(), self.optimizer.iterations, step)
+        try:
+            state = data.iterator_state()
+        except InputError:  # a stage made as the pass runs cannot say where it is: not here
+            return None
+        return InPlaceStart(data.position, state, self.optimizer.iterations, step)
 
-    def _go_on_in_place(self, start: InPlaceStart | None) -> int:
+    def _go_on_in_place(self, start: InPlaceStart) -> int:
         """After a lost peer, within an execution of steps: the group rebuilt without it, the
         newest state everywhere (from the survivor that committed the most steps), and the
         data at the execution's start again, then past the steps that survivor committed: the
         workers were in step at the start, so each skips as many. The step to go on from."""
-        assert start is not None and self.optimizer is not None and self._fit_data is not None
+        assert self.optimizer is not None and self._fit_data is not None
         newest = torch.tensor([self.optimizer.iterations], dtype=torch.int64)
         state = [newest, *self.module.parameters(), *self.module.buffers()]
         state += optimizer_state_tensors(self.optimizer.torch_optimizer)
