@@ -305,7 +305,8 @@ class PsClient:
     def ours(self, objects: list[object]) -> tuple[bool, list[torch.optim.Optimizer]]:
         """Whether a module of ours is among ``objects``, and which optimizers of ours are."""
         modules = any(
-            isinstance(o, torch.nn.Module) and any(id(p) in self._shards for p in o.parameters())
+            isinstance(o, torch.nn.Module)
+            and any(id(t) in self._shards for t in (*o.parameters(), *o.buffers()))
             for o in objects
         )
         optimizers = [
