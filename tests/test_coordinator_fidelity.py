@@ -108,6 +108,19 @@ def test_an_int64_variable_made_in_scope_lives_on_the_ps(job):
 
 
 @pytest.mark.multiprocess
+def test_batchnorm_updates_from_two_workers_at_once_both_add_on_the_ps(job):
+    """tf_keras's BatchNormalization moves its statistics with ``assign_sub(delta)``, ``delta``
+    from the worker's read: two workers that read the same values both add their change on the
+    ps (neither overwrites the other). Batch [[1, 2], [3, 6]]: mean [2, 4], unbiased variance
+    [2, 8]; momentum 0.1 from mean 0 and variance 1, twice from the same read."""
+    got = _part(job, "batchnorm")
+    assert got["workers"] == [0, 1], got
+    assert got["mean"] == pytest.approx([0.4, 0.8]), got  # one update alone: [0.2, 0.4]
+    assert got["var"] == pytest.approx([1.2, 2.4]), got  # one alone: [1.1, 1.7]
+    assert got["batches"] == 2, got
+
+
+@pytest.mark.multiprocess
 def test_a_function_reads_every_write_that_ended_before_it_was_scheduled(job):
     got = _part(job, "freshness")
     w0 = got["w0"]

@@ -62,6 +62,7 @@ with strategy.scope():
     counter = torch.nn.Parameter(torch.tensor(0, dtype=torch.int64), requires_grad=False)
     scalar = torch.nn.Linear(1, 1, bias=False)  # each step below takes 1 from its weight
     torch.nn.init.constant_(scalar.weight, 0.5)  # exact in float32, as is each value after
+    norm = torch.nn.BatchNorm1d(2)  # its moving statistics: ps variables that do not train
 descent = torch.optim.SGD(scalar.parameters(), lr=1.0)
 
 
@@ -106,6 +107,16 @@ def meet(barrier: str, me: int) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the other worker never reached {barrier}")
         time.sleep(0.02)
+
+
+def normalise(barrier: str) -> int:
+    """A train-mode forward of the BatchNorm, on both workers at once: each read the ps's
+    statistics at its call's start, before the other's update landed."""
+    me = sg.distribute.coordinator.experimental_get_current_worker_index()
+    meet(barrier, me)
+    norm.train()
+    norm(torch.tensor([[1.0, 2.0], [3.0, 6.0]]))
+    return me
 
 
 def wait_for(path: str) -> None:
@@ -244,6 +255,21 @@ def int64_variable():
         "chief_reads": int(counter),
         "dtype": str(counter.dtype),
         "in_scope": strategy.extended.variable_created_in_scope(counter),
+    }
+
+
+def batchnorm_updates():
+    barrier = OUT / "bn-barrier"
+    barrier.mkdir()
+    ran = coordinator.fetch(
+        [coordinator.schedule(normalise, args=(str(barrier),)) for _ in range(2)]
+    )
+    coordinator.join()  # the chief's reads are the ps's from here
+    return {
+        "workers": sorted(ran),
+        "mean": norm.running_mean.tolist(),
+        "var": norm.running_var.tolist(),
+        "batches": int(norm.num_batches_tracked),
     }
 
 
@@ -688,6 +714,7 @@ result = {
     "iter": outcome(iter_on_the_coordinator),
     "datasets": outcome(datasets),
     "int64": outcome(int64_variable),
+    "batchnorm": outcome(batchnorm_updates),
     "freshness": outcome(freshness),
     "tables": outcome(tables),
     "reuse": outcome(reuse),
