@@ -109,13 +109,26 @@ def meet(barrier: str, me: int) -> None:
         time.sleep(0.02)
 
 
-def normalise(barrier: str) -> int:
-    """A train-mode forward of the BatchNorm, on both workers at once: each read the ps's
-    statistics at its call's start, before the other's update landed."""
+def normalise(role: str, marks: str) -> int:
+    """One of four functions scheduled at once, each role pinned to a worker by marks, none by
+    timing. ``first`` and ``second`` (a pair: one per worker) each make a train-mode forward of
+    the BatchNorm from the same read; ``first`` then holds its worker until ``signal``, the
+    other worker's next function, says ``second``'s update is on the ps; ``last`` (on the first
+    worker: the other is held by ``signal`` until it ends) makes one more forward."""
     me = sg.distribute.coordinator.experimental_get_current_worker_index()
-    meet(barrier, me)
+    batch = torch.tensor([[1.0, 2.0], [3.0, 6.0]])
     norm.train()
-    norm(torch.tensor([[1.0, 2.0], [3.0, 6.0]]))
+    if role in ("first", "second"):
+        meet(str(Path(marks, "pair")), me)
+        norm(batch)
+    if role == "first":
+        wait_for(str(Path(marks, "second-added")))
+    if role == "signal":  # second's worker runs this after second's update reached the ps
+        Path(marks, "second-added").touch()
+        wait_for(str(Path(marks, "last-ran")))
+    if role == "last":
+        norm(batch)
+        Path(marks, "last-ran").touch()
     return me
 
 
@@ -259,14 +272,15 @@ def int64_variable():
 
 
 def batchnorm_updates():
-    barrier = OUT / "bn-barrier"
-    barrier.mkdir()
+    marks = OUT / "bn-marks"
+    (marks / "pair").mkdir(parents=True)
+    roles = ("first", "second", "signal", "last")
     ran = coordinator.fetch(
-        [coordinator.schedule(normalise, args=(str(barrier),)) for _ in range(2)]
+        [coordinator.schedule(normalise, args=(role, str(marks))) for role in roles]
     )
     coordinator.join()  # the chief's reads are the ps's from here
     return {
-        "workers": sorted(ran),
+        "ran_on": ran,
         "mean": norm.running_mean.tolist(),
         "var": norm.running_var.tolist(),
         "batches": int(norm.num_batches_tracked),
