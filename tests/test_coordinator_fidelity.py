@@ -108,6 +108,25 @@ def test_an_int64_variable_made_in_scope_lives_on_the_ps(job):
 
 
 @pytest.mark.multiprocess
+def test_batchnorm_updates_from_one_read_both_add_and_a_later_call_reads_their_sum(job):
+    """tf_keras's ``BatchNormalization._assign_moving_average`` moves each statistic with
+    ``assign_sub((variable - value) * (1 - momentum))``, ``variable`` read on the ps: two
+    workers that read the same values both add their change there (neither overwrites the
+    other), and a later call on either worker starts from the ps's values, both changes in,
+    not from its own copy (which BatchNorm's kernel moved without a version count). Batch
+    [[1, 2], [3, 6]]: mean [2, 4], unbiased variance [2, 8]; momentum 0.1 from mean 0 and
+    variance 1, twice from that read (mean [0.4, 0.8], variance [1.2, 2.4]), then once from
+    those (each by hand: 0.4 + 0.1 * (2 - 0.4) = 0.56, and so on)."""
+    got = _part(job, "batchnorm")
+    first, second, signal, last = got["ran_on"]
+    assert sorted([first, second]) == [0, 1] and signal == second and last == first, got
+    # From the worker's own copy (mean [0.2, 0.4]) the last call would give [0.58, 1.16].
+    assert got["mean"] == pytest.approx([0.56, 1.12]), got
+    assert got["var"] == pytest.approx([1.28, 2.96]), got  # from its own: [1.29, 3.03]
+    assert got["batches"] == 3, got
+
+
+@pytest.mark.multiprocess
 def test_a_function_reads_every_write_that_ended_before_it_was_scheduled(job):
     got = _part(job, "freshness")
     w0 = got["w0"]

@@ -230,9 +230,15 @@ def test_the_chiefs_read_hook_refreshes_stays_on_the_chief_and_survives_copies()
     assert calls == ["refresh"] * 3
 
 
+@pytest.fixture(scope="module")
+def same(tmp_path_factory):
+    """The one-worker job (``MODE same``), shared by the tests that read its result."""
+    return _job(tmp_path_factory.mktemp("same"), "same", workers=1)
+
+
 @pytest.mark.multiprocess
-def test_one_worker_in_order_trains_exactly_as_one_process(tmp_path):
-    result = _job(tmp_path, "same", workers=1)
+def test_one_worker_in_order_trains_exactly_as_one_process(same):
+    result = same
     for name, (got, want) in result["weights"].items():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
     # BatchNorm statistics: the worker's own, kept from call to call.
@@ -261,6 +267,24 @@ def test_one_worker_in_order_trains_exactly_as_one_process(tmp_path):
     # A metric's totals are merged before its function's value can be fetched.
     assert result["sum_after_fetch"] == 2.0
     assert result["ready_at_merge"] == [0, 1]
+
+
+@pytest.mark.multiprocess
+def test_the_chiefs_batchnorm_predicts_with_the_statistics_the_workers_trained_on_the_ps(same):
+    """TF's coordinator keeps a layer's non-trainable variables on the ps: BatchNorm's moving
+    statistics, which the workers' train steps update there and the chief's model reads
+    (``parameter_server_strategy_v2.py`` places every variable made in its scope on a ps).
+    One worker in order: the ps's statistics are those of one process's fit."""
+    got = same["batchnorm"]
+    for name, (on_ps, local) in got["on_ps"].items():
+        np.testing.assert_allclose(on_ps, local, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(got["chief"][name], on_ps, rtol=1e-5, atol=1e-6)
+    assert got["on_ps"]["1.num_batches_tracked"][0] == 6  # every train step's batch
+    chief, local, stale = (np.array(p) for p in got["predict"])
+    np.testing.assert_allclose(chief, local, rtol=1e-4, atol=1e-5)
+    # With the statistics left as built (zeros and ones) the outputs are far from these.
+    assert np.abs(stale - local).max() > 0.1, np.abs(stale - local).max()
+    np.testing.assert_allclose(*got["evaluate"], rtol=1e-5)
 
 
 @pytest.mark.multiprocess

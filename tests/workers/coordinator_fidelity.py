@@ -62,6 +62,7 @@ with strategy.scope():
     counter = torch.nn.Parameter(torch.tensor(0, dtype=torch.int64), requires_grad=False)
     scalar = torch.nn.Linear(1, 1, bias=False)  # each step below takes 1 from its weight
     torch.nn.init.constant_(scalar.weight, 0.5)  # exact in float32, as is each value after
+    norm = torch.nn.BatchNorm1d(2)  # its moving statistics: ps variables that do not train
 descent = torch.optim.SGD(scalar.parameters(), lr=1.0)
 
 
@@ -106,6 +107,29 @@ def meet(barrier: str, me: int) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the other worker never reached {barrier}")
         time.sleep(0.02)
+
+
+def normalise(role: str, marks: str) -> int:
+    """One of four functions scheduled at once, each role pinned to a worker by marks, none by
+    timing. ``first`` and ``second`` (a pair: one per worker) each make a train-mode forward of
+    the BatchNorm from the same read; ``first`` then holds its worker until ``signal``, the
+    other worker's next function, says ``second``'s update is on the ps; ``last`` (on the first
+    worker: the other is held by ``signal`` until it ends) makes one more forward."""
+    me = sg.distribute.coordinator.experimental_get_current_worker_index()
+    batch = torch.tensor([[1.0, 2.0], [3.0, 6.0]])
+    norm.train()
+    if role in ("first", "second"):
+        meet(str(Path(marks, "pair")), me)
+        norm(batch)
+    if role == "first":
+        wait_for(str(Path(marks, "second-added")))
+    if role == "signal":  # second's worker runs this after second's update reached the ps
+        Path(marks, "second-added").touch()
+        wait_for(str(Path(marks, "last-ran")))
+    if role == "last":
+        norm(batch)
+        Path(marks, "last-ran").touch()
+    return me
 
 
 def wait_for(path: str) -> None:
@@ -244,6 +268,22 @@ def int64_variable():
         "chief_reads": int(counter),
         "dtype": str(counter.dtype),
         "in_scope": strategy.extended.variable_created_in_scope(counter),
+    }
+
+
+def batchnorm_updates():
+    marks = OUT / "bn-marks"
+    (marks / "pair").mkdir(parents=True)
+    roles = ("first", "second", "signal", "last")
+    ran = coordinator.fetch(
+        [coordinator.schedule(normalise, args=(role, str(marks))) for role in roles]
+    )
+    coordinator.join()  # the chief's reads are the ps's from here
+    return {
+        "ran_on": ran,
+        "mean": norm.running_mean.tolist(),
+        "var": norm.running_var.tolist(),
+        "batches": int(norm.num_batches_tracked),
     }
 
 
@@ -688,6 +728,7 @@ result = {
     "iter": outcome(iter_on_the_coordinator),
     "datasets": outcome(datasets),
     "int64": outcome(int64_variable),
+    "batchnorm": outcome(batchnorm_updates),
     "freshness": outcome(freshness),
     "tables": outcome(tables),
     "reuse": outcome(reuse),

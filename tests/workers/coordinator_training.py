@@ -2,14 +2,15 @@
 
 MODE ``same`` (one worker): a model of this program's own class (with BatchNorm buffers), an
 SGD optimizer with momentum and two metrics, built in the chief's scope, trained by scheduled
-functions on fixed batches, in order; then ``Model.fit`` on arrays. The chief trains a plain
-copy of each the same way in its own process and writes both, to compare.
+functions on fixed batches, in order; then ``Model.fit`` on arrays, also of a model with
+BatchNorm, whose statistics the chief then reads from the ps. The chief trains a plain copy of
+each the same way in its own process and writes both, to compare.
 
 MODE ``faults`` (three workers): in the middle of its 5th step worker 1 kills itself (-9) and
 worker 2 stops itself (SIGSTOP; the chief gives up on it after the operation timeout); worker 0,
 held in its first step until both have, runs each of those steps again, every scheduled step
-completes once, and the test accuracy is reached. After the join the chief lets worker 2 go on
-(SIGCONT).
+completes once, and the test accuracy is reached. After the join, and past the ps's patience
+with a silent worker, the chief lets worker 2 go on (SIGCONT).
 """
 
 from __future__ import annotations
@@ -193,6 +194,58 @@ def chief_reads_see_the_ps(batches: list) -> dict:
     return reads
 
 
+def bn_model(strategy_scope) -> sg.keras.Model:
+    """TF's parameter-server tutorial's model with a BatchNorm layer."""
+    torch.manual_seed(5)
+    with strategy_scope:
+        net = sg.keras.Model(
+            torch.nn.Sequential(
+                torch.nn.Linear(64, 16),
+                torch.nn.BatchNorm1d(16),
+                torch.nn.ReLU(),
+                torch.nn.Linear(16, 10),
+            )
+        )
+        net.compile(sg.keras.optimizers.SGD(0.1), loss=loss_fn, steps_per_execution=2)
+    return net
+
+
+def bn_statistics():
+    """On a worker: the BatchNorm statistics as this call pulled them from the ps."""
+    return {n: b.clone() for n, b in bn.module.named_buffers()}
+
+
+def batchnorm_on_the_ps() -> dict:
+    """fit through the coordinator; then the chief's model predicts with the statistics the
+    workers trained on the ps (TF's moving statistics are ps variables), as a local fit's."""
+    global bn
+    bn = bn_model(strategy.scope())
+    untrained = {n: b.clone() for n, b in bn.module.named_buffers()}
+    fit = dict(batch_size=40, epochs=1, steps_per_epoch=6, shuffle=False, verbose=0)
+    bn.fit(x_train, y_train, **fit)
+    on_ps = coordinator.schedule(bn_statistics).fetch()
+    chief_predicted = bn.predict(x_test, batch_size=50)
+    local = bn_model(sg.distribute.get_strategy().scope())
+    local.fit(x_train, y_train, **fit)
+    # The trained weights with the untrained statistics: what a chief whose statistics stayed
+    # its own would predict.
+    stale = bn_model(sg.distribute.get_strategy().scope())
+    stale.module.load_state_dict({**local.module.state_dict(), **untrained})
+    return {
+        "on_ps": {n: [b.tolist(), local.module.state_dict()[n].tolist()] for n, b in on_ps.items()},
+        "chief": {n: b.tolist() for n, b in bn.module.named_buffers()},
+        "predict": [
+            chief_predicted.tolist(),
+            local.predict(x_test, batch_size=50).tolist(),
+            stale.predict(x_test, batch_size=50).tolist(),
+        ],
+        "evaluate": [
+            bn.evaluate(x_test, y_test, batch_size=50, verbose=0),
+            local.evaluate(x_test, y_test, batch_size=50, verbose=0),
+        ],
+    }
+
+
 def count_one(metric):
     metric.update_state(torch.tensor(1.0))
 
@@ -350,6 +403,7 @@ elif MODE == "same":
         .history["loss"]
         for scope in (strategy.scope(), sg.distribute.get_strategy().scope())
     ]
+    result["batchnorm"] = batchnorm_on_the_ps()
     result["reads"] = chief_reads_see_the_ps(batches)
     result["sum_after_fetch"], result["ready_at_merge"] = metric_totals_before_fetch()
 else:
@@ -361,7 +415,11 @@ else:
     coordinator.join()
     ran_on = [v.fetch() for v in scheduled]
     result["faulted"] = [len(list((calls / f"worker-{i}").glob("call-*"))) for i in (1, 2)]
-    # Worker 2 was given up on and its function ran again elsewhere: let it go on.
+    # Worker 2 was given up on and its function ran again elsewhere. It stays stopped past the
+    # ps's patience with a silent worker (twice the operation timeout, once it is seen silent):
+    # while a coordinating chief goes on, the ps waits on it and does not end the job.
+    time.sleep(2 * float(os.environ["STRATAGEM_OP_TIMEOUT"]) + 1)
+    # Then it goes on.
     os.kill(int((calls / "worker-2" / "pid.txt").read_text()), signal.SIGCONT)
     result["completed"] = coordinator.completed
     result["ran_on"] = ran_on

@@ -350,8 +350,8 @@ def ps() -> None:
 
 def coordinator() -> None:
     """``stratagem run --chief -n 1 --ps 1``: ResNet trained by functions the chief schedules
-    on its one worker, in order, on the whole global batches; then the worker's BatchNorm
-    statistics (its own, kept from call to call) fetched by one more function."""
+    on its one worker, in order, on the whole global batches; then the BatchNorm statistics as
+    the worker sees them (fetched by one more function) and as the chief's model holds them."""
     resolver = sg.distribute.cluster_resolver.TFConfigClusterResolver()
     if resolver.task_type in ("worker", "ps"):
         sg.distribute.Server(resolver).join()

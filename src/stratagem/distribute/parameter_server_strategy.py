@@ -4,8 +4,8 @@
    ``comm.messages``. On a ps task, creating the strategy serves its shards until every worker
    is done, then ends the process with exit code 0: the rest of the script is for workers.
 2. Scope: each parameter is cut along dim 0 by the ``variable_partitioner`` and its shards are
-   placed on the ps tasks, balanced by bytes (``partitioners.plan_shards``); the chief's initial
-   values create them, the other workers pull them. Each worker computes on local copies.
+   placed on the ps tasks, balanced by bytes (``partitioners.plan_shards``); the chief's values
+   create them, the others pull them (a coordinating chief's state buffers too: BatchNorm's).
 3. ``optimizer.step()`` pushes each ps its shards' gradients and gets back their new values;
    the update runs on the ps (``ps/shard_store.py``). Modes: ``async`` (bounded staleness, a
    staleness policy), ``sync`` (the mean of ``replicas_to_aggregate`` pushes), and sync with
@@ -197,6 +197,8 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
         self.step_guard: Callable[[], None] = lambda: None
         # Parameter -> the (module, name) places it was registered at in scope, until adopted.
         self._registrations: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # A coordinating chief's buffer -> the (module, name) places it was registered at.
+        self._buffer_places: WeakIdKeyDictionary = WeakIdKeyDictionary()
         spec = resolver.cluster_spec()
         self._coordinating = resolver.task_type == "chief" and is_coordinated(spec)
         if not serving:
@@ -265,10 +267,40 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
             self.cluster_coordinator.refresh()
 
     @override
+    def capture_buffer(
+        self, module: torch.nn.Module, name: str, buffer: torch.Tensor
+    ) -> torch.Tensor | None:
+        placed = super().capture_buffer(module, name, buffer)
+        if self.coordinating:
+            # Whether it is state (persistent) is known only once registered: see adopt.
+            kept = buffer if placed is None else placed
+            self._buffer_places.setdefault(kept, []).append((weakref.ref(module), name))
+            chief_reads.watch(module, self.refresh_chief_copies)
+        return placed
+
+    @override
     def adopt(self, tensors: list[tuple[torch.Tensor, bool]]) -> None:
         params = [t for t, is_param in tensors if is_param and self._still_registered(t)]
-        if params:
-            self.client.create(params)
+        # TF2's coordinator keeps every variable on the ps, a layer's non-trainable ones too
+        # (BatchNorm's moving statistics): a coordinating chief's state buffers are variables
+        # that do not train, which the workers' functions update there (worker.py).
+        state = [t for t, is_param in tensors if not is_param and self._is_state_buffer(t)]
+        if params or state:
+            self.client.create(params + state)
+
+    def _is_state_buffer(self, buffer: torch.Tensor) -> bool:
+        """Whether a coordinating chief's module still holds ``buffer`` as state: persistent
+        (in its ``state_dict``, as a TF variable is in a checkpoint) and a number that an
+        update adds to (not a bool mask). Other buffers stay each process's own."""
+        places = self._buffer_places.pop(buffer, None)
+        if places is None or buffer.dtype == torch.bool or buffer.is_complex():
+            return False
+        return any(
+            (module := ref()) is not None
+            and module._buffers.get(name) is buffer
+            and name not in module._non_persistent_buffers_set
+            for ref, name in places
+        )
 
     def _still_registered(self, param: torch.Tensor) -> bool:
         """Whether a module still holds ``param`` where it was registered. Tying replaces a

@@ -323,9 +323,10 @@ class ClusterCoordinator:
         return None
 
     def _tensor(self, value: torch.Tensor) -> dict[str, Any] | None:
-        """A variable on the ps goes as its shards (the worker binds its copy to them); a
-        buffer of a module built in the scope as a key and its value (the worker's own from
-        then on); any other tensor by value (None: the describer's default)."""
+        """A variable on the ps (a parameter, or a state buffer such as BatchNorm's statistics)
+        goes as its shards (the worker binds its copy to them); another buffer of a module
+        built in the scope as a key and its value (the worker's own from then on); any other
+        tensor by value (None: the describer's default)."""
         shards = self._seam.shards_of(value)
         if shards is not None:
             return {

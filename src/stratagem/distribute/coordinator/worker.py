@@ -9,9 +9,9 @@ iterator ``next()`` or optimizer step) and ``goodbye``. A function arrives by re
 rebuilt from this task's copy of the program, or its last objects are called again when the
 table is the same and the last call left them as built (``shipping.unchanged``). It runs on the
 connection's thread, returns plain data, and an error comes back as type, message and traceback.
-Parameters are the ps's variables: an optimizer step pushes gradients and gets new values, and a
-copy is pulled before a call unless it already holds every write the call must see. A variable
-that does not train goes back as an addition; buffers stay this worker's own.
+Variables are the ps's: a step pushes gradients and gets new values, a copy is pulled before a
+call unless it holds every write the call must see, and what a call changes of one that does
+not train (a counter, BatchNorm's statistics) goes back as an addition.
 """
 
 from __future__ import annotations

@@ -248,6 +248,10 @@ class PsClient:
         keys: list[list[shard_store.ShardKey]] = [[] for _ in self._ps_names]
         deltas: list[list[torch.Tensor]] = [[] for _ in self._ps_names]
         for p, change in changes:
+            # This copy changed here: the next call pulls it (``fresh_since``). Its version
+            # cannot tell: BatchNorm's kernel writes its statistics without counting a version,
+            # and a copy that moved on from a stale read would add its own history again.
+            self._version_after.pop(self._shards[id(p)][0].variable, None)
             for s in self._shards[id(p)]:
                 keys[s.ps].append((s.variable, s.index))
                 deltas[s.ps].append(_rows(change, s).contiguous())
@@ -305,7 +309,8 @@ class PsClient:
     def ours(self, objects: list[object]) -> tuple[bool, list[torch.optim.Optimizer]]:
         """Whether a module of ours is among ``objects``, and which optimizers of ours are."""
         modules = any(
-            isinstance(o, torch.nn.Module) and any(id(p) in self._shards for p in o.parameters())
+            isinstance(o, torch.nn.Module)
+            and any(id(t) in self._shards for t in (*o.parameters(), *o.buffers()))
             for o in objects
         )
         optimizers = [

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from stratagem.cluster import ClusterResolver, collective_members
+from stratagem.cluster import ClusterResolver, collective_members, is_coordinated
 from stratagem.comm.rpc_world import rpc_members, rpc_name, serve_and_join
 from stratagem.distribute.machinery.worker_job import WorkerJob
 from stratagem.distribute.ps.shard_store import ShardStore, methods
@@ -43,6 +43,7 @@ class PsTaskServer:
         name = rpc_name("ps", resolver.task_id or 0)
         self.store = ShardStore(name, len(workers))
         self._timeout = timeouts.operation
+        self._coordinated = is_coordinated(spec)
         address = spec.task_address("ps", resolver.task_id or 0)
         self.server, self._world = serve_and_join(
             resolver,
@@ -76,6 +77,17 @@ class PsTaskServer:
                     "stuck; twice STRATAGEM_OP_TIMEOUT)"
                 )
 
+        def coordinating() -> bool:
+            # A coordinating chief (the first of ``workers``) decides when a worker that stops
+            # answering is lost: it gives that worker's functions to the others, and the job
+            # goes on (TF's ps never waits on a worker). Meanwhile the ps waits on it too.
+            chief = workers[0]
+            return (
+                self._coordinated
+                and not self.store.has_left(index[chief])
+                and world.state(chief) == "alive"
+            )
+
         def done(rank: int) -> bool:
             if self.store.has_left(index[rank]):
                 return True
@@ -84,7 +96,8 @@ class PsTaskServer:
                 quiet_since.pop(rank, None)
                 return False
             if state == "silent":
-                silent_too_long(rank, "finish training")
+                if rank == workers[0] or not coordinating():
+                    silent_too_long(rank, "finish training")
                 return False
             print(
                 f"{world.describe(rank)} ended without saying it was done (lost); "
