@@ -87,3 +87,29 @@ def test_evaluate_in_a_terminal_redraws_its_bar_and_fit_s_validation_draws_none(
     model.fit(x, y, batch_size=16, epochs=1, callbacks=[bar], validation_data=(x, y))
     draws = stream.getvalue().split("\r")[1:]
     assert len(draws) == 4, draws  # the training bar's 3 batches and its end; no validation bar
+
+
+def test_a_line_about_the_job_goes_under_the_bar_drawn_in_place():
+    """An elastic job's change of workers, said during an epoch (``CallbackList.note``): the
+    bar drawn in place ends its line first, the note has a line of its own, and the bar is
+    drawn again below it; without a bar nobody says it (the model prints it then)."""
+    x, y = keras_data(48)
+    stream = _Terminal()
+    bar = sg.keras.callbacks.ProgbarLogger(verbose=1, stream=stream)
+    said = "continued with 2 of 3 workers; worker 2 lost: killed by signal 9 (SIGKILL)"
+    shown = []
+
+    class Change(sg.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                shown.append(callbacks.note(said))
+
+    callbacks = sg.keras.callbacks.CallbackList([bar, Change()], model=None, params={})
+    _compiled().fit(x, y, batch_size=16, epochs=1, callbacks=[bar, Change()], verbose=1)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", stream.getvalue())
+    lines = plain.split("\n")
+    assert shown == [True], shown
+    assert lines[0].startswith("\r1/3 ") and lines[1] == said, lines  # the bar's line ended
+    assert lines[2].startswith("\r2/3 "), lines  # drawn again below the note
+    quiet = sg.keras.callbacks.CallbackList([Change()], model=None, params={})
+    assert quiet.note(said) is False

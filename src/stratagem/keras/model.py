@@ -584,7 +584,7 @@ class Model(Portable):
                 except MembershipChanged:
                     if before is None:
                         raise
-                    step = self._go_on_in_place(before)
+                    step = self._go_on_in_place(before, cbs)
                     continue
                 if done:
                     step += done
@@ -631,7 +631,7 @@ class Model(Portable):
             return None
         return InPlaceStart(data.position, state, self.optimizer.iterations, step)
 
-    def _go_on_in_place(self, start: InPlaceStart) -> int:
+    def _go_on_in_place(self, start: InPlaceStart, cbs: callbacks_module.CallbackList) -> int:
         """After a lost peer, within an execution of steps: the group rebuilt without it, the
         newest state everywhere (from the survivor that committed the most steps), and the
         data at the execution's start again, then past the steps that survivor committed: the
@@ -648,8 +648,10 @@ class Model(Portable):
         for _ in range(done):
             self._fit_data.next_batch()
         step = start.step + done
-        if self.distribute_strategy.extended.should_save_summary:
-            print(f"{why}: went on in place at step {step}", flush=True)
+        said = f"{why}: went on in place at step {step}"
+        # Under the progress bar where one is drawn, else on the console (the chief's).
+        if not cbs.note(said) and self.distribute_strategy.extended.should_save_summary:
+            print(said, flush=True)
         return step
 
     def _step_runner(

@@ -25,6 +25,12 @@ class CallbackList:
             cb.set_model(model)
             cb.set_params(params)
 
+    def note(self, line: str) -> bool:
+        """Hand a line about the job (an elastic job's change of workers) to the callbacks
+        that show such lines (``ProgbarLogger``, under its bar); whether one printed it."""
+        shown = [cb.note(line) for cb in self.callbacks if callable(getattr(cb, "note", None))]
+        return any(shown)
+
     def __getattr__(self, hook: str) -> Callable[..., None]:
         if not hook.startswith("on_"):
             raise AttributeError(hook)

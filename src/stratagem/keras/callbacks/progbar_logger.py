@@ -97,14 +97,24 @@ class ProgbarLogger(Callback):
         """A straggler the strategy named (``straggler_notes``): one line, once, under the bar
         (which is then redrawn below it)."""
         fresh = self._stragglers.fresh(self.model)
-        if not fresh or not self.verbose or not is_chief(self.model):
-            return
+        if fresh:
+            self._under_bar([f"straggler: {line}" for line in fresh])
+
+    def note(self, line: str) -> bool:
+        """A line about the job (an elastic job's change of workers), under the bar as a
+        straggler's; whether it was printed here (on the chief, when verbose)."""
+        return self._under_bar([line])
+
+    def _under_bar(self, lines: list[str]) -> bool:
+        if not self.verbose or not is_chief(self.model):
+            return False
         out = self._out()
         if self._width:  # a bar drawn in place: end its line first
             _print("", out)
             self._width = 0
-        for line in fresh:
-            _print(f"straggler: {line}", out)
+        for line in lines:
+            _print(line, out)
+        return True
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         self._finish(logs)
