@@ -98,6 +98,27 @@ def test_sync_contributors_wait_for_the_step_and_a_leaving_worker_releases_it():
     assert version == 1 and values[0].tolist() == [-2.0, -2.0]
 
 
+def test_sync_takes_a_lost_worker_back_at_its_first_push_and_never_mixes_versions():
+    store = _store("sync", 3)
+    for w in range(3):
+        pushed = _push(store, w, 0, 1.0)
+    pushed.wait()
+    store.leave(2, lost=True)  # the ps noticed it is gone: updates of the two left
+    a, b = _push(store, 0, 1, 1.0), _push(store, 1, 1, 1.0)
+    assert a.wait()[1] == 2 and b.done()
+    # Restarted, it pushes a gradient of values it fetched (its first push carries version 0):
+    # dropped, answered with the current values, and it counts again from the next update.
+    values, version = _push(store, 2, 0, 100.0).wait()
+    assert version == 2 and values[0].tolist() == [-2.0, -2.0]
+    c, d = _push(store, 0, 2, 1.0), _push(store, 1, 2, 1.0)
+    assert not c.done()  # the update under way waits for the returned worker's gradient
+    _push(store, 2, 2, 4.0).wait()
+    values, version = c.wait()
+    assert version == 3 and values[0].tolist() == [-4.0, -4.0]  # -2 - mean(1, 1, 4)
+    assert store.stats.counts == [3, 2, 3] and store.stats.dropped == 1
+    assert d.done() and store.still_training() == [0, 1, 2]
+
+
 def test_async_applies_each_push_and_scales_or_drops_stale_ones():
     plain = _store("async", 2)
     _push(plain, 0, 0, 1.0).wait()
@@ -357,3 +378,22 @@ def test_each_creation_waits_for_its_own_shards_and_a_second_model_adds_its_own(
     assert store.read([(0, 0)])[0].tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="a job has one ParameterServerStrategy"):
         store.create(UpdateRule("async", 2, 2), 2, {(2, 0): torch.zeros(1)})
+
+
+@pytest_multiprocess
+def test_a_lost_sync_worker_started_again_is_taken_back_at_an_update_boundary(tmp_path):
+    """``-n 2:3 --ps 1 --restart-workers 1``, sync, between-graph: the last worker is killed at
+    its fourth step and started again by the launcher; it pulls the ps's values and is taken
+    back between two updates (its first push, for an update it never saw, is dropped). The ps
+    counts the gradients of each update: 3 for 3 updates, 2 while it is away, 3 again."""
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2:3", "--ps", "1"]
+    argv += ["--restart-workers", "1", str(WORKERS / "ps_faults.py"), "returning-worker"]
+    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=240)
+    output = result.stdout
+    assert result.returncode == 0, output
+    assert "worker 2 failed: killed by signal 9 (SIGKILL); restarting it alone" in output, output
+    assert "worker 2 restarted (incarnation 2)" in output, output
+    stats = output.split("ps stats ", 1)[1].splitlines()[0]
+    counts = [int(c) for c in re.search(r"'counts': \[([\d, ]*)\]", stats).group(1).split(",")]
+    assert counts == [3] * 3 + [2] * 7 + [3] * 20, counts
+    assert "'dropped': 1" in stats, stats  # the returning worker's first, late, push
