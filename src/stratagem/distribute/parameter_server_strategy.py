@@ -150,7 +150,7 @@ class ParameterServerStrategy(Strategy):
         """Whether every worker is done (or lost): an evaluator's loop ends on it."""
         return self._client.training_finished()
 
-    def ps_stats(self) -> list[dict[str, int]]:
+    def ps_stats(self) -> list[dict[str, Any]]:
         """What each ps applied, dropped and held back so far (for tests and benchmarks)."""
         return self._client.ps_stats()
 
