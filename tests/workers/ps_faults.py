@@ -9,9 +9,6 @@ argv: fault [checkpoint_dir].
   then kills the ps (by the pid it signed in with at the roll call). The next push fails
   naming the ps; the restarted job restores step 10 (values and momentum sent back to the new
   ps), writes the checkpoint again as the ps now holds it (``roundtrip``), and trains to 30.
-- ``lost-worker-sync``: sync; the last worker SIGKILLs itself after 3 steps, the others train
-  30 steps (each update then the mean of the workers left) and the chief prints what the ps
-  applied.
 - ``returning-worker``: sync, 3 workers (``-n 2:3 --restart-workers 1``); each trains while
   the ps has applied fewer than 30 updates. The last worker SIGKILLs itself at its 4th step in
   its first incarnation; the launcher starts it again, and it is taken back. The others wait
@@ -44,7 +41,7 @@ def wait_for(path, timeout=120.0):
 
 fault = sys.argv[1]
 bound = 1 if fault == "lost-worker" else None
-mode = "sync" if fault in ("stopped-worker", "lost-worker-sync", "returning-worker") else "async"
+mode = "sync" if fault in ("stopped-worker", "returning-worker") else "async"
 strategy = sg.distribute.ParameterServerStrategy(mode=mode, max_staleness=bound)
 resolver = strategy.cluster_resolver
 chief = strategy.extended.should_checkpoint
@@ -106,7 +103,7 @@ if fault == "returning-worker":
         print(f"chief done; ps stats {strategy.ps_stats()}", flush=True)
     sys.exit(0)
 while int(step) < 30:
-    if fault.startswith("lost-worker") and resolver.task_id == last and int(step) == 3:
+    if fault == "lost-worker" and resolver.task_id == last and int(step) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     if fault == "stopped-worker" and resolver.task_id == last and int(step) == 3:
         os.kill(os.getpid(), signal.SIGSTOP)
