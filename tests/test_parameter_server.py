@@ -154,6 +154,18 @@ def test_bounded_staleness_holds_a_worker_that_is_too_far_ahead():
     assert goodbye.wait() is True and last.wait() is True
 
 
+def test_async_takes_a_lost_worker_back_without_holding_the_others_to_its_old_clock():
+    store = _store("async", 2, max_staleness=1)
+    _push(store, 1, 0, 1.0).wait()
+    store.leave(1, lost=True)
+    for version in range(1, 6):  # alone, worker 0 is never held back
+        assert _push(store, 0, version, 1.0).done()
+    back = _push(store, 1, 0, 1.0)  # restarted: applied at once, as any async push
+    assert back.done() and store.stats.applied == 7 and store.still_training() == [0, 1]
+    # Its clock starts at worker 0's (5), not its own old one (1): nobody waits for 4 steps.
+    assert _push(store, 0, 7, 1.0).done() and store.stats.waits == 0
+
+
 # --- bad input, before any process is started ---------------------------------------------
 
 CLUSTER = {"worker": ["localhost:1", "localhost:2", "localhost:3"], "ps": ["localhost:4"]}

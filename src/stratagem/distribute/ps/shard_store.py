@@ -10,8 +10,9 @@ beyond a bound, and with ``max_staleness=s`` a worker more than ``s`` steps ahea
 gets its reply only once the slowest catches up. ``sync``: gradients for the current version
 are summed until ``replicas_to_aggregate`` arrived, then their mean is applied; a late gradient
 for an older version is dropped and its worker gets the current values. Replies carry copies.
-A lost worker that comes back (restarted alone) is taken back at its first push, between two
-updates: its late gradient is dropped and it counts from the next update on.
+A lost worker that comes back (restarted alone) is taken back at its first push: in sync mode
+that late gradient is dropped and it counts from the next update on; in async mode it is applied
+and the worker's clock starts at the slowest one's.
 """
 
 from __future__ import annotations
@@ -179,11 +180,15 @@ class ShardStore:
     ) -> Future:
         """A worker's gradients for the shards of one optimizer; the future is the reply."""
         assert self.rule is not None, "push before create"
-        self._take_back(worker)
+        back = self._take_back(worker)
         group = self._group(optimizer_class, groups)
         rule = self.rule
         reply: Future = Future()
         with group.lock:
+            if back:
+                # Its clock starts at the slowest one's: the steps it missed hold nobody back.
+                others = [c for w, c in group.clocks.items() if w != worker and w not in self._left]
+                group.clocks[worker] = min(others, default=0)
             self._set_hyperparameters(group, groups)
             if rule.mode == "sync":
                 self._push_sync(group, worker, version, grads, reply)
@@ -191,16 +196,18 @@ class ShardStore:
                 self._push_async(group, worker, version, grads, reply)
         return reply
 
-    def _take_back(self, worker: int) -> None:
-        """A lost worker pushes again (restarted): it counts among those training again. Its
-        push is for an older version (it never saw the current one), so it is dropped and the
-        worker answered with the current values: from the next update on its gradients count,
-        and the update under way waits for them (no update mixes gradients of two versions)."""
+    def _take_back(self, worker: int) -> bool:
+        """Whether ``worker`` was lost and pushes again (restarted): it counts among those
+        training again. In sync mode its push is for an older version (it never saw the current
+        one), so it is dropped and the worker answered with the current values: from the next
+        update on its gradients count, and the update under way waits for them (no update mixes
+        gradients of two versions)."""
         with self._lock:
             if worker not in self._lost:
-                return
+                return False
             self._lost.discard(worker)
             self._left.discard(worker)
+            return True
 
     def _group(
         self,
