@@ -4,15 +4,14 @@ rule (the task that serves them is ``task_server.PsTaskServer``).
 ``methods`` is the fixed table of what workers may ask through ``comm.messages`` (each call on
 the asking worker's connection thread, its arguments plain data). Per optimizer a worker pushes
 for: the shards it updates on this ps, a torch optimizer of the worker's class over them (its
-state lives here), and a version (updates applied). ``async``: a pushed gradient is applied at
-once; the staleness policy applies it as is, scales it by ``1 / (1 + staleness)`` or drops it
-beyond a bound, and with ``max_staleness=s`` a worker more than ``s`` steps ahead of the slowest
-gets its reply only once the slowest catches up. ``sync``: gradients for the current version
-are summed until ``replicas_to_aggregate`` arrived, then their mean is applied; a late gradient
-for an older version is dropped and its worker gets the current values. Replies carry copies.
-A lost worker that comes back (restarted alone) is taken back at its first push: in sync mode
-that late gradient is dropped and it counts from the next update on; in async mode it is applied
-and the worker's clock starts at the slowest one's.
+state lives here), and a version (updates applied). ``async``: a push is applied at once, as is,
+scaled by ``1 / (1 + staleness)`` or dropped beyond a bound, and with ``max_staleness=s`` a
+worker more than ``s`` steps ahead of the slowest gets its reply once the slowest catches up.
+``sync``: gradients for the current version are summed until ``replicas_to_aggregate`` arrived,
+then their mean is applied; a late one is dropped and its worker gets the current values. A
+lost worker that comes back (restarted alone) is taken back at its first push: in sync mode
+that late gradient is dropped and it counts from the next update on; in async mode it is
+applied, its clock starting at the slowest one's. Replies carry copies.
 """
 
 from __future__ import annotations
