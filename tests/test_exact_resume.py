@@ -7,12 +7,13 @@ its distributed iterator and for ``fit`` with ``BackupAndRestore(save_freq=3)`` 
 from __future__ import annotations
 
 import shutil
+import sys
 from collections import Counter
 
 import pytest
 import torch
 
-from cluster_utils import WORKERS, run_cluster
+from cluster_utils import WORKERS, Process, child_env, run_cluster
 from workers.resume_data import (
     EPOCHS,
     EXAMPLES,
@@ -35,8 +36,9 @@ def _run(workdir, phase: str, workers: int) -> list[dict]:
 
 
 def _steps(outs: list[dict], loop: str, keep: int | None = None) -> list[list[int]]:
-    """The ids of each step over all workers (worker by worker), the first ``keep`` steps."""
-    per_worker = [o[loop]["seen"][:keep] for o in outs]
+    """The ids of each step over all workers (worker by worker), the first ``keep`` steps;
+    ``loop`` names the loop's results in each worker's output (or "": the output itself)."""
+    per_worker = [(o[loop] if loop else o)["seen"][:keep] for o in outs]
     assert len({len(s) for s in per_worker}) == 1, "workers ran different numbers of steps"
     return [sorted(i for seen in step for i in seen) for step in zip(*per_worker)]
 
@@ -84,3 +86,34 @@ def test_a_job_resumed_on_another_number_of_workers_ends_as_an_uninterrupted_one
                 and (f"is {first_workers} worker(s)' own streams; this job has {second_workers}")
                 in refused
             ), refused
+
+
+def _ps_job(workdir, phase: str, workers: int) -> list[dict]:
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", str(workers), "--ps", "1"]
+    argv += [str(WORKERS / "ps_resume.py"), phase]
+    result = Process(argv, child_env(), workdir, phase, merge_output=True).wait(timeout=240)
+    assert result.returncode == 0, result.stdout
+    return [torch.load(workdir / f"{phase}-{i}.pt") for i in range(workers)]
+
+
+def test_a_sync_parameter_server_job_resumed_on_one_worker_ends_as_an_uninterrupted_one(
+    tmp_path,
+):
+    """Sync ps, 2 workers then 1 (the same global batch; a DATA dataset: each worker takes its
+    part of every global batch): the ps's parameters end as one process's on the global
+    batches, and the workers' ledger has every example of each step's global batch, none
+    repeated and none skipped. The position restored is the chief's, saved with the ps's
+    values after the same update (the commit point)."""
+    batches, reference = uninterrupted()
+    first = _ps_job(tmp_path, "first", 2)
+    second = _ps_job(tmp_path, "second", 1)
+    # Each worker took its own half of each global batch: nothing consumed twice in a step.
+    for step in zip(*(f["seen"] for f in first)):
+        assert not set(step[0]) & set(step[1]), step
+    ledger = _steps(first, "", None) + _steps(second, "", None)
+    consumed = Counter(i for step in ledger for i in step)
+    assert consumed == {i: EPOCHS for i in range(EXAMPLES)}, "repeats or gaps in the ledger"
+    assert ledger == batches, "the steps saw other examples than the uninterrupted run's"
+    # One update of the ps per step: STOP, then the rest on a new ps holding the restored values.
+    assert first[0]["steps"] == STOP and second[0]["steps"] == len(batches) - STOP
+    _assert_equal_weights(second[0]["final"], reference, "sync ps 2 then 1 worker: ")

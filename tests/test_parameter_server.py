@@ -98,6 +98,27 @@ def test_sync_contributors_wait_for_the_step_and_a_leaving_worker_releases_it():
     assert version == 1 and values[0].tolist() == [-2.0, -2.0]
 
 
+def test_sync_takes_a_lost_worker_back_at_its_first_push_and_never_mixes_versions():
+    store = _store("sync", 3)
+    for w in range(3):
+        pushed = _push(store, w, 0, 1.0)
+    pushed.wait()
+    store.leave(2, lost=True)  # the ps noticed it is gone: updates of the two left
+    a, b = _push(store, 0, 1, 1.0), _push(store, 1, 1, 1.0)
+    assert a.wait()[1] == 2 and b.done()
+    # Restarted, it pushes a gradient of values it fetched (its first push carries version 0):
+    # dropped, answered with the current values, and it counts again from the next update.
+    values, version = _push(store, 2, 0, 100.0).wait()
+    assert version == 2 and values[0].tolist() == [-2.0, -2.0]
+    c, d = _push(store, 0, 2, 1.0), _push(store, 1, 2, 1.0)
+    assert not c.done()  # the update under way waits for the returned worker's gradient
+    _push(store, 2, 2, 4.0).wait()
+    values, version = c.wait()
+    assert version == 3 and values[0].tolist() == [-4.0, -4.0]  # -2 - mean(1, 1, 4)
+    assert store.stats.counts == [3, 2, 3] and store.stats.dropped == 1
+    assert d.done() and store.still_training() == [0, 1, 2]
+
+
 def test_async_applies_each_push_and_scales_or_drops_stale_ones():
     plain = _store("async", 2)
     _push(plain, 0, 0, 1.0).wait()
@@ -131,6 +152,18 @@ def test_bounded_staleness_holds_a_worker_that_is_too_far_ahead():
     assert not goodbye.done()
     last = store.leave(0)
     assert goodbye.wait() is True and last.wait() is True
+
+
+def test_async_takes_a_lost_worker_back_without_holding_the_others_to_its_old_clock():
+    store = _store("async", 2, max_staleness=1)
+    _push(store, 1, 0, 1.0).wait()
+    store.leave(1, lost=True)
+    for version in range(1, 6):  # alone, worker 0 is never held back
+        assert _push(store, 0, version, 1.0).done()
+    back = _push(store, 1, 0, 1.0)  # restarted: applied at once, as any async push
+    assert back.done() and store.stats.applied == 7 and store.still_training() == [0, 1]
+    # Its clock starts at worker 0's (5), not its own old one (1): nobody waits for 4 steps.
+    assert _push(store, 0, 7, 1.0).done() and store.stats.waits == 0
 
 
 # --- bad input, before any process is started ---------------------------------------------
@@ -232,24 +265,6 @@ def test_async_training_goes_on_without_a_lost_worker(tmp_path):
     assert "[ps 0] worker 2 (" in output and "ended without saying it was done (lost)" in output
     # The survivors were not held back by the staleness bound for ever: the chief finished.
     assert "[worker 0] chief trained to step 30" in output, output
-    assert "job finished: 2 workers exited 0 (1 worker lost)" in output, output
-
-
-@pytest_multiprocess
-def test_sync_training_goes_on_with_the_workers_left_under_a_range_of_workers(tmp_path):
-    """``-n 2:3 --ps 1`` (a ps job keeps its own rule: workers come and go, the ps stays),
-    sync: the last worker is killed at its fourth step; the ps stops waiting for it, and each
-    later update is the mean of the two workers left (TF's rule, as with backup workers): 3
-    updates of 3 gradients, then 27 of 2."""
-    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2:3", "--ps", "1"]
-    argv += [str(WORKERS / "ps_faults.py"), "lost-worker-sync"]
-    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=240)
-    output = result.stdout
-    assert result.returncode == 0, output
-    assert "worker 2 was lost: killed by signal 9 (SIGKILL); the job goes on" in output, output
-    assert "[worker 0] chief trained to step 30" in output, output
-    stats = output.split("ps stats ", 1)[1].splitlines()[0]
-    assert "'steps': 30" in stats and "'applied': 63" in stats, stats
     assert "job finished: 2 workers exited 0 (1 worker lost)" in output, output
 
 
@@ -357,3 +372,25 @@ def test_each_creation_waits_for_its_own_shards_and_a_second_model_adds_its_own(
     assert store.read([(0, 0)])[0].tolist() == [0.0, 0.0]
     with pytest.raises(ValueError, match="a job has one ParameterServerStrategy"):
         store.create(UpdateRule("async", 2, 2), 2, {(2, 0): torch.zeros(1)})
+
+
+@pytest_multiprocess
+def test_sync_training_goes_on_with_the_workers_left_and_takes_a_restarted_one_back(tmp_path):
+    """``-n 2:3 --ps 1 --restart-workers 1`` (a ps job keeps its own rule: workers come and go,
+    the ps stays), sync, between-graph: the last worker is killed at its fourth step; the ps
+    stops waiting for it, and each update is the mean of the two workers left (TF's rule, as
+    with backup workers). The launcher starts it again; it fetches the ps's values and is taken
+    back between two updates (its first push, for an update it never saw, is dropped). The ps
+    counts the gradients of each update: 3 for 3 updates, 2 while it is away, 3 again."""
+    argv = [sys.executable, "-m", "stratagem.cli", "run", "-n", "2:3", "--ps", "1"]
+    argv += ["--restart-workers", "1", str(WORKERS / "ps_faults.py"), "returning-worker"]
+    result = Process(argv, child_env(), tmp_path, "launcher", merge_output=True).wait(timeout=240)
+    output = result.stdout
+    assert result.returncode == 0, output
+    assert "worker 2 failed: killed by signal 9 (SIGKILL); restarting it alone" in output, output
+    assert "worker 2 restarted (incarnation 2)" in output, output
+    assert "[ps 0] worker 2 (" in output and "ended without saying it was done (lost)" in output
+    stats = output.split("ps stats ", 1)[1].splitlines()[0]
+    counts = [int(c) for c in re.search(r"'counts': \[([\d, ]*)\]", stats).group(1).split(",")]
+    assert counts == [3] * 3 + [2] * 7 + [3] * 20, counts
+    assert "'dropped': 1" in stats, stats  # the returning worker's first, late, push

@@ -120,9 +120,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         metavar="W",
-        help="with --chief and --ps (a ClusterCoordinator's cluster): restart a worker that"
-        " fails alone, up to W times per worker; it rejoins the running job and takes work"
-        " again (default 0)",
+        help="with --ps (a ClusterCoordinator's cluster, or between-graph workers): restart a"
+        " worker that fails alone (not the chief), up to W times per worker; it rejoins the"
+        " running job and takes work again (default 0)",
     )
     parser.add_argument(
         "--grace-period",

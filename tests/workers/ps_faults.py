@@ -9,9 +9,11 @@ argv: fault [checkpoint_dir].
   then kills the ps (by the pid it signed in with at the roll call). The next push fails
   naming the ps; the restarted job restores step 10 (values and momentum sent back to the new
   ps), writes the checkpoint again as the ps now holds it (``roundtrip``), and trains to 30.
-- ``lost-worker-sync``: sync; the last worker SIGKILLs itself after 3 steps, the others train
-  30 steps (each update then the mean of the workers left) and the chief prints what the ps
-  applied.
+- ``returning-worker``: sync, 3 workers (``-n 2:3 --restart-workers 1``); each trains while
+  the ps has applied fewer than 30 updates. The last worker SIGKILLs itself at its 4th step in
+  its first incarnation; the launcher starts it again, and it is taken back. The others wait
+  after update 10 until the ps counts 3 workers training again (so the return lands at the same
+  update on every run); the chief prints what the ps applied, per update.
 - ``stopped-worker``: sync; the last worker stops itself (SIGSTOP) after 3 steps: the others'
   next push waits for its gradient, and ends after the operation timeout naming it.
 - ``evaluator``: an evaluator task pulls the parameters and evaluates while the workers train
@@ -39,7 +41,7 @@ def wait_for(path, timeout=120.0):
 
 fault = sys.argv[1]
 bound = 1 if fault == "lost-worker" else None
-mode = "sync" if fault in ("stopped-worker", "lost-worker-sync") else "async"
+mode = "sync" if fault in ("stopped-worker", "returning-worker") else "async"
 strategy = sg.distribute.ParameterServerStrategy(mode=mode, max_staleness=bound)
 resolver = strategy.cluster_resolver
 chief = strategy.extended.should_checkpoint
@@ -81,8 +83,27 @@ if fault == "evaluator":
     wait_for(ready)
 g = torch.Generator().manual_seed(resolver.task_id * 1000 + int(step))
 first_attempt = os.environ.get("STRATAGEM_RESTART_COUNT") == "0"
+if fault == "returning-worker":
+    first_incarnation = os.environ.get("STRATAGEM_TASK_INCARNATION", "1") == "1"
+    while (updates := strategy.ps_stats()[0]["steps"]) < 30:
+        if resolver.task_id == last and first_incarnation and int(step) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        # A safety net, far above a restart's seconds: without a return the counts say so.
+        deadline = time.monotonic() + 120
+        while resolver.task_id != last and updates == 10 and time.monotonic() < deadline:
+            if strategy.ps_stats()[0]["training"] == 3:
+                break
+            time.sleep(0.05)  # polls the ps: the verdict does not depend on how long
+        x, y = torch.randn(16, 5, generator=g), torch.randint(0, 3, (16,), generator=g)
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        step += 1
+    if chief:
+        print(f"chief done; ps stats {strategy.ps_stats()}", flush=True)
+    sys.exit(0)
 while int(step) < 30:
-    if fault.startswith("lost-worker") and resolver.task_id == last and int(step) == 3:
+    if fault == "lost-worker" and resolver.task_id == last and int(step) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
     if fault == "stopped-worker" and resolver.task_id == last and int(step) == 3:
         os.kill(os.getpid(), signal.SIGSTOP)

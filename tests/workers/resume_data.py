@@ -45,17 +45,26 @@ class Ledgered(torch.nn.Module):
         return self.net(features[:, :-1])
 
 
-def custom_loop(strategy, phase: str, path: str) -> Ledgered:
+def data_sharded() -> sg.data.Dataset:
+    """``dataset()`` with ``AutoShardPolicy.DATA``: a sync parameter-server job's workers each
+    take their part of every global batch (under AUTO each would read all of it, as in TF)."""
+    options = sg.data.Options()
+    options.experimental_distribute.auto_shard_policy = sg.data.AutoShardPolicy.DATA
+    return dataset().with_options(options)
+
+
+def custom_loop(strategy, phase: str, path: str, data=dataset) -> Ledgered:
     """The custom loop of the checks: ``first`` trains STOP steps and writes a checkpoint of
-    the model, the optimizer and the distributed iterator at ``path``; ``second`` restores it
-    and trains to the end. Returns the model (its ``seen``: this process's ledger)."""
+    the model, the optimizer and the distributed iterator (over ``data()``) at ``path``;
+    ``second`` restores it and trains to the end. Returns the model (its ``seen``: this
+    process's ledger)."""
     MAP_CALLS[0] = 0
     torch.manual_seed(0)
     with strategy.scope():
         model = Ledgered()
     # After the scope: FullyShardedStrategy shards the model as its scope ends.
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    iterator = iter(strategy.experimental_distribute_dataset(dataset()))
+    iterator = iter(strategy.experimental_distribute_dataset(data()))
     step = torch.zeros((), dtype=torch.int64)
     checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, iterator=iterator, step=step)
     if phase == "second":

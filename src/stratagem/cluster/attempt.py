@@ -561,13 +561,19 @@ class Job:
         )
 
     def _may_restart(self, r: _Running) -> bool:
-        """Whether a failed task is a coordinator's worker to restart alone: a worker of a job
-        with a chief that still runs (a restart after the chief's end would wait for a
-        rendezvous that is gone), with restarts left."""
+        """Whether a failed task is a parameter-server job's worker to restart alone, with
+        restarts left: a worker of a job whose chief (or, without one, worker 0, which hosts
+        the rendezvous) still runs (a restart after its end would wait for a rendezvous that
+        is gone)."""
         if r.task.type != "worker" or self._restarts.get(r.task.name, 0) >= self.restart_workers:
             return False
-        chiefs = [c for c in self._running if c.task.type == "chief"]
-        return bool(chiefs) and all(c.status is None for c in chiefs)
+        chiefs = [
+            c
+            for c in self._running
+            if c.task.type == "chief"
+            or (not self._has_chief and c.task.type == "worker" and c.task.index == 0)
+        ]
+        return r not in chiefs and bool(chiefs) and all(c.status is None for c in chiefs)
 
     def _restart(self, r: _Running) -> None:
         """Start task ``r`` again, alone, as its next incarnation: the same address and

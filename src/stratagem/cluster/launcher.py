@@ -114,8 +114,8 @@ def check_arguments(
     """Raise ``LaunchError`` for arguments ``launch`` cannot run; it starts nothing before this.
 
     A job with a chief may have no workers (a chief alone is a job of one, as on Vertex AI).
-    ``restart_workers`` needs a chief and ps tasks: only a ClusterCoordinator's worker can
-    rejoin a running job (a collective group cannot take a member back).
+    ``restart_workers`` needs ps tasks: only a parameter-server job's worker can rejoin a
+    running job (a collective group cannot take a member back).
     """
     # A node of a multi-node job may run no worker (a ps or evaluator machine): the job's
     # workers are counted when the nodes meet.
@@ -129,12 +129,11 @@ def check_arguments(
         raise LaunchError(f"the number of restarts must be 0 or more, got {max_restarts}")
     if restart_workers < 0:
         raise LaunchError(f"the number of worker restarts must be 0 or more, got {restart_workers}")
-    if restart_workers and not (chief and ps):
+    if restart_workers and not ps:
         raise LaunchError(
-            f"--restart-workers {restart_workers} restarts a ClusterCoordinator's worker alone, "
-            f"which needs a cluster with a chief and ps tasks (got chief={chief}, ps={ps}): "
-            "a worker of a collective job cannot rejoin it; restart the whole job with "
-            "--max-restarts"
+            f"--restart-workers {restart_workers} restarts a parameter-server job's worker "
+            f"alone, which needs ps tasks (got ps={ps}): a worker of a collective job cannot "
+            "rejoin it; restart the whole job with --max-restarts"
         )
     if not (math.isfinite(grace_period) and grace_period >= 0):
         raise LaunchError(f"the grace period must be 0 or more seconds, got {grace_period}")

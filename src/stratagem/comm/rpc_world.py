@@ -8,8 +8,8 @@ unpickles what a peer sends). Every member runs a liveness server (``comm.livene
 published at the roll call, so a peer that is gone (its port refuses), busy (it answers) or
 stuck (silent) can be told apart: a worker's goodbye to each ps, and any wait on a peer, ends
 after the operation timeout naming a peer that stopped answering. A worker the launcher
-restarted alone (``--restart-workers``) signs in again with a higher incarnation, and
-``refresh`` makes its rank alive again in every member's view.
+restarted alone (``--restart-workers``; not the first member, the rendezvous's host) signs in
+again with a higher incarnation, and ``refresh`` makes its rank alive again in every view.
 """
 
 from __future__ import annotations
@@ -87,15 +87,16 @@ class RpcWorld:
         )
         store = dist.PrefixStore(f"stratagem-rpc/{resolver.attempt}/", base)
         cluster = json.dumps({j: spec.num_tasks(j) for j in sorted(spec.jobs)}, sort_keys=True)
-        # Only a coordinator's workers come back alone: they hold no state the job shares (the
-        # chief replays their datasets); a ps or the chief restarts with the whole job.
-        self._rejoinable = set(self.ranks("worker")) if is_coordinated(spec) else set()
+        # Only workers come back alone: they hold no state the job shares (a coordinator's
+        # chief replays their datasets; a between-graph worker pulls the ps's values), except
+        # the first member, which hosts the rendezvous; a ps or the chief restarts with the job.
+        self._rejoinable = set(self.ranks("worker")) - {0}
         incarnation = task_incarnation(os.environ)
         if incarnation > 1 and self.rank not in self._rejoinable:
             raise RendezvousError(
                 f"{self.describe(self.rank)} was restarted alone (incarnation {incarnation}), "
-                "but only a worker of a cluster with a chief (a ClusterCoordinator's) can rejoin "
-                "a running job; restart the whole job instead (--max-restarts)"
+                "but only a worker other than the chief (and than worker 0 without one) can "
+                "rejoin a running job; restart the whole job instead (--max-restarts)"
             )
         self._liveness = LivenessServer(advertised_host(host))
         self.me = Member(

@@ -8,10 +8,10 @@
    create them, the others pull them (a coordinating chief's state buffers too: BatchNorm's).
 3. ``optimizer.step()`` pushes each ps its shards' gradients and gets back their new values;
    the update runs on the ps (``ps/shard_store.py``). Modes: ``async`` (bounded staleness, a
-   staleness policy), ``sync`` (the mean of ``replicas_to_aggregate`` pushes), and sync with
-   ``backup_workers``.
-4. Each worker trains at its own pace: ``num_replicas_in_sync`` is 1, and ``reduce`` and metrics
-   are the worker's own; ``experimental_distribute_dataset`` gives each worker all the data.
+   staleness policy), ``sync`` (the mean of ``replicas_to_aggregate`` pushes, ``backup_workers``).
+4. Each worker trains at its own pace: ``num_replicas_in_sync`` is 1, ``reduce`` and metrics are
+   the worker's own; ``experimental_distribute_dataset`` gives each worker all the data, but in
+   sync mode cuts a DATA dataset's global batches across the workers (``input.WorkerPart``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
+import hashlib
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -34,10 +35,12 @@ from stratagem.distribute.capabilities import ChiefCoordination
 from stratagem.distribute.extended import StrategyExtended
 from stratagem.distribute.machinery import scope_hooks
 from stratagem.distribute.machinery.input import (
+    DistributedDataset,
     InputContext,
     InputOptions,
     PerWorkerDistributedDataset,
     PerWorkerDistributedDatasetsFromFunction,
+    WorkerPart,
 )
 from stratagem.distribute.machinery.worker_job import WorkerJob
 from stratagem.distribute.partitioners import Partitioner, Shard
@@ -147,7 +150,7 @@ class ParameterServerStrategy(Strategy):
         """Whether every worker is done (or lost): an evaluator's loop ends on it."""
         return self._client.training_finished()
 
-    def ps_stats(self) -> list[dict[str, int]]:
+    def ps_stats(self) -> list[dict[str, Any]]:
         """What each ps applied, dropped and held back so far (for tests and benchmarks)."""
         return self._client.ps_stats()
 
@@ -175,6 +178,7 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
         # A coordinator's worker task (``sg.distribute.Server``) has joined the world already
         # and says goodbye to the ps itself when the chief is done.
         serving = world is not None
+        self._serving = serving  # a coordinator's worker task: its chief schedules its input
         world = world or RpcWorld(resolver, rendezvous_timeout=timeouts.rendezvous)
         # An evaluator reads the parameters while the workers train; it pushes nothing.
         self._evaluator = resolver.task_type == "evaluator"
@@ -388,7 +392,20 @@ class ParameterServerExtended(StrategyExtended, ChiefCoordination):
         if self.coordinating:
             # TF2's coordinator: built on every worker by create_per_worker_dataset, not here.
             return PerWorkerDistributedDataset(dataset, options)
+        if self.client.rule.mode == "sync" and not (self._evaluator or self._serving):
+            # Between-graph sync: one global batch per update, a DATA dataset cut across the
+            # workers; its position (the chief's, saved with the ps's values after the same
+            # update) restores on any number of workers.
+            part = WorkerPart(self.worker_index, self.num_workers, self._job_seed())
+            return DistributedDataset(self, dataset, options, worker_part=part)
         return super().distribute_dataset(dataset, options)
+
+    def _job_seed(self) -> int:
+        """A seed every worker of this job derives alike (for unseeded shuffles), from the
+        job's secret, or its cluster where it runs without one."""
+        secret = self.world.secret or repr(self.cluster_resolver.cluster_spec().as_dict()).encode()
+        digest = hashlib.sha256(b"stratagem input seed " + secret).digest()
+        return int.from_bytes(digest[:8], "big") >> 2
 
     @override
     def distribute_datasets_from_function(

@@ -5,13 +5,13 @@ them by ``options().experimental_distribute.auto_shard_policy``. DATA (and AUTO,
 ``sg.data`` source reads files): every worker iterates the same batches, each cut into
 ``num_replicas_in_sync`` parts of ``ceil(n / replicas)``, the last smaller or empty, worker
 ``w``'s replica ``j`` taking part ``j * num_workers + w``; unseeded shuffles get the chief's
-seed, so each example is seen once per epoch. OFF, HINT, and FILE on one worker (on several it
-raises: no source reads files): each worker reads its own stream, re-cut into shares of the full
-batch where it is known (``batch_sizes_for_worker``), its replicas taking consecutive ones. With
-``distribute_datasets_from_function(fn)`` each worker's ``fn(InputContext)`` gives per-replica
-batches. An element is the batch's structure with ``PerReplica`` leaves. With several workers
-every batch is agreed on (an all-reduce started one batch ahead), so an uneven end never leaves
-a worker waiting in a collective: replicas without data get empty batches while others go on.
+seed. OFF, HINT, and FILE on one worker (on several it raises: no source reads files): each
+worker reads its own stream, re-cut into shares of the full batch where known
+(``batch_sizes_for_worker``). Between-graph sync workers (``WorkerPart``) each take their part
+of a DATA dataset's global batches, of any other the whole. With ``distribute_datasets_from_
+function(fn)`` each worker's ``fn(InputContext)`` gives per-replica batches. An element is the
+batch's structure with ``PerReplica`` leaves. With several workers every batch is agreed on (an
+all-reduce one batch ahead): replicas without data get empty batches while others go on.
 """
 
 from __future__ import annotations
@@ -90,6 +90,20 @@ class InputContext:
             f"sg.distribute.InputContext(input pipeline id {self.input_pipeline_id}, "
             f"total: {self.num_input_pipelines})"
         )
+
+
+@dataclass(frozen=True)
+class WorkerPart:
+    """Between-graph synchronous training (a sync parameter-server job: each worker its own
+    process, without collectives, one step of the job per update): this worker is ``index`` of
+    ``workers``. A dataset whose ``auto_shard_policy`` is DATA is read whole by every worker,
+    its unseeded shuffles seeded with ``seed`` (the job's), and each global batch is cut as
+    ``split_sizes`` cuts it, this worker taking part ``index``: the workers of one step consume
+    one global batch, and the position of the stream is the job's."""
+
+    index: int
+    workers: int
+    seed: int
 
 
 @dataclass(frozen=True)
@@ -453,6 +467,7 @@ class DistributedDataset:
         options: InputOptions | None = None,
         *,
         split: bool = True,
+        worker_part: WorkerPart | None = None,
     ) -> None:
         if not isinstance(dataset, Iterable):
             raise InputError(
@@ -477,6 +492,8 @@ class DistributedDataset:
             or (self._policy is AutoShardPolicy.FILE and comm.world_size == 1)
         )
         self._full_batch = _full_batch_size(dataset)
+        # Between-graph sync: only an explicit DATA cuts (AUTO keeps TF's whole batch per worker).
+        self._part = worker_part if split and self._policy is AutoShardPolicy.DATA else None
         if split and comm.world_size > 1 and self._policy is AutoShardPolicy.FILE:
             raise InputError(
                 "auto_shard_policy is AutoShardPolicy.FILE, which shards a dataset by the files "
@@ -492,8 +509,10 @@ class DistributedDataset:
                     f"{self._policy.name}; dataset: {dataset!r}"
                 )
             dataset = dataset.with_shard_hints(comm.world_size, comm.rank)
-        if comm.world_size > 1 and self._policy is not AutoShardPolicy.OFF:
-            seed = shared_seed(extended)
+        if self._part is not None or (
+            comm.world_size > 1 and self._policy is not AutoShardPolicy.OFF
+        ):
+            seed = self._part.seed if self._part is not None else shared_seed(extended)
             if isinstance(dataset, sg_data.Dataset):
                 dataset = dataset.reseeded(seed)
             elif (
@@ -525,7 +544,12 @@ class DistributedDataset:
                 lambda: self.element_spec,
             )
         return _SplittingIterator(
-            self._extended, source, self._distributor, self._split, lambda: self.element_spec
+            self._extended,
+            source,
+            self._distributor,
+            self._split,
+            lambda: self.element_spec,
+            self._part,
         )
 
     @property
@@ -670,11 +694,13 @@ class _SplittingIterator(_AgreedIterator):
         distributor: _Distributor,
         split: bool,
         element_spec: Callable[[], Any],
+        part: WorkerPart | None = None,
     ) -> None:
         super().__init__(extended, distributor)
         self._source = source
         self._split = split
         self._spec = element_spec
+        self._part = part
 
     def _element_spec(self) -> Any:
         return self._spec()
@@ -694,6 +720,11 @@ class _SplittingIterator(_AgreedIterator):
             return self._distributor.deliver([batch], None)
         replicas = self._extended.num_replicas_in_sync
         size = batch_size_of(batch)
+        if self._part is not None:
+            # This worker's part; its loss is its part's mean (the ps averages the workers').
+            part = cut(batch, self._extended.split_sizes(size, self._part.workers))
+            mine = part[self._part.index]
+            return self._distributor.deliver([mine], batch_size_of(mine))
         if replicas == 1:  # one replica in all: the global batch is its batch
             return self._distributor.deliver([batch], size)
         parts = cut(batch, self._extended.split_sizes(size, replicas))

@@ -379,8 +379,9 @@ class PsClient:
         """Whether every worker is done (or lost)."""
         return all(self._ask("workers_done", "whether the workers are done"))
 
-    def ps_stats(self) -> list[dict[str, int]]:
-        """What each ps applied, dropped and held back so far."""
+    def ps_stats(self) -> list[dict[str, Any]]:
+        """What each ps applied, dropped and held back so far; in sync mode the gradients of
+        each update (``counts``), and how many workers it counts as training."""
         return self._ask("stats", "a request for its statistics")
 
     def finish(self, *, wait: bool = True) -> None:

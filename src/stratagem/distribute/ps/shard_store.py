@@ -4,12 +4,14 @@ rule (the task that serves them is ``task_server.PsTaskServer``).
 ``methods`` is the fixed table of what workers may ask through ``comm.messages`` (each call on
 the asking worker's connection thread, its arguments plain data). Per optimizer a worker pushes
 for: the shards it updates on this ps, a torch optimizer of the worker's class over them (its
-state lives here), and a version (updates applied). ``async``: a pushed gradient is applied at
-once; the staleness policy applies it as is, scales it by ``1 / (1 + staleness)`` or drops it
-beyond a bound, and with ``max_staleness=s`` a worker more than ``s`` steps ahead of the slowest
-gets its reply only once the slowest catches up. ``sync``: gradients for the current version
-are summed until ``replicas_to_aggregate`` arrived, then their mean is applied; a late gradient
-for an older version is dropped and its worker gets the current values. Replies carry copies.
+state lives here), and a version (updates applied). ``async``: a push is applied at once, as is,
+scaled by ``1 / (1 + staleness)`` or dropped beyond a bound, and with ``max_staleness=s`` a
+worker more than ``s`` steps ahead of the slowest gets its reply once the slowest catches up.
+``sync``: gradients for the current version are summed until ``replicas_to_aggregate`` arrived,
+then their mean is applied; a late one is dropped and its worker gets the current values. A
+lost worker that comes back (restarted alone) is taken back at its first push: in sync mode
+that late gradient is dropped and it counts from the next update on; in async mode it is
+applied, its clock starting at the slowest one's. Replies carry copies.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Stats:
     dropped: int = 0  # gradients dropped: late in sync, too stale in async
     steps: int = 0  # updates applied
     waits: int = 0  # replies held back by the staleness bound
+    counts: list[int] = field(default_factory=list)  # sync: the gradients of each update
 
 
 class ShardStore:
@@ -84,6 +87,7 @@ class ShardStore:
         # by its first variable id: set when the chief has created those shards.
         self._created: dict[int, Future] = {}
         self._left: set[int] = set()  # workers that finished or were lost
+        self._lost: set[int] = set()  # of those, the lost: one may come back (restarted)
         self._lost_any = False
         self._goodbyes: list[Future] = []  # workers waiting for the others to finish
         self._pending_state: dict[ShardKey, dict[str, Any]] = {}  # restored, no optimizer yet
@@ -175,16 +179,34 @@ class ShardStore:
     ) -> Future:
         """A worker's gradients for the shards of one optimizer; the future is the reply."""
         assert self.rule is not None, "push before create"
+        back = self._take_back(worker)
         group = self._group(optimizer_class, groups)
         rule = self.rule
         reply: Future = Future()
         with group.lock:
+            if back:
+                # Its clock starts at the slowest one's: the steps it missed hold nobody back.
+                others = [c for w, c in group.clocks.items() if w != worker and w not in self._left]
+                group.clocks[worker] = min(others, default=0)
             self._set_hyperparameters(group, groups)
             if rule.mode == "sync":
                 self._push_sync(group, worker, version, grads, reply)
             else:
                 self._push_async(group, worker, version, grads, reply)
         return reply
+
+    def _take_back(self, worker: int) -> bool:
+        """Whether ``worker`` was lost and pushes again (restarted): it counts among those
+        training again. In sync mode its push is for an older version (it never saw the current
+        one), so it is dropped and the worker answered with the current values: from the next
+        update on its gradients count, and the update under way waits for them (no update mixes
+        gradients of two versions)."""
+        with self._lock:
+            if worker not in self._lost:
+                return False
+            self._lost.discard(worker)
+            self._left.discard(worker)
+            return True
 
     def _group(
         self,
@@ -278,6 +300,7 @@ class ShardStore:
         group.contributors = set()
         assert total is not None
         self.stats.applied += count
+        self.stats.counts.append(count)
         self._apply(group, total, 1.0 / count)
         values = self._values(group)
         for w in waiting:
@@ -434,6 +457,8 @@ class ShardStore:
         with self._lock:
             if worker >= 0:
                 self._left.add(worker)
+                if lost:
+                    self._lost.add(worker)
             self._lost_any = self._lost_any or lost
             self._goodbyes.append(goodbye)
             groups = list(self._groups.values())
@@ -565,7 +590,7 @@ def methods(store: ShardStore, worker_names: list[str]) -> dict[str, Callable[..
             waits_for_chief("this worker waits for the chief's restored values"),
         )
 
-    def stats() -> dict[str, int]:
+    def stats() -> dict[str, Any]:
         s = store.stats
         return {
             "applied": s.applied,
@@ -573,6 +598,8 @@ def methods(store: ShardStore, worker_names: list[str]) -> dict[str, Callable[..
             "steps": s.steps,
             "waits": s.waits,
             "shards": store.num_shards,
+            "counts": list(s.counts),
+            "training": len(store.still_training()),
         }
 
     return {

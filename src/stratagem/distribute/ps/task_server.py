@@ -1,6 +1,7 @@
 """A ps task's server: ``sg.distribute.Server`` on a ps task serves the task's shards
 (``server.ShardStore`` and its ``methods``) until every worker is done or lost, then until every
-task connected to it has hung up, naming one that stops answering."""
+task connected to it has hung up, naming one that stops answering. A lost worker is watched
+again once it comes back (restarted alone, it pushes again)."""
 
 from __future__ import annotations
 
@@ -88,17 +89,17 @@ class PsTaskServer:
                 and world.state(chief) == "alive"
             )
 
-        def done(rank: int) -> bool:
+        def watch(rank: int) -> None:
             if self.store.has_left(index[rank]):
-                return True
+                return  # finished, or lost and not back (a restarted one is taken back)
             state = world.state(rank)
             if state == "alive":
                 quiet_since.pop(rank, None)
-                return False
+                return
             if state == "silent":
                 if rank == workers[0] or not coordinating():
                     silent_too_long(rank, "finish training")
-                return False
+                return
             print(
                 f"{world.describe(rank)} ended without saying it was done (lost); "
                 "training goes on without it",
@@ -106,10 +107,14 @@ class PsTaskServer:
                 flush=True,
             )
             self.store.leave(index[rank], lost=True)
-            return True
 
         try:
-            world.wait_for(workers, done, threading.Event())
+            # Every worker is watched until all are done: a lost one may come back.
+            pause = threading.Event()
+            while not self.store.workers_done():
+                for rank in workers:
+                    watch(rank)
+                pause.wait(0.25)
             # The workers' goodbyes are answered; the evaluator may still be reading.
             quiet_since.clear()
             while True:
