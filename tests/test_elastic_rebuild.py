@@ -27,8 +27,13 @@ from stratagem.cluster import TorchrunClusterResolver
 from stratagem.comm.binding import TRANSPORT_INTERFACE_VARIABLES
 from stratagem.comm.elastic_member import admit, continue_without, ranks_after_loss
 from stratagem.comm.liveness import probe
-from stratagem.comm.process_group import GroupCommunicator, ProcessGroupCommunicator, Timeouts
-from stratagem.errors import RendezvousError, StaleGroupError
+from stratagem.comm.process_group import (
+    WAIT_SLICE_S,
+    GroupCommunicator,
+    ProcessGroupCommunicator,
+    Timeouts,
+)
+from stratagem.errors import MembershipChanged, RendezvousError, StaleGroupError
 
 SCRIPT = WORKERS / "elastic_rebuild.py"
 # Every collective's own timeout: far longer than any test below may take, so that no verdict
@@ -243,3 +248,56 @@ def test_a_rebuild_is_refused_for_an_earlier_round_or_outside_an_elastic_job(mon
     outside = pytest.raises(RendezvousError, match="outside an elastic job")
     with lone_worker(monkeypatch, elastic="0") as comm, outside:
         comm.rebuild(round=1, rank=0, world_size=1)
+
+
+class _TimedWork:
+    """A gloo Work as its timed wait behaves (torch's ``Work::wait(timeout)``): each
+    ``wait(timeout)`` is one slice, ending unfinished ("Operation timed out!") unless the Work
+    fails; ``during_slice(n)`` runs in the n-th; ``done_at`` is the slice at whose end the
+    collective completes, just after the wait gave up."""
+
+    def __init__(self, during_slice, done_at: int | None = None, error: str = "") -> None:
+        self.during_slice, self.done_at, self.error = during_slice, done_at, error
+        self.slices: list[datetime.timedelta] = []
+        self.completed = False
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if timeout is None:
+            assert self.completed, "a blocking wait on a pending collective: nothing ends it"
+            return True
+        self.slices.append(timeout)
+        self.during_slice(len(self.slices))
+        if self.error:
+            raise RuntimeError(self.error)
+        self.completed = len(self.slices) == self.done_at
+        raise RuntimeError("Operation timed out!")
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+def test_the_agent_s_word_ends_a_sliced_wait_at_the_end_of_the_slice_it_came_in(monkeypatch):
+    """The release the sliced wait exists for, slice by slice: the word comes during the third
+    slice and the wait ends as that slice does, each slice ``WAIT_SLICE_S`` long; a collective
+    that completes as the slice ends is complete, not abandoned; the collective's own error
+    passes through as itself."""
+    slice_ = datetime.timedelta(seconds=WAIT_SLICE_S)
+    with lone_worker(monkeypatch) as comm:
+
+        def word_in(n: int):
+            return lambda i: i == n and comm.abandon("the agent declared rank 2 lost")
+
+        work = _TimedWork(word_in(3))
+        with pytest.raises(MembershipChanged, match="on rank 0 of round 0 was abandoned: the "):
+            comm._complete(work, "all_reduce of the step")
+        assert work.slices == [slice_] * 3
+        comm.rebuild(round=1, rank=0, world_size=1)  # clears the word
+
+        work = _TimedWork(word_in(2), done_at=2)
+        comm._complete(work, "all_reduce of the step")
+        assert work.slices == [slice_] * 2
+        comm.rebuild(round=2, rank=0, world_size=1)
+
+        lost = "Connection closed by peer [127.0.0.1]:1234"
+        with pytest.raises(RuntimeError, match=re.escape(lost)):
+            comm._complete(_TimedWork(lambda i: None, error=lost), "all_reduce of the step")

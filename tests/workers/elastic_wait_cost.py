@@ -1,10 +1,11 @@
-"""What an elastic job's wait for a collective (in slices) costs against gloo's blocking wait:
-run by hand, ``python tests/workers/elastic_wait_cost.py`` (two gloo processes on this machine).
+"""What an elastic job's wait for a collective (in slices) costs against gloo's blocking wait,
+in the same two processes: run by hand, ``python tests/workers/elastic_wait_cost.py``.
 
-Each rank alternates blocks of ``BLOCK`` all-reduces waited one way, then the other (the
-order alternating too), on one group, and prints the median seconds per all-reduce of each
-way, and the median of the rounds' ratios, for a tiny tensor (one float) and a small one
-(64 Ki floats, 256 KiB).
+Each rank runs ``PAIRS`` pairs of all-reduces on one communicator, one waited each way (which
+goes first alternating), and prints the median over pairs of sliced / blocking, beside the same
+figure for two blocking waits (what identical waits differ by here), for a tiny tensor (one
+float) and a small one (64 Ki floats, 256 KiB). Pair by pair, both ways meet the same load;
+``benchmarks/elastic_waits.py`` measures whole jobs with ``STRATAGEM_ELASTIC=1`` and ``0``.
 """
 
 import os
@@ -13,7 +14,7 @@ import subprocess
 import sys
 import time
 
-BLOCK, ROUNDS = 50, 41
+PAIRS = 3000
 
 
 def worker(rank: int, port: int) -> None:
@@ -28,24 +29,27 @@ def worker(rank: int, port: int) -> None:
     comm = ProcessGroupCommunicator(
         TorchrunClusterResolver(environ=env), backend="gloo", timeouts=Timeouts(30.0, 30.0)
     )
+
+    def seconds(t: torch.Tensor, sliced: bool) -> float:
+        comm._elastic = sliced  # the wait's way; nothing else differs per all-reduce
+        start = time.perf_counter()
+        comm.all_reduce(t, what="the measurement")
+        return time.perf_counter() - start
+
     for numel in (1, 1 << 16):
         t = torch.ones(numel)
-        times: dict[bool, list[float]] = {True: [], False: []}
-        for i in range(ROUNDS):
-            for sliced in (True, False) if i % 2 else (False, True):
-                comm._elastic = sliced  # the wait's way; nothing else differs in the loop
-                start = time.perf_counter()
-                for _ in range(BLOCK):
-                    comm.all_reduce(t, what="the measurement")
-                times[sliced].append((time.perf_counter() - start) / BLOCK)
+        ratios: dict[str, list[float]] = {"sliced / blocking": [], "blocking / blocking": []}
+        for i in range(PAIRS):
+            for name, a in (("sliced / blocking", True), ("blocking / blocking", False)):
+                if i % 2:
+                    b_s, a_s = seconds(t, False), seconds(t, a)
+                else:
+                    a_s, b_s = seconds(t, a), seconds(t, False)
+                ratios[name].append(a_s / b_s)
         comm._elastic = True
-        blocking, sliced = (statistics.median(times[k]) for k in (False, True))
-        # Side by side in each round: a shared machine's load moves both alike.
-        ratio = statistics.median(s / b for s, b in zip(times[True], times[False]))
         print(
-            f"rank {rank} {numel} floats: blocking wait {blocking * 1e6:.0f} us, sliced "
-            f"{sliced * 1e6:.0f} us per all-reduce (medians); median ratio of the rounds "
-            f"{(ratio - 1) * 100:+.1f}%",
+            f"rank {rank} {numel} floats, {PAIRS} pairs: "
+            + ", ".join(f"{k} {statistics.median(v):.4f}" for k, v in ratios.items()),
             flush=True,
         )
     comm.shutdown()
