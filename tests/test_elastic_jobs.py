@@ -346,23 +346,33 @@ def test_a_lost_node_leaves_the_job_and_a_node_that_comes_back_is_admitted(tmp_p
     assert "node 1 admitted: 2 of 2 nodes" in out0, out0
 
 
-def test_a_link_cut_for_5_s_both_nodes_meet_again_and_finish(tmp_path, machines):
-    """``--nnodes 2:2 --max-restarts 1`` over two network namespaces, collectives timing out
+@pytest.mark.parametrize(
+    ("nodes", "cut_s"),
+    [
+        pytest.param("2:2", 5, id="elastic-5s"),
+        pytest.param("2", 12, id="fixed-12s"),
+    ],
+)
+def test_a_cut_link_both_nodes_meet_again_and_finish(tmp_path, machines, nodes, cut_s):
+    """``--nnodes N --max-restarts 1`` over two network namespaces, collectives timing out
     after 3 s: at step 6 node 1's worker holds while node 0's waits in the step's all-reduce;
-    node 1's link is cut for 5 s, then restored, then node 1's worker goes on. Node 0's
+    node 1's link is cut for ``cut_s``, then restored, then node 1's worker goes on. Node 0's
     all-reduce times out, node 1's finds its peer gone: both nodes meet again in a new round
-    (one restart each), resume from the backup, and exit 0 with the training finished, exact."""
+    (one restart each), resume from the backup, and exit 0 with the training finished, exact.
+    ``--nnodes 2:2``: torch's agents, cut for 5 s. ``--nnodes 2``: our launchers' meeting,
+    cut for longer than its control links' keepalive (10 s at most), so that both launchers
+    lose their link: node 1, without node 0's word, meets node 0 again as node 0 does."""
     if machines.hosts is None:
         pytest.skip("a link to cut needs network namespaces (root)")
     (port,) = free_ports(1)
     events = [(0, "node1", 6, "hold")]
-    options = ("--nnodes", "2:2", "-n", "1", "--max-restarts", "1")
+    options = ("--nnodes", nodes, "-n", "1", "--max-restarts", "1", "--join-timeout", "60")
     env = {"STRATAGEM_OP_TIMEOUT": "3"}
     node0, node1 = (_node(machines, tmp_path, port, events, r, *options, env=env) for r in (0, 1))
     try:
         _wait_for(tmp_path / "at-0-node1", [node0, node1], "node 1's worker at step 6")
         machines.hosts.cut(1)
-        time.sleep(5)  # the scenario: the link stays cut for 5 s
+        time.sleep(cut_s)  # the scenario: the link stays cut for a while
         machines.hosts.mend(1)
         (tmp_path / "go").write_text("")
         results = [node0.wait(timeout=240), node1.wait(timeout=240)]
@@ -372,8 +382,14 @@ def test_a_link_cut_for_5_s_both_nodes_meet_again_and_finish(tmp_path, machines)
                 p.end_all()
     for rank, result in enumerate(results):
         assert result.returncode == 0, result.stdout
-        said = f"on node {rank}; its workers started again (restart 1 of 1)"
+        if ":" in nodes:
+            said = f"on node {rank}; its workers started again (restart 1 of 1)"
+        else:
+            said = "all 2 nodes arrived for attempt 2: "
         assert said in result.stdout, result.stdout
+    if ":" not in nodes:  # node 1 saw its link to node 0 time out, and met it again
+        lost = f"node 1 of 2 lost its link to node 0's launcher at 10.77.0.1:{port} without"
+        assert lost in results[1].stdout, results[1].stdout
     assert _check_exact(tmp_path, results[0].stdout + results[1].stdout) == [2] * STEPS
 
 
