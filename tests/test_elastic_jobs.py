@@ -355,16 +355,17 @@ def test_a_lost_node_leaves_the_job_and_a_node_that_comes_back_is_admitted(tmp_p
     ],
 )
 def test_a_cut_link_both_nodes_meet_again_and_finish(tmp_path, machines, nodes, cut_s):
-    """``--nnodes N --max-restarts 1`` over two network namespaces, collectives timing out
+    """``--nnodes N`` over two network namespaces, collectives timing out
     after 3 s: at step 6 node 1's worker holds while node 0's waits in the step's all-reduce;
     node 1's link is cut for ``cut_s``, then restored. Both sides reach one decision: they meet
     again, resume from the backup, and exit 0 with the training finished, exact (each step
     trained once, by one round: a cut node training alone would train steps twice).
     ``2:2``: cut for 5 s, node 1's worker goes on after it; both nodes start their workers
-    again in a new round (one restart each). ``1:2``: cut for longer than the rendezvous's
-    heartbeat expiry (5 s), node 1's worker let go during the cut (its all-reduce fails there):
-    node 0, which hosts the store, goes on alone (its round-1 worker waits at step 8), node 1
-    cannot (no store to meet on) and is admitted when the link returns. ``2``: our launchers'
+    again in a new round (one restart each). ``1:2`` with ``--max-restarts 0``: cut for longer
+    than the rendezvous's heartbeat expiry (5 s), node 1's worker let go during the cut (its
+    all-reduce fails there): node 0, which hosts the store, goes on alone (its round-1 worker
+    waits at step 8), node 1 cannot (no store to meet on) and is admitted when the link
+    returns, as a newcomer: no restart spent. ``2``: our launchers'
     meeting, cut for longer than its control links' keepalive (10 s at most): node 1, having
     lost node 0's link without its word, meets node 0 again as node 0 does."""
     if machines.hosts is None:
@@ -374,7 +375,8 @@ def test_a_cut_link_both_nodes_meet_again_and_finish(tmp_path, machines, nodes, 
     events = [(0, "node1", 6, "hold")]
     if alone:  # node 0's round without node 1 (round 1) stops at step 8 until node 1 is back
         events.append((1, "node0", 8, "wait"))
-    options = ("--nnodes", nodes, "-n", "1", "--max-restarts", "1", "--join-timeout", "60")
+    restarts = "0" if alone else "1"  # node 1 left out comes back as a newcomer: none spent
+    options = ("--nnodes", nodes, "-n", "1", "--max-restarts", restarts, "--join-timeout", "60")
     env = {"STRATAGEM_OP_TIMEOUT": "3"}
     node0, node1 = (_node(machines, tmp_path, port, events, r, *options, env=env) for r in (0, 1))
     try:
@@ -403,6 +405,8 @@ def test_a_cut_link_both_nodes_meet_again_and_finish(tmp_path, machines, nodes, 
         assert "continued with 1 of 2 nodes; node 1 lost" in out0, out0
         assert "node 1 admitted: 2 of 2 nodes" in out0, out0
         assert "continued with" not in out1, out1
+        again = r"node 1 admitted again in round \d+: the job went on without it since round 0"
+        assert re.search(again, out1), out1
         return
     assert worlds == [2] * STEPS
     for rank, out in enumerate((out0, out1)):
