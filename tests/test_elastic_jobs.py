@@ -346,23 +346,46 @@ def test_a_lost_node_leaves_the_job_and_a_node_that_comes_back_is_admitted(tmp_p
     assert "node 1 admitted: 2 of 2 nodes" in out0, out0
 
 
-def test_a_link_cut_for_5_s_both_nodes_meet_again_and_finish(tmp_path, machines):
-    """``--nnodes 2:2 --max-restarts 1`` over two network namespaces, collectives timing out
+@pytest.mark.parametrize(
+    ("nodes", "cut_s"),
+    [
+        pytest.param("2:2", 5, id="elastic-5s"),
+        pytest.param("1:2", 12, id="elastic-past-heartbeat-12s"),
+        pytest.param("2", 12, id="fixed-12s"),
+    ],
+)
+def test_a_cut_link_both_nodes_meet_again_and_finish(tmp_path, machines, nodes, cut_s):
+    """``--nnodes N`` over two network namespaces, collectives timing out
     after 3 s: at step 6 node 1's worker holds while node 0's waits in the step's all-reduce;
-    node 1's link is cut for 5 s, then restored, then node 1's worker goes on. Node 0's
-    all-reduce times out, node 1's finds its peer gone: both nodes meet again in a new round
-    (one restart each), resume from the backup, and exit 0 with the training finished, exact."""
+    node 1's link is cut for ``cut_s``, then restored. Both sides reach one decision: they meet
+    again, resume from the backup, and exit 0 with the training finished, exact (each step
+    trained once, by one round: a cut node training alone would train steps twice).
+    ``2:2``: cut for 5 s, node 1's worker goes on after it; both nodes start their workers
+    again in a new round (one restart each). ``1:2`` with ``--max-restarts 0``: cut for longer
+    than the rendezvous's heartbeat expiry (5 s), node 1's worker let go during the cut (its
+    all-reduce fails there): node 0, which hosts the store, goes on alone (its round-1 worker
+    waits at step 8), node 1 cannot (no store to meet on) and is admitted when the link
+    returns, as a newcomer: no restart spent. ``2``: our launchers'
+    meeting, cut for longer than its control links' keepalive (10 s at most): node 1, having
+    lost node 0's link without its word, meets node 0 again as node 0 does."""
     if machines.hosts is None:
         pytest.skip("a link to cut needs network namespaces (root)")
     (port,) = free_ports(1)
+    alone = nodes == "1:2"
     events = [(0, "node1", 6, "hold")]
-    options = ("--nnodes", "2:2", "-n", "1", "--max-restarts", "1")
+    if alone:  # node 0's round without node 1 (round 1) stops at step 8 until node 1 is back
+        events.append((1, "node0", 8, "wait"))
+    restarts = "0" if alone else "1"  # node 1 left out comes back as a newcomer: none spent
+    options = ("--nnodes", nodes, "-n", "1", "--max-restarts", restarts, "--join-timeout", "60")
     env = {"STRATAGEM_OP_TIMEOUT": "3"}
     node0, node1 = (_node(machines, tmp_path, port, events, r, *options, env=env) for r in (0, 1))
     try:
         _wait_for(tmp_path / "at-0-node1", [node0, node1], "node 1's worker at step 6")
         machines.hosts.cut(1)
-        time.sleep(5)  # the scenario: the link stays cut for 5 s
+        if alone:
+            time.sleep(cut_s / 2)
+            (tmp_path / "go").write_text("")  # node 1's worker tries its all-reduce, cut
+        time.sleep(cut_s / 2 if alone else cut_s)  # the scenario: the link stays cut a while
         machines.hosts.mend(1)
         (tmp_path / "go").write_text("")
         results = [node0.wait(timeout=240), node1.wait(timeout=240)]
@@ -370,11 +393,30 @@ def test_a_link_cut_for_5_s_both_nodes_meet_again_and_finish(tmp_path, machines)
         for p in (node0, node1):
             if p.proc.returncode is None:
                 p.end_all()
-    for rank, result in enumerate(results):
+    out0, out1 = results[0].stdout, results[1].stdout
+    for result in results:
         assert result.returncode == 0, result.stdout
-        said = f"on node {rank}; its workers started again (restart 1 of 1)"
-        assert said in result.stdout, result.stdout
-    assert _check_exact(tmp_path, results[0].stdout + results[1].stdout) == [2] * STEPS
+    worlds = _check_exact(tmp_path, out0 + out1)
+    if alone:
+        # Node 0 trained alone for at most 2 steps (until its worker waited at step 8, or
+        # until node 1 asked to join); node 1 never met without node 0.
+        k = worlds.count(1)
+        assert k <= 2 and worlds == [2] * 6 + [1] * k + [2] * (STEPS - 6 - k), worlds
+        assert "continued with 1 of 2 nodes; node 1 lost" in out0, out0
+        assert "node 1 admitted: 2 of 2 nodes" in out0, out0
+        assert "continued with" not in out1, out1
+        again = r"node 1 admitted again in round \d+: the job went on without it since round 0"
+        assert re.search(again, out1), out1
+        return
+    assert worlds == [2] * STEPS
+    for rank, out in enumerate((out0, out1)):
+        if ":" in nodes:
+            assert f"on node {rank}; its workers started again (restart 1 of 1)" in out, out
+        else:
+            assert "all 2 nodes arrived for attempt 2: " in out, out
+    if ":" not in nodes:  # node 1 saw its link to node 0 time out, and met it again
+        lost = f"node 1 of 2 lost its link to node 0's launcher at 10.77.0.1:{port} without"
+        assert lost in out1, out1
 
 
 class _CutStore:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster_utils import WORKERS, Process, Result, child_env
+from cluster_utils import WORKERS, Process, Result, child_env, free_ports
 
 pytestmark = pytest.mark.multiprocess
 
@@ -538,9 +538,11 @@ def test_node_0_lost_ends_the_job_on_the_other_nodes(hosts):
 
 
 def test_a_cut_link_ends_the_job_on_both_sides_named(hosts):
-    """Node 1's link goes down while its worker holds (no FIN, no RST): the control links'
-    keepalive sees it on both sides. Node 0 restarts the job and waits for node 1 at the
-    meeting until --join-timeout (124); node 1, without node 0, ends with NodeLostError (1)."""
+    """Node 1's link goes down for good while its worker holds (no FIN, no RST): the control
+    links' keepalive sees it on both sides, and both decide alike. Node 0 restarts the job and
+    waits for node 1 at the meeting until --join-timeout (124); node 1, without node 0's word,
+    meets it again as node 0 does, reaches nothing until its own --join-timeout, and ends with
+    the same code naming the cut link (not as if node 0 were gone: its port never refused)."""
     h = hosts(2)
     node0, node1 = _holding(h, join_timeout="3")
     h.cut(1)
@@ -548,5 +550,47 @@ def test_a_cut_link_ends_the_job_on_both_sides_named(hosts):
     out0, out1 = results[0].stdout, results[1].stdout
     assert results[0].returncode == 124, out0
     assert "missing: node 1." in out0, out0
-    assert results[1].returncode == 1, out1
-    assert "stratagem run: node 0's launcher at 10.77.0.1:29500 was lost (" in out1, out1
+    assert results[1].returncode == 124, out1
+    assert (
+        "stratagem run: node 1 of 2 lost its link to node 0's launcher at 10.77.0.1:29500 on "
+        "attempt 1 (node 0's launcher at 10.77.0.1:29500 did not answer: the link timed out"
+    ) in out1, out1
+    assert "could not reach it again within 3 s (--join-timeout)" in out1, out1
+    assert "the network between them is cut, or node 0's machine is down" in out1, out1
+
+
+def test_a_node_that_lost_node_0s_link_meets_it_again_or_ends_named(tmp_path):
+    """In one process: a node whose link to node 0 was lost meets node 0 again; a refused
+    port there is node 0's launcher gone (``NodeLostError``, at once: node 0 listens for the
+    whole job), while no answer is waited out to the join timeout (``JoinTimeoutError``, the
+    cut link named). ``meeting_place`` keeps node 0's port between meetings."""
+    from stratagem.cluster.nodes import (
+        JoinTimeoutError,
+        LostLink,
+        NodeLostError,
+        Nodes,
+        meet_nodes,
+        meeting_place,
+    )
+
+    (port,) = free_ports(1)
+    options = {
+        "host": "127.0.0.1",
+        "restart": 1,
+        "base_env": SECRET,
+        "omp_threads": 1,
+        "log": lambda line: None,
+        "max_restarts": 1,
+        "lost": LostLink("node 0's launcher did not answer: the link timed out", 0),
+    }
+    node1 = Nodes(2, 1, "127.0.0.1", port, timeout_s=30.0)
+    started = time.monotonic()
+    with pytest.raises(NodeLostError, match="and its port now refuses node 1 of 2: "):
+        meet_nodes(node1, 1, **options)  # nothing listens there: refused
+    assert time.monotonic() - started < 5.0  # at once, not after the 30 s join timeout
+    # Node 0's port open (between its meetings): the connection waits in its backlog, and
+    # nothing answers it within the join timeout, as through a cut link.
+    with meeting_place(Nodes(2, 0, "127.0.0.1", port)):
+        cut = Nodes(2, 1, "127.0.0.1", port, timeout_s=0.5)
+        with pytest.raises(JoinTimeoutError, match="did not answer within the join timeout"):
+            meet_nodes(cut, 1, **options)

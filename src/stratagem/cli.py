@@ -79,7 +79,8 @@ exit codes:
          launcher was lost mid-job (NodeLostError: the job cannot restart without it)
   2      a usage error: bad options or values, nothing was started
   {launcher.JOIN_TIMEOUT_EXIT_CODE}    --nnodes: the nodes did not all meet within --join-timeout
-         (start them closer together in time, or raise it)
+         (start them closer together in time, or raise it), also after a link between
+         them was cut for longer: every side ends so
   128+S  the launcher received signal S and stopped the job (130: Ctrl-C, 143: SIGTERM)
 A task's own code can be any of these: the launcher's last line (job failed: ...) says which.
 """

@@ -3,15 +3,14 @@
 With ``--max-restarts``, the connections of the nodes' meeting stay open for the attempt as
 control links, node 0's launcher at the hub: every other node reports how its tasks ended (its
 ``Outcome``, or that its launcher was stopped), node 0 decides for the whole job and tells every
-node: ``done`` (every node's tasks ended well), ``restart`` (a task or a node failed and
-restarts are left: every node stops its tasks and the nodes meet again for the next attempt),
-or ``failed``. A link that closes is a node lost: a node other than 0 is a failure like a
-task's (the job restarts when it may, and the lost node's launcher, started again, rejoins at
-the next meeting, else the meeting ends with ``JoinTimeoutError``); node 0 lost ends the job on
-every other node with ``NodeLostError``, since node 0 holds the meeting.
-
-One signed JSON message each way per attempt, read by a thread per link and checked field by
-field, as the meeting's (``stratagem.cluster.nodes``); no torch.
+node: ``done``, ``restart`` (every node stops its tasks and the nodes meet again for the next
+attempt) or ``failed``. A link that closes or falls silent is a node lost. Node 0 losing a node
+is a failure like a task's (the job restarts when it may; the node rejoins at the next meeting,
+else it ends with ``JoinTimeoutError``). A node losing node 0's link without its word decides
+alike: with a restart left it meets node 0 again (``nodes.LostLink``: both meet when a cut link
+heals, else both end with ``JoinTimeoutError``; a refused port is ``NodeLostError``), else the
+job ends. One signed JSON message each way per attempt, read by a thread per link and checked
+field by field, as the meeting's (``stratagem.cluster.nodes``); no torch.
 """
 
 from __future__ import annotations
@@ -25,8 +24,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from stratagem.cluster.attempt import Outcome
-from stratagem.cluster.nodes import MeetingSigner, NodeAttempt, Nodes, StoppedWaiting
+from stratagem.cluster.nodes import (
+    LostLink,
+    MeetingSigner,
+    NodeAttempt,
+    NodeLostError,
+    Nodes,
+    StoppedWaiting,
+)
 from stratagem.cluster.tasks import LaunchError, plural
+
+__all__ = ["Agreement", "Decision", "NodeLostError"]
 
 _POLL_S = 0.05
 #: TCP keepalive on the control links: a node whose machine or link went down without closing
@@ -37,10 +45,6 @@ KEEPALIVE_IDLE_S = 5
 KEEPALIVE_INTERVAL_S = 1
 KEEPALIVE_COUNT = 5
 _DECISIONS = ("done", "restart", "failed")
-
-
-class NodeLostError(LaunchError):
-    """Node 0's launcher, which holds the meeting and decides restarts, was lost mid-job."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,8 @@ class Agreement:
             for rank, conn in met.links.items()
         }
         self._remote: Outcome | None = None  # what ``remote_failure`` gave the attempt
+        #: Another node: its link to node 0 was lost without node 0's word (``settle``).
+        self.lost: LostLink | None = None
 
     # --- during the attempt ---
 
@@ -177,7 +183,9 @@ class Agreement:
     def settle(self, outcome: Outcome, interrupted: Callable[[], int | None]) -> Decision:
         """The job's decision on this attempt, whose own ``outcome`` this node has: node 0
         waits for every node's report (or the first failure), decides and tells every node;
-        another node waits for node 0's word. Raises ``NodeLostError`` when node 0 is gone."""
+        another node waits for node 0's word, or decides alike when node 0's link is lost (its
+        ``lost`` then says why). Raises ``NodeLostError`` when that happens with no restart
+        left."""
         if self.nodes.node_rank == 0:
             decision = self._decide(outcome, interrupted)
             self._tell(decision)
@@ -188,17 +196,27 @@ class Agreement:
                 return decision
             lost = self._readers[0].lost
             if lost is not None:
-                raise NodeLostError(
-                    f"node 0's launcher at {self.nodes.master_addr}:{self.nodes.master_port} was "
-                    f"lost ({lost}) while {self.nodes.name} waited for its word on attempt "
-                    f"{self.met.attempt + 1}; a job whose node 0 is gone cannot restart (node 0 "
-                    "holds the meeting): start the job again on every node"
-                )
+                return self._node0_lost(lost)
             signum = interrupted()
             if signum is not None:
                 name = signal.Signals(signum).name
                 return Decision("failed", 128 + signum, f"stopped: received {name}", 0)
             time.sleep(_POLL_S)
+
+    def _node0_lost(self, why: str) -> Decision:
+        """Node 0's link lost without its word: decide as node 0 does on losing this node
+        (a failure of the attempt), so that both sides act alike whichever is alive."""
+        attempt = self.met.attempt
+        where = f"{self.nodes.master_addr}:{self.nodes.master_port}"
+        if attempt >= self.max_restarts:
+            raise NodeLostError(
+                f"node 0's launcher at {where} was lost ({why}) while {self.nodes.name} waited "
+                f"for its word on attempt {attempt + 1}, with no restart left (--max-restarts "
+                f"{self.max_restarts}): the job ends (node 0, if it runs, ends it too, having "
+                f"lost {self.nodes.name})"
+            )
+        self.lost = LostLink(why, attempt)
+        return Decision("restart", 1, f"node 0's launcher was lost ({why})", attempt + 1)
 
     def _tell(self, decision: Decision) -> None:
         for conn in self.met.links.values():

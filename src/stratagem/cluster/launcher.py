@@ -16,6 +16,7 @@ so that it starts fast and depends on nothing it launches.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shlex
@@ -24,7 +25,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from stratagem.cluster.agreement import Agreement, NodeLostError
+from stratagem.cluster.agreement import Agreement
 from stratagem.cluster.attempt import (
     KILL_TIMEOUT_S,
     Console,
@@ -39,10 +40,13 @@ from stratagem.cluster.nodes import (
     DEFAULT_TIMEOUT_S,
     JOIN_TIMEOUT_EXIT_CODE,
     JoinTimeoutError,
+    LostLink,
+    NodeLostError,
     Nodes,
     Placement,
     address_towards,
     meet_nodes,
+    meeting_place,
 )
 from stratagem.cluster.progress import LEVEL_VARIABLE
 from stratagem.cluster.tasks import (
@@ -292,7 +296,13 @@ def run_job(
         f" {plural(num_tasks, 'task')}, to avoid oversubscription; set it to override)"
     )
 
-    with (interrupts or Interrupts()).installed() as interrupts:
+    with (interrupts or Interrupts()).installed() as interrupts, contextlib.ExitStack() as job:
+        # Node 0 of a job that may restart listens from its first meeting to the end: a node
+        # coming back finds it there, and a refused port tells it node 0's launcher is gone.
+        server = None
+        if nodes is not None and nodes.node_rank == 0 and max_restarts:
+            server = job.enter_context(meeting_place(nodes))
+        lost: LostLink | None = None  # this node lost node 0's link in the last attempt
         attempt = 0
         while True:
             agreement: Agreement | None = None
@@ -314,7 +324,10 @@ def run_job(
                     chief=chief,
                     evaluator=evaluator,
                     max_restarts=max_restarts,
+                    server=server,
+                    lost=lost,
                 )
+                lost = None
                 if met is None:  # a signal while waiting for the other nodes
                     assert interrupts.signum is not None
                     name = signal.Signals(interrupts.signum).name
@@ -366,7 +379,7 @@ def run_job(
                     if decision.kind == "failed":
                         console.log(f"job failed: {decision.reason}")
                         return Outcome(decision.exit_code, decision.reason)
-                    attempt = decision.next_attempt
+                    attempt, lost = decision.next_attempt, agreement.lost
                     console.log(
                         f"restarting the job on every node (restart {attempt} of "
                         f"{max_restarts}): {decision.reason}"

@@ -15,13 +15,14 @@ unpickled), so the launcher still imports no torch.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import math
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,24 @@ JOIN_TIMEOUT_EXIT_CODE = 124
 
 class JoinTimeoutError(LaunchError):
     """The nodes of a job did not all meet within ``--join-timeout``."""
+
+
+class NodeLostError(LaunchError):
+    """Node 0's launcher, which holds the meeting and decides restarts, was lost mid-job."""
+
+
+class LinkLostError(LaunchError):
+    """A launcher's connection closed or failed before its message came."""
+
+
+@dataclass(frozen=True)
+class LostLink:
+    """A node other than 0 lost its control link to node 0's launcher in ``attempt`` without
+    node 0's word (``why``): it meets node 0 again, whose port refusing it is proof that node
+    0's launcher is gone (it listens for the whole job), while no answer is a cut link."""
+
+    why: str
+    attempt: int
 
 
 _MAX_MESSAGE_BYTES = 64 << 10
@@ -227,13 +246,17 @@ def meet_nodes(
     chief: bool = False,
     evaluator: bool = False,
     max_restarts: int = 0,
+    server: socket.socket | None = None,
+    lost: LostLink | None = None,
 ) -> NodeAttempt | None:
     """This node's tasks (its ``workers``, and the ps, chief and evaluator tasks ``Placement``
     puts on it), with the TF_CONFIG of the whole job; None when ``stopped()`` turned true while
     the nodes met (the launcher got a signal). For attempt ``restart`` of a job restarted up to
     ``max_restarts`` times (every node must be given the same): with restarts, the meeting's
     connections stay open as the attempt's control links (``stratagem.cluster.agreement``),
-    and node 0's attempt number is everyone's."""
+    and node 0's attempt number is everyone's. Node 0 meets on ``server`` when given (its
+    ``meeting_place``, open for the whole job), else on a port of its own for this meeting;
+    another node that ``lost`` its link to node 0 meets it again (``LostLink``)."""
     # Every node's tasks must hold one secret, which only the user can give them all (each
     # launcher alone would make its own); it also signs the launchers' meeting.
     secret = given_secret(base_env)
@@ -267,12 +290,16 @@ def meet_nodes(
     try:
         if nodes.node_rank == 0:
             attempt = restart
-            everyone = _host_meeting(
-                nodes, mine, log, stopped, meeting, placement, restart, max_restarts, links
-            )
+            with contextlib.ExitStack() as own:
+                if server is None:
+                    server = own.enter_context(meeting_place(nodes))
+                everyone = _host_meeting(
+                    nodes, mine, log, stopped, meeting, placement, restart, max_restarts, links,
+                    server,
+                )  # fmt: skip
         else:
             everyone, attempt = _join_meeting(
-                nodes, mine, log, stopped, meeting, placement, max_restarts, links
+                nodes, mine, log, stopped, meeting, placement, max_restarts, links, lost
             )
     except StoppedWaiting:
         return None
@@ -351,6 +378,29 @@ class MeetingSigner:
         return _read_message_body(body, source)
 
 
+@contextlib.contextmanager
+def meeting_place(nodes: Nodes) -> Iterator[socket.socket]:
+    """Node 0's listening socket at ``--master-addr:--master-port``, closed on leaving. A job
+    that may restart keeps it open from its first meeting to its end, so that a node that
+    comes back finds it there: connections made between meetings wait in its backlog."""
+    address = listen_address(nodes.master_addr)
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        server.bind((address, nodes.master_port))
+        server.listen(max(nodes.nnodes, 8))
+    except OSError as e:
+        server.close()
+        raise LaunchError(
+            f"node 0 cannot listen on --master-addr {nodes.master_addr}:{nodes.master_port} "
+            f"({e.strerror or e}); give a free --master-port"
+        ) from None
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 def _host_meeting(
     nodes: Nodes,
     mine: dict,
@@ -361,21 +411,11 @@ def _host_meeting(
     attempt: int,
     max_restarts: int,
     links: dict[int, socket.socket],
+    server: socket.socket,
 ) -> list[dict]:
-    """Node 0: listen, collect every node's entry, answer each with all of them and the
+    """Node 0: collect every node's entry on ``server``, answer each with all of them and the
     attempt's number (or an error). With restarts, each node's connection is kept in ``links``
     (by node rank) once answered; without, it is closed."""
-    address = listen_address(nodes.master_addr)
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        server.bind((address, nodes.master_port))
-    except OSError as e:
-        server.close()
-        raise LaunchError(
-            f"node 0 cannot listen on --master-addr {nodes.master_addr}:{nodes.master_port} "
-            f"({e.strerror or e}); give a free --master-port"
-        ) from None
     entries: dict[int, dict] = {0: mine}
     peers: dict[int, socket.socket] = {}
     deadline = time.monotonic() + nodes.timeout_s
@@ -386,7 +426,6 @@ def _host_meeting(
         )
     next_report = time.monotonic() + 1.0
     try:
-        server.listen(nodes.nnodes)
         server.settimeout(0.2)
         while len(entries) < nodes.nnodes:
             if stopped():
@@ -412,6 +451,12 @@ def _host_meeting(
                 continue
             try:
                 entry = _read_entry(conn, nodes, deadline, meeting, placement, max_restarts)
+            except LinkLostError as e:
+                # A launcher that gave up before this meeting (its connection waited in the
+                # backlog): the node, if it runs, connects again.
+                log(f"node 0 set aside a connection that ended before its entry came ({e})")
+                conn.close()
+                continue
             except LaunchError as e:
                 meeting.send(conn, {"error": str(e)})
                 conn.close()
@@ -438,7 +483,6 @@ def _host_meeting(
     finally:
         for conn in peers.values():
             conn.close()
-        server.close()
 
 
 def _join_meeting(
@@ -450,16 +494,26 @@ def _join_meeting(
     placement: Placement,
     max_restarts: int,
     links: dict[int, socket.socket],
+    lost: LostLink | None = None,
 ) -> tuple[list[dict], int]:
     """Node R > 0: send our entry to node 0 (retrying until it listens), read the job and the
-    attempt's number. With restarts, the connection is kept in ``links`` (as node 0's)."""
+    attempt's number. With restarts, the connection is kept in ``links`` (as node 0's). After a
+    ``lost`` link, node 0's port refusing us ends the job (``NodeLostError``); no answer until
+    the join timeout is the link still cut (``JoinTimeoutError``, as node 0's own)."""
     deadline = time.monotonic() + nodes.timeout_s
     next_report = time.monotonic() + 1.0
     where = f"{nodes.master_addr}:{nodes.master_port}"
-    log(
-        f"{nodes.name} waiting up to {nodes.timeout_s:g} s (--join-timeout) for node 0's "
-        f"launcher at {where} and the other nodes"
-    )
+    if lost is None:
+        log(
+            f"{nodes.name} waiting up to {nodes.timeout_s:g} s (--join-timeout) for node 0's "
+            f"launcher at {where} and the other nodes"
+        )
+    else:
+        log(
+            f"{nodes.name} lost its link to node 0's launcher at {where} without its word "
+            f"({lost.why}): meeting it again, up to {nodes.timeout_s:g} s (--join-timeout), "
+            "as node 0 meets every node again when it loses one"
+        )
     while True:
         try:
             conn = socket.create_connection((nodes.master_addr, nodes.master_port), timeout=1.0)
@@ -467,8 +521,25 @@ def _join_meeting(
         except OSError as e:
             if stopped():
                 raise StoppedWaiting from None
+            if lost is not None and isinstance(e, ConnectionRefusedError):
+                # Node 0's machine answered, and its launcher listens for the whole job:
+                # the launcher is gone, not the link.
+                raise NodeLostError(
+                    f"node 0's launcher at {where} was lost ({lost.why}) while {nodes.name} "
+                    f"waited for its word on attempt {lost.attempt + 1}; a job whose node 0 is "
+                    f"gone cannot restart (node 0 holds the meeting, and its port now refuses "
+                    f"{nodes.name}: {e}): start the job again on every node"
+                ) from None
             now = time.monotonic()
             if now >= deadline:
+                if lost is not None:
+                    raise JoinTimeoutError(
+                        f"{nodes.name} lost its link to node 0's launcher at {where} on attempt "
+                        f"{lost.attempt + 1} ({lost.why}) and could not reach it again within "
+                        f"{nodes.timeout_s:g} s (--join-timeout) ({e}): the network between "
+                        "them is cut, or node 0's machine is down; node 0, if it runs, ends the "
+                        f"job too when {nodes.name} has not come back within its --join-timeout"
+                    ) from None
                 raise JoinTimeoutError(
                     f"{nodes.name} could not reach node 0's launcher at {where} within "
                     f"{nodes.timeout_s:g} s (--join-timeout) ({e}); is node 0 started, and is "
@@ -480,7 +551,16 @@ def _join_meeting(
             time.sleep(0.2)
     try:
         meeting.send(conn, mine)
-        reply = meeting.read(conn, deadline, f"node 0's launcher at {where}", stopped=stopped)
+        try:
+            reply = meeting.read(conn, deadline, f"node 0's launcher at {where}", stopped=stopped)
+        except LinkLostError as e:
+            if lost is None:
+                raise
+            raise NodeLostError(  # its launcher ended while we waited in its backlog
+                f"node 0's launcher at {where} was lost ({lost.why}) while {nodes.name} "
+                f"waited for its word on attempt {lost.attempt + 1}, and ended when "
+                f"{nodes.name} came back ({e}); start the job again on every node"
+            ) from None
         if "error" in reply:
             if reply.get("join_timeout") is True:
                 raise JoinTimeoutError(f"node 0 ended the job: {reply['error']}")
@@ -652,12 +732,16 @@ def _read_message(
         conn.settimeout(min(left, 0.5))  # short waits: a signal to the launcher is seen soon
         try:
             chunk = conn.recv(4096)
-        except TimeoutError:
-            continue
+        except TimeoutError as e:
+            if e.errno is None:  # this wait's own limit, not the connection's
+                continue
+            # The kernel gave up on the link (keepalive, TCP_USER_TIMEOUT): silence, which a
+            # cut link and a machine that went down look alike.
+            raise LinkLostError(f"{source} did not answer: the link timed out ({e})") from None
         except OSError as e:
-            raise LaunchError(f"{source} did not answer ({e})") from None
+            raise LinkLostError(f"{source} did not answer ({e})") from None
         if not chunk:
-            raise LaunchError(f"{source} closed the connection before answering")
+            raise LinkLostError(f"{source} closed the connection before answering")
         data += chunk
         if len(data) > _MAX_MESSAGE_BYTES:
             raise LaunchError(f"{source} sent more than {_MAX_MESSAGE_BYTES} bytes")

@@ -257,21 +257,31 @@ class StratagemAgent(SimpleElasticAgent):
     def _node_change(self) -> bool:
         """After a failure of this node's workers in a job over several nodes: meet the others
         in a new round, then decide. Fewer nodes than before: a node was lost, a membership
-        change (no restart spent). As many: a failure, which spends a restart (each node counts
-        its own, as torch's agents do) or ends the job, closing the rendezvous so that every
-        node stops."""
+        change (no restart spent); rounds made without this node: it was left out (a cut
+        link) and comes back as a newcomer (no restart spent). Otherwise a failure, which
+        spends a restart (each node counts its own, as torch's agents do) or ends the job,
+        closing the rendezvous so that every node stops."""
         assert self._job is not None and self.nodes is not None
         spec = self._worker_group.spec
         state = self._job.poll()
         failed = ", ".join(f"{t.name} {describe_status(s)}" for t, s in state.failed)
         first_status = state.failed[0][1]
-        before = list(self._members)
+        before, last_round = list(self._members), int(self._round)
         self._next_round(f"{failed} on {self.node_name}")
         left = [m for m in before if m not in self._members]
         if left:
             self._change = (
                 f"continued with {len(self._members)} of {len(before)} nodes; "
                 f"{', '.join(left)} lost"
+            )
+        elif int(self._round) > last_round + 1:
+            # Rounds were made without this node (its link was cut past the heartbeat
+            # expiry): its workers failed for being left out, and it comes back as any node
+            # that joins, admitted without spending a restart.
+            count = f"{len(self._members)} of {self.nodes.maximum} nodes"
+            self._change = (
+                f"{self.node_name} admitted again in round {self._round}: the job went on "
+                f"without it since round {last_round}; {count}"
             )
         elif self._remaining_restarts > 0:
             self._remaining_restarts -= 1
