@@ -86,6 +86,11 @@ def test_a_restored_iterator_yields_the_rest_of_an_uninterrupted_pass(name):
         state = _saved(iterator)
         restored = iter(make())
         restored.load_state_dict(state)
+        # Saved again before it runs (a prefetch's thread may not have reached a stage yet):
+        # what the stages had not used when restored is still theirs.
+        again = iter(make())
+        again.load_state_dict(_saved(restored))
+        assert [_plain(e) for e in again] == whole[k:], f"{name}: saved again after {k}"
         rest = [_plain(e) for e in restored]
         assert head + rest == whole, f"{name}: restored after {k} elements"
         # Saving does not disturb the iterator that was saved.

@@ -12,7 +12,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from stratagem.data._chunks import Chunk, ErrorChunk, ValueChunk
-from stratagem.data._nodes import UNKNOWN, Node, Pass, PassState, Unread, upstream_state, with_rest
+from stratagem.data._nodes import (
+    UNKNOWN,
+    Node,
+    Pass,
+    PassState,
+    Unread,
+    rest_of,
+    upstream_state,
+    with_rest,
+)
 from stratagem.data._saved_state import Encoded
 from stratagem.data._values import call_with_element
 from stratagem.errors import InputError
@@ -89,7 +98,7 @@ class _Cycle:
         ]
         return {
             "up": self.up.state(),
-            "rest": self.unread.rest(),
+            "rest": rest_of(self.unread, self.input),
             "slots": slots,
             "index": self.index,
             "block": self.block,

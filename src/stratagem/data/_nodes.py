@@ -8,7 +8,7 @@ are drawn then), and the ``Pass`` it returns does the work lazily and can say wh
 
 from __future__ import annotations
 
-import itertools
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -93,11 +93,45 @@ class Unread:
         return self.chunk.select(slice(self.offset, None))
 
 
-def with_rest(state: PassState | None, up: Pass) -> Iterator[Chunk]:
+class Resumed:
+    """A resumed stage's input: chunks it had not used when its state was saved, then
+    ``then``. Until the stage takes them up again they are still its own (``pending``), so a
+    state taken before it runs again keeps them (a prefetch's thread may not have reached it:
+    seen losing the rest of a chunk, two batches of a pass)."""
+
+    __slots__ = ("_first", "_then")
+
+    def __init__(self, first: list[Chunk], then: Iterator[Chunk]) -> None:
+        self._first = deque(first)
+        self._then = then
+
+    def __iter__(self) -> Resumed:
+        return self
+
+    def __next__(self) -> Chunk:
+        if self._first:
+            return self._first.popleft()
+        return next(self._then)
+
+    def pending(self) -> list[Chunk]:
+        return list(self._first)
+
+
+def with_rest(state: PassState | None, up: Iterator[Chunk]) -> Resumed:
     """A resumed stage's input: the rest of the chunk it was in (``state["rest"]``), then
     ``up``."""
     rest = None if state is None else state["rest"]
-    return itertools.chain([] if rest is None else [rest], up)
+    return Resumed([] if rest is None else [rest], up)
+
+
+def rest_of(unread: Unread, input: Resumed) -> Chunk | None:
+    """What a stage has not used of the chunk it is in: its unread part, or, before it took
+    its resumed rest up again, that rest."""
+    rest = unread.rest()
+    if rest is not None:
+        return rest
+    pending = input.pending()
+    return pending[0] if pending else None
 
 
 def empty_pass() -> Pass:

@@ -12,7 +12,6 @@ the calls not started and waits for the running ones, so no thread outlives the 
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -21,7 +20,16 @@ from typing import Any
 
 from stratagem.data import _structure
 from stratagem.data._chunks import Chunk, ErrorChunk, ValueChunk
-from stratagem.data._nodes import Node, Pass, PassState, Unread, upstream_state, with_rest
+from stratagem.data._nodes import (
+    Node,
+    Pass,
+    PassState,
+    Resumed,
+    Unread,
+    rest_of,
+    upstream_state,
+    with_rest,
+)
 from stratagem.data._values import Map, as_component, call_with_element
 
 
@@ -44,12 +52,14 @@ class ParallelMap(Map):
         # inputs, and a resumed pass makes those calls again first.
         in_flight: deque[tuple[Chunk, Future[Any]]] = deque()
 
-        def where() -> PassState:
-            inputs = [element for element, _ in in_flight]
-            return {"up": up.state(), "rest": unread.rest(), "inputs": inputs}
+        rest = with_rest(state, up)
+        chunks = Resumed([] if state is None else list(state["inputs"]), rest)
 
-        restarted = [] if state is None else list(state["inputs"])
-        chunks = itertools.chain(restarted, with_rest(state, up))
+        def where() -> PassState:
+            # The calls in flight, then those a resumed pass has not made again yet.
+            inputs = [element for element, _ in in_flight] + chunks.pending()
+            return {"up": up.state(), "rest": rest_of(unread, rest), "inputs": inputs}
+
         return Pass(self._calls(chunks, unread, in_flight), where)
 
     def _calls(

@@ -31,6 +31,7 @@ from stratagem.data._nodes import (
     PassState,
     Unread,
     fresh_copy,
+    rest_of,
     upstream_state,
     with_rest,
 )
@@ -74,9 +75,10 @@ class Map(Node):
     def open(self, state: PassState | None = None) -> Pass:
         up = self.upstream.open(upstream_state(state))
         unread = Unread()
+        chunks = with_rest(state, up)
         return Pass(
-            self._map(with_rest(state, up), unread),
-            lambda: {"up": up.state(), "rest": unread.rest()},
+            self._map(chunks, unread),
+            lambda: {"up": up.state(), "rest": rest_of(unread, chunks)},
         )
 
     def _map(self, chunks: Iterator[Chunk], unread: Unread) -> Iterator[Chunk]:
@@ -155,10 +157,12 @@ class Filter(Node):
         unread = Unread()
         out: deque[Chunk] = deque([] if state is None else state["out"])
 
-        def where() -> PassState:
-            return {"up": up.state(), "rest": unread.rest(), "out": list(out)}
+        chunks = with_rest(state, up)
 
-        return Pass(self._filter(with_rest(state, up), unread, out), where)
+        def where() -> PassState:
+            return {"up": up.state(), "rest": rest_of(unread, chunks), "out": list(out)}
+
+        return Pass(self._filter(chunks, unread, out), where)
 
     def _filter(
         self, chunks: Iterator[Chunk], unread: Unread, out: deque[Chunk]
