@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,14 @@ from stratagem.errors import RendezvousError
 DECISION_KEY = "stratagem/elastic/after-round-{round}"
 #: Where a worker says it goes on in place after a change (every survivor must have).
 IN_PLACE_KEY = "stratagem/elastic/in-place/{round}/{rank}"
+#: Set ("1") by an agent that may keep survivors in place (a job on one machine); over several
+#: machines every change starts new processes, so a worker must not wait for a word.
+IN_PLACE_VARIABLE = "STRATAGEM_ELASTIC_IN_PLACE"
+
+
+def agent_keeps_survivors() -> bool:
+    """Whether this worker's agent may keep survivors in their processes after a change."""
+    return os.environ.get(IN_PLACE_VARIABLE) == "1"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,12 @@ from stratagem.cluster import ClusterResolver
 from stratagem.comm import ReduceOp
 from stratagem.comm.bucketing import ONE_PACK, GradientReducer
 from stratagem.comm.communicator import Communicator
-from stratagem.comm.elastic_member import await_decision, continue_without, offer_in_place
+from stratagem.comm.elastic_member import (
+    agent_keeps_survivors,
+    await_decision,
+    continue_without,
+    offer_in_place,
+)
 from stratagem.comm.process_group import ProcessGroupCommunicator
 from stratagem.comm.stragglers import StragglerWatch
 from stratagem.comm.stragglers import enabled as stragglers_enabled
@@ -223,6 +228,8 @@ class MultiWorkerMirroredExtended(StrategyExtended, DefersGradients):
         # Every worker holds the whole state, so the workers left can go on alone.
         comm = self._comm
         if not (isinstance(comm, ProcessGroupCommunicator) and comm.elastic):
+            return False
+        if not agent_keeps_survivors():  # over several machines, every change restarts
             return False
         offer_in_place(comm.job_store, round=comm.round, rank=comm.rank)
         return True

@@ -43,7 +43,12 @@ from stratagem.cluster.attempt import (
 from stratagem.cluster.job_secret import SECRET_VARIABLE, job_secret, new_secret
 from stratagem.cluster.tasks import Task, WorkerRange, free_ports, launched_env, plural
 from stratagem.cluster.torchrun import ELASTIC_CHANGE_VARIABLE, ELASTIC_ROUND_VARIABLE
-from stratagem.comm.elastic_member import RoundDecision, all_in_place, post_decision
+from stratagem.comm.elastic_member import (
+    IN_PLACE_VARIABLE,
+    RoundDecision,
+    all_in_place,
+    post_decision,
+)
 from stratagem.comm.process_group import ELASTIC_VARIABLE
 from stratagem.elastic.sealed_rendezvous import SealedRendezvous, explain, sealed_handler
 
@@ -128,6 +133,8 @@ class StratagemAgent(SimpleElasticAgent):
         )
         env[ELASTIC_ROUND_VARIABLE] = self._round
         env[ELASTIC_VARIABLE] = "1"  # collectives a lost peer can end, groups rebuilt in place
+        if self.nodes is None:  # on one machine a lost worker's peers may go on in place
+            env[IN_PLACE_VARIABLE] = "1"
         if self._change:
             env[ELASTIC_CHANGE_VARIABLE] = self._change
         return env
