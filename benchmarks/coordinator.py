@@ -377,7 +377,7 @@ def main() -> None:
         return
     rate, busy_us = (float(v) for v in args.waker.split(","))
     WAKER = (rate, busy_us)
-    rounds, seconds = (1, 3.0) if args.quick else (args.rounds, args.seconds)
+    rounds, seconds = (1, 1.0) if args.quick else (args.rounds, args.seconds)
     names = ["empty", "between", "coordinated"]
     if args.tf_python:
         global TF_PYTHON

@@ -22,7 +22,15 @@ import time
 import torch
 
 import stratagem as sg
-from workers.resume_data import EPOCHS, GLOBAL_BATCH, Ledgered, dataset, examples, train_steps
+from workers.resume_data import (
+    EPOCHS,
+    GLOBAL_BATCH,
+    Ledgered,
+    dataset,
+    examples,
+    loop_objects,
+    train_steps,
+)
 
 strategy = sg.distribute.MultiWorkerMirroredStrategy()
 comm = strategy.extended.communicator
@@ -92,13 +100,7 @@ def custom_loop() -> Ledgered:
     """The exact-resume checks' custom loop: model, optimizer, distributed iterator and step
     in a checkpoint saved after every step; the handler restores the newest when the job's
     workers are started again after a change."""
-    torch.manual_seed(0)
-    with strategy.scope():
-        model = Ledgered()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    iterator = iter(strategy.experimental_distribute_dataset(dataset()))
-    step = torch.zeros((), dtype=torch.int64)
-    checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, iterator=iterator, step=step)
+    model, optimizer, iterator, step, checkpoint = loop_objects(strategy)
     manager = sg.train.CheckpointManager(checkpoint, "checkpoints", 2, step_counter=step)
     sg.train.PreemptionCheckpointHandler(strategy.cluster_resolver, manager)
 

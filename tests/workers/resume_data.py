@@ -59,6 +59,17 @@ def custom_loop(strategy, phase: str, path: str, data=dataset) -> Ledgered:
     ``second`` restores it and trains to the end. Returns the model (its ``seen``: this
     process's ledger)."""
     MAP_CALLS[0] = 0
+    model, optimizer, iterator, step, checkpoint = loop_objects(strategy, data)
+    if phase == "second":
+        checkpoint.restore(path)
+
+    train_steps(strategy, model, optimizer, iterator, step, checkpoint, phase, path)
+    return model
+
+
+def loop_objects(strategy, data=dataset) -> tuple:
+    """The custom loop's model, optimizer, distributed iterator (over ``data()``), step
+    counter, and a checkpoint of all four."""
     torch.manual_seed(0)
     with strategy.scope():
         model = Ledgered()
@@ -67,11 +78,7 @@ def custom_loop(strategy, phase: str, path: str, data=dataset) -> Ledgered:
     iterator = iter(strategy.experimental_distribute_dataset(data()))
     step = torch.zeros((), dtype=torch.int64)
     checkpoint = sg.train.Checkpoint(model=model, optimizer=optimizer, iterator=iterator, step=step)
-    if phase == "second":
-        checkpoint.restore(path)
-
-    train_steps(strategy, model, optimizer, iterator, step, checkpoint, phase, path)
-    return model
+    return model, optimizer, iterator, step, checkpoint
 
 
 def train_steps(
