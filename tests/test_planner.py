@@ -214,14 +214,19 @@ def test_predicted_peak_is_within_15_percent_of_the_measured_peak(tmp_path, name
     """Two processes train under the strategy the planner builds (MultiWorkerMirrored, or FSDP
     ZeRO-3); each reads its peak of live tensor bytes from torch's profiler memory events and
     writes it beside the plan's prediction (``workers/planner_memory.py``)."""
-    args = [name, kind, str(tmp_path), *MEASURED[name]]
+    for rank, found in enumerate(measured_peaks(tmp_path, name, kind, *MEASURED[name])):
+        ratio = found["predicted"] / found["measured"]
+        assert 0.85 <= ratio <= 1.15, (rank, found)
+
+
+def measured_peaks(tmp_path, name: str, kind: str, *sizes: str) -> list[dict]:
+    """Run the planner's memory check on two processes (``workers/planner_memory.py``): what
+    each rank wrote, its predicted and measured peaks."""
+    args = [name, kind, str(tmp_path), *sizes]
     results = run_cluster(WORKERS / "planner_memory.py", 2, tmp_path, args=args, timeout=240)
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
-    for rank in range(2):
-        found = json.loads((tmp_path / f"{kind}-rank{rank}.json").read_text())
-        ratio = found["predicted"] / found["measured"]
-        assert 0.85 <= ratio <= 1.15, (rank, found)
+    return [json.loads((tmp_path / f"{kind}-rank{rank}.json").read_text()) for rank in range(2)]
 
 
 @pytest.mark.multiprocess

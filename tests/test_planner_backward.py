@@ -8,14 +8,12 @@ two processes under FSDP ZeRO-3 (``workers/planner_memory.py``).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from cluster_utils import WORKERS, run_cluster
 from stratagem.distribute.planner import trace_model
 from stratagem.distribute.planner.cost_model import backward_moment
+from test_planner import measured_peaks
 
 
 def test_backward_holds_each_layers_input_gradient_and_counts_a_view_once():
@@ -48,11 +46,6 @@ def test_an_examples_cnn_under_zero3_is_within_5_percent_of_the_measured_peak(tm
     backward, when ReLU's saved output and its input's and output's gradients are alive, and
     FSDP holds the last collectives of the units with parameters (a tighter bound than the
     planner's 15%: without either term the prediction is 0.75 or 0.88 of the peak)."""
-    args = ["keras_cnn", "zero3", str(tmp_path)]
-    results = run_cluster(WORKERS / "planner_memory.py", 2, tmp_path, args=args, timeout=240)
-    for r in results:
-        assert r.returncode == 0, r.stderr[-3000:]
-    for rank in range(2):
-        found = json.loads((tmp_path / f"zero3-rank{rank}.json").read_text())
+    for rank, found in enumerate(measured_peaks(tmp_path, "keras_cnn", "zero3")):
         ratio = found["predicted"] / found["measured"]
         assert 0.95 <= ratio <= 1.05, (rank, found)
