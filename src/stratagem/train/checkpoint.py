@@ -560,12 +560,15 @@ def is_writer(checkpoint: Checkpoint) -> bool:
     return checkpoint._extended().should_checkpoint
 
 
-def say_resumed(checkpoint: Checkpoint, path: str, step: torch.Tensor | None) -> None:
+def say_resumed(extended: StrategyExtended, where: str) -> None:
     """After a restore at a job's start: the chief says where an elastic job resumed when its
-    workers changed (what the agent told it, then the checkpoint and step), as ``fit``'s
-    ``BackupAndRestore`` does for ``fit``; nothing otherwise."""
-    extended = checkpoint._extended()
+    workers changed (what the agent told it, then ``where``); nothing otherwise."""
     change = extended.membership_change
-    if change and extended.should_checkpoint:
-        at = f"step {int(step)} " if step is not None else ""
-        print(f"{change}: resumed at {at}from {os.path.basename(path)}", flush=True)
+    if change and extended.should_save_summary:
+        print(f"{change}: resumed at {where}", flush=True)
+
+
+def say_restored(checkpoint: Checkpoint, path: str, step: torch.Tensor | None) -> None:
+    """``say_resumed`` for a custom loop's restore of ``path`` (its step, where counted)."""
+    at = f"step {int(step)} " if step is not None else ""
+    say_resumed(checkpoint._extended(), f"{at}from {os.path.basename(path)}")

@@ -27,7 +27,7 @@ from stratagem.train.checkpoint import (
     PathLike,
     complete_save,
     is_writer,
-    say_resumed,
+    say_restored,
     write_numbered,
 )
 from stratagem.train.manifest import DamagedSaveError, FellBackWarning
@@ -422,7 +422,7 @@ class CheckpointManager:
             self._checkpoint.restore(path)
             if self._step_counter is not None and self._checkpoint_interval is not None:
                 self._last_checkpoint_step = int(self._step_counter)
-            say_resumed(self._checkpoint, path, self._step_counter)
+            say_restored(self._checkpoint, path, self._step_counter)
             return path
         if self._init_fn is not None:
             self._init_fn()

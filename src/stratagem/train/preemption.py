@@ -26,7 +26,7 @@ from stratagem.cluster import progress
 from stratagem.cluster.slurm_requeue import requeue_job
 from stratagem.comm import ReduceOp
 from stratagem.comm.process_group import live_connection
-from stratagem.train.checkpoint import Checkpoint, say_resumed
+from stratagem.train.checkpoint import Checkpoint, say_restored
 from stratagem.train.checkpoint_manager import CheckpointManager, latest_checkpoint
 
 #: The exit status after a preemption checkpoint when no ``exit_fn`` is given.
@@ -97,7 +97,7 @@ class PreemptionCheckpointHandler:
             latest = latest_checkpoint(self._dir)
             if latest is not None:
                 target.restore(latest)
-                say_resumed(target, latest, None)
+                say_restored(target, latest, None)
         else:
             raise TypeError(
                 "checkpoint_or_checkpoint_manager must be an sg.train.Checkpoint or "

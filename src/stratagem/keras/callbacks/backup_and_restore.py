@@ -12,6 +12,7 @@ import torch
 from stratagem.keras.callbacks.callback import Callback, Logs, is_chief
 from stratagem.keras.callbacks.save_schedule import BatchSchedule, check_save_freq
 from stratagem.train import Checkpoint, CheckpointManager, FellBackWarning, latest_checkpoint
+from stratagem.train.checkpoint import say_resumed
 
 
 class _Progress:
@@ -113,10 +114,8 @@ class BackupAndRestore(Callback):
     def _say_membership_change(self, step: int) -> None:
         """The chief says where an elastic job resumed after its workers changed."""
         assert self.model is not None
-        change = self.model.distribute_strategy.extended.membership_change
-        if change and is_chief(self.model):
-            epoch = int(self._progress.state["position"][0])
-            print(f"{change}: resumed at epoch {epoch + 1}, step {step}", flush=True)
+        epoch = int(self._progress.state["position"][0])
+        say_resumed(self.model.distribute_strategy.extended, f"epoch {epoch + 1}, step {step}")
 
     def _drop_unreadable(self, failed: list[str]) -> None:
         """Remove backups that could not be read (those tried and failed, and damaged ones the
