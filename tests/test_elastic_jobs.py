@@ -84,25 +84,38 @@ def _arrays_fit(order: list[int] | None = None) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in keras_model.module.net.state_dict().items()}
 
 
+def _steps(tmp_path, output: str) -> list[tuple[int, list[dict]]]:
+    """The ledger's steps in order, each its world size and its records (by rank): every step
+    of the job, each trained by one round (none redone), every rank of that round once."""
+    steps = _ledger(tmp_path)
+    assert sorted(steps) == list(range(STEPS)), output
+    walked = []
+    for step, records in sorted(steps.items()):
+        (world,) = {r["world"] for r in records}
+        assert len({r["round"] for r in records}) == 1, (step, records)
+        assert sorted(r["rank"] for r in records) == list(range(world)), (step, records)
+        walked.append((world, sorted(records, key=lambda r: r["rank"])))
+    return walked
+
+
+def _assert_final(tmp_path, reference: dict[str, torch.Tensor]) -> None:
+    """The chief's final weights are ``reference``'s, per tensor."""
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    for name, value in reference.items():
+        torch.testing.assert_close(final[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def _check_replayed(tmp_path, output: str) -> list[int]:
     """For a job whose shuffle the job seeds (another order each job): each pass of the
     ledger holds every example once, and the weights are one process's fit on the global
     batches in the ledger's order; returns the world size of each step."""
-    steps = _ledger(tmp_path)
-    assert sorted(steps) == list(range(STEPS)), output
-    order, worlds = [], []
-    for step, records in sorted(steps.items()):
-        (world,) = {r["world"] for r in records}
-        assert sorted(r["rank"] for r in records) == list(range(world)), (step, records)
-        order += [i for r in sorted(records, key=lambda r: r["rank"]) for i in r["ids"]]
-        worlds.append(world)
+    walked = _steps(tmp_path, output)
+    order = [i for _, records in walked for r in records for i in r["ids"]]
     one_pass = len(order) // EPOCHS
     for i in range(EPOCHS):
         assert sorted(order[i * one_pass : (i + 1) * one_pass]) == list(range(EXAMPLES)), order
-    final = torch.load(tmp_path / "final.pt", weights_only=True)
-    for name, value in _arrays_fit(order).items():
-        torch.testing.assert_close(final[name], value, rtol=1e-6, atol=1e-7, msg=name)
-    return worlds
+    _assert_final(tmp_path, _arrays_fit(order))
+    return [world for world, _ in walked]
 
 
 def _check_exact(tmp_path, output: str, arrays: bool = False, loop: bool = False) -> list[int]:
@@ -111,22 +124,14 @@ def _check_exact(tmp_path, output: str, arrays: bool = False, loop: bool = False
     ``loop``); returns the world size of each step."""
     batches = _in_order() if arrays else uninterrupted()[0]
     assert Counter(i for b in batches for i in b) == {i: EPOCHS for i in range(EXAMPLES)}
-    steps = _ledger(tmp_path)
-    assert sorted(steps) == list(range(STEPS)), output
-    worlds = []
-    for step, records in sorted(steps.items()):
-        # One round trained each step (none redone), every rank of that round once.
-        (world,) = {r["world"] for r in records}
-        assert len({r["round"] for r in records}) == 1, (step, records)
-        assert sorted(r["rank"] for r in records) == list(range(world)), (step, records)
+    walked = _steps(tmp_path, output)
+    for step, (_, records) in enumerate(walked):
         ids = sorted(i for r in records for i in r["ids"])
         assert ids == batches[step], f"step {step} trained on other examples"
-        worlds.append(world)
-    final = torch.load(tmp_path / "final.pt", weights_only=True)
-    reference = _arrays_fit() if arrays else uninterrupted()[1] if loop else uninterrupted_fit()
-    for name, value in reference.items():
-        torch.testing.assert_close(final[name], value, rtol=1e-6, atol=1e-7, msg=name)
-    return worlds
+    _assert_final(
+        tmp_path, _arrays_fit() if arrays else uninterrupted()[1] if loop else uninterrupted_fit()
+    )
+    return [world for world, _ in walked]
 
 
 def _kills(seed: int, count: int) -> list[tuple[int, int, int, str]]:
